@@ -1,0 +1,1 @@
+"""The only package that touches ``sglang.srt`` internals (version-checked in ``compat``)."""

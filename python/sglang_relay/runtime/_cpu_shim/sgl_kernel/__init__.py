@@ -1,0 +1,35 @@
+"""CPU stand-in for ``sgl_kernel`` (put on sys.path by sglang_relay.runtime.cpu only).
+
+The PyPI wheel of sgl-kernel needs libcuda and its CPU build is not on PyPI, yet SGLang
+imports a few of its names at start-up even when it never calls them on the CPU. Every
+top-level name resolves to a function that raises a clear error if it is ever called, so
+a code path that really needs a kernel fails loudly instead of computing something wrong.
+Submodules (``sgl_kernel.scalar_type``...) do not exist: SGLang guards those imports with
+``except ImportError`` and picks its fallbacks.
+"""
+
+from __future__ import annotations
+
+SGL_RELAY_CPU_SHIM = True
+
+
+class SglKernelUnavailable(RuntimeError):
+    pass
+
+
+def _missing(qualname: str):
+    def kernel(*args, **kwargs):
+        raise SglKernelUnavailable(
+            f"sgl_kernel.{qualname} was called, but this CPU-only machine runs SGLang with "
+            "sglang-relay's stand-in for sgl-kernel (no CPU build of sgl-kernel is on PyPI). "
+            "This code path needs a GPU or a CPU build of sgl-kernel."
+        )
+
+    kernel.__name__ = kernel.__qualname__ = qualname.rsplit(".", 1)[-1]
+    return kernel
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _missing(name)
