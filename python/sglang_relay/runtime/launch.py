@@ -1,0 +1,237 @@
+"""Launching SGLang's HTTP server with the relay backend: argument defaults, pre-flight
+checks that turn common mistakes into one clear error line, and a managed server process
+for the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_relay.errors import RelayError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+
+# Flags whose value is the next argv item, under all of their spellings.
+_ALIASES = {"--model-path": ("--model-path", "--model")}
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argparse-style argv (``--f v`` or ``--f=v``), else None."""
+    names = _ALIASES.get(flag, (flag,))
+    value = None
+    for i, item in enumerate(argv):
+        for name in names:
+            if item == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif item.startswith(name + "="):
+                value = item.split("=", 1)[1]
+    return value
+
+
+def has_flag(argv: list[str], flag: str) -> bool:
+    names = _ALIASES.get(flag, (flag,))
+    return any(item == n or item.startswith(n + "=") for item in argv for n in names)
+
+
+def build_server_argv(argv: list[str], *, cpu: bool, model_path: str | None = None) -> list[str]:
+    """Return SGLang server argv with relay's defaults added where the user set nothing.
+
+    Adds ``--model-path`` (the embedded model, given as ``model_path``), ``--host
+    127.0.0.1``, ``--radix-cache-backend relay`` and, on a CPU-only machine, the flags the
+    CPU needs (see :mod:`sglang_relay.runtime.cpu`). User flags always win.
+    """
+    from sglang_relay.runtime.cpu import DEFAULT_CPU_MAX_TOTAL_TOKENS
+
+    out = list(argv)
+    if not has_flag(out, "--model-path"):
+        if model_path is None:
+            raise RelayError("no --model-path given and no default model available")
+        out += ["--model-path", model_path]
+    if not has_flag(out, "--host"):
+        out += ["--host", DEFAULT_HOST]
+    if not has_flag(out, "--radix-cache-backend"):
+        out += ["--radix-cache-backend", "relay"]
+    if cpu:
+        defaults = {
+            "--device": "cpu",
+            "--attention-backend": "torch_native",
+            "--dtype": "float32",
+        }
+        for flag_name, value in defaults.items():
+            if not has_flag(out, flag_name):
+                out += [flag_name, value]
+        if not has_flag(out, "--disable-cuda-graph"):
+            out.append("--disable-cuda-graph")
+        if not (has_flag(out, "--max-total-tokens") or has_flag(out, "--mem-fraction-static")):
+            out += ["--max-total-tokens", str(DEFAULT_CPU_MAX_TOTAL_TOKENS)]
+    return out
+
+
+def check_model_path(path: str, *, relay: bool) -> None:
+    """Raise RelayError unless ``path`` is a usable model directory (or a hub id when online)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        looks_like_hub_id = (
+            path.count("/") == 1 and not path.startswith((".", "/", "~")) and " " not in path
+        )
+        if looks_like_hub_id and os.environ.get("HF_HUB_OFFLINE") != "1":
+            return  # SGLang downloads it; architecture is checked again in the scheduler
+        raise RelayError(f"--model-path {path}: no such directory")
+    config_file = p / "config.json"
+    if not p.is_dir() or not config_file.is_file():
+        raise RelayError(
+            f"--model-path {path}: not a Hugging Face model directory (no config.json)"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise RelayError(f"--model-path {path}: unreadable config.json ({exc})") from exc
+    if relay:
+        from sglang_relay.runtime.compat import SUPPORTED_ARCHITECTURES
+
+        archs = config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise RelayError(
+                f"--model-path {path}: architecture {', '.join(archs) or 'unknown'} is not "
+                f"supported by sglang-relay yet (supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); serve it with plain SGLang"
+            )
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RelayError(f"port {port} on {host} is not available ({exc.strerror})") from exc
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A port that was free a moment ago (SGLang also binds port+1.. for its ZMQ sockets)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port < 60000:
+            return port
+
+
+def prepare(argv: list[str]) -> list[str]:
+    """Everything ``sglang-relay serve`` checks before handing argv to SGLang."""
+    from sglang_relay.runtime import cpu
+
+    cpu_mode = cpu.activate()
+    default_model = None
+    if not has_flag(argv, "--model-path"):
+        from sglang_relay.embedded_model import ensure_model
+
+        default_model = str(ensure_model())
+    out = build_server_argv(argv, cpu=cpu_mode, model_path=default_model)
+    relay = flag_value(out, "--radix-cache-backend") == "relay"
+    check_model_path(flag_value(out, "--model-path") or "", relay=relay)
+    port = flag_value(out, "--port")
+    try:
+        port_num = int(port) if port is not None else DEFAULT_PORT
+    except ValueError as exc:
+        raise RelayError(f"--port {port}: not a number") from exc
+    check_port_free(flag_value(out, "--host") or DEFAULT_HOST, port_num)
+    return out
+
+
+def serve(argv: list[str]) -> None:
+    """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected."""
+    server_argv = prepare(argv)
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(server_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+@dataclass
+class ServerProcess:
+    """A ``sglang-relay serve`` child process on loopback, in its own process group."""
+
+    args: list[str]
+    host: str = DEFAULT_HOST
+    port: int = 0
+    log_path: str = ""
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        import requests
+
+        if not self.port:
+            self.port = free_port(self.host)
+        if not self.log_path:
+            fd, self.log_path = tempfile.mkstemp(prefix="sglang-relay-server-", suffix=".log")
+            os.close(fd)
+        cmd = [sys.executable, "-m", "sglang_relay.cli", "serve", *self.args]
+        cmd += ["--host", self.host, "--port", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RelayError(
+                    f"server exited with code {self.proc.returncode} during start-up; "
+                    f"log: {self.log_path}\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RelayError(f"server did not become healthy in {timeout:.0f}s; log: {self.log_path}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the whole process group (tokenizer, scheduler, detokenizer); wait for it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # stragglers in the group, if any
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

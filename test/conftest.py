@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The converted embedded model (converted once per cache folder)."""
+    from sglang_relay.embedded_model import ensure_model
+
+    return ensure_model(quiet=True)
+
+
+def pytest_configure(config):
+    # No hub at run time: anything that tries to download must fail fast.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,104 @@
+"""The real SGLang runtime on loopback with the relay plug-in loaded."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+pytestmark = pytest.mark.e2e
+
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "List three colors of the rainbow:\n1.",
+]
+
+
+def test_health(server):
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_relay_backend_is_the_schedulers_tree_cache(server):
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["radix_cache_backend"] == "relay"
+    relay = info["internal_states"][0]["relay"]
+    assert relay["enabled"] is True
+    assert relay["backend"] == "RelayRadixCache"
+    assert relay["architecture"] == "LlamaForCausalLM"
+
+
+def test_generate_and_output_spans_are_recorded(server):
+    def finished():
+        info = requests.get(server.url + "/get_server_info", timeout=30).json()
+        return info["internal_states"][0]["relay"]["finished_requests"]
+
+    before = finished()
+    resp = requests.post(
+        server.url + "/generate",
+        json={"text": "Hello, my name is", "sampling_params": {"max_new_tokens": 8}},
+        timeout=120,
+    )
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["meta_info"]["completion_tokens"] == 8
+    assert body["text"]
+    assert finished() == before + 1
+
+
+def test_greedy_tokens_match_transformers(server, model_dir):
+    """Same weights, same tokenizer, fp32: SGLang's greedy tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = 24
+    for prompt in GREEDY_PROMPTS:
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n
+            )[0, len(ids) :].tolist()
+        resp = requests.post(
+            server.url + "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=120,
+        ).json()
+        assert resp["output_ids"] == ref, prompt
+
+
+def test_openai_chat_completions(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    out = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert out.choices[0].message.content
+    assert out.usage.completion_tokens <= 12
+
+
+def test_frontend_fork_gen(server):
+    import sglang as sgl
+
+    @sgl.function
+    def relay(s, task):
+        s += sgl.system("You are helpful.")
+        s += sgl.user(task)
+        s += sgl.assistant(sgl.gen("plan", max_tokens=16, temperature=0))
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += sgl.user(f"Variant {i}: improve the plan.")
+            f += sgl.assistant(sgl.gen("better", max_tokens=8, temperature=0))
+        s["variants"] = [f["better"] for f in forks]
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    state = relay.run(task="Plan a picnic.", backend=backend)
+    assert state["plan"]
+    assert len(state["variants"]) == 2 and all(state["variants"])

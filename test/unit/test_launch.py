@@ -1,0 +1,98 @@
+"""Server argv defaults and the pre-flight checks behind `sglang-relay serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sglang_relay.errors import RelayError
+from sglang_relay.runtime.launch import build_server_argv, check_model_path, flag_value
+
+
+def test_defaults_fill_only_what_is_missing():
+    argv = build_server_argv(["--dtype=bfloat16", "--port", "1234"], cpu=True, model_path="/m")
+    assert flag_value(argv, "--model-path") == "/m"
+    assert flag_value(argv, "--dtype") == "bfloat16"
+    assert flag_value(argv, "--radix-cache-backend") == "relay"
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--attention-backend") == "torch_native"
+    assert flag_value(argv, "--max-total-tokens") is not None
+    assert argv.count("--dtype") + argv.count("--dtype=bfloat16") == 1
+
+
+def test_user_choices_win():
+    argv = build_server_argv(
+        ["--model", "/x", "--radix-cache-backend", "foo", "--mem-fraction-static", "0.5"],
+        cpu=True,
+    )
+    assert flag_value(argv, "--model-path") == "/x"
+    assert "--model-path" not in argv
+    assert flag_value(argv, "--radix-cache-backend") == "foo"
+    assert flag_value(argv, "--max-total-tokens") is None
+
+
+def test_gpu_machine_gets_no_cpu_flags():
+    argv = build_server_argv([], cpu=False, model_path="/m")
+    assert flag_value(argv, "--device") is None
+    assert "--disable-cuda-graph" not in argv
+
+
+def test_model_path_checks(tmp_path):
+    with pytest.raises(RelayError, match="no such directory"):
+        check_model_path(str(tmp_path / "missing"), relay=True)
+    with pytest.raises(RelayError, match="no config.json"):
+        check_model_path(str(tmp_path), relay=True)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(RelayError, match="MambaForCausalLM is not supported"):
+        check_model_path(str(tmp_path), relay=True)
+    check_model_path(str(tmp_path), relay=False)  # plain SGLang may serve it
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_relay.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr
+    assert any(line.startswith("sglang-relay: error:") and needle in line for line in lines), (
+        proc.stderr
+    )
+
+
+def test_cli_wrong_model_path(tmp_path):
+    _assert_one_line_error(_run_cli("serve", "--model-path", str(tmp_path / "nope")), "nope")
+
+
+def test_cli_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    _assert_one_line_error(
+        _run_cli("serve", "--model-path", str(tmp_path)), "GPT2LMHeadModel is not supported"
+    )
+
+
+def test_cli_port_in_use(model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        proc = _run_cli("serve", "--model-path", str(model_dir), "--port", str(port))
+    _assert_one_line_error(proc, f"port {port}")
+
+
+def test_cli_unknown_command():
+    proc = _run_cli("frobnicate")
+    assert proc.returncode == 2 and "unknown command" in proc.stderr
