@@ -36,8 +36,8 @@ test-e2e: setup
 	$(PY) -m pytest -q test/e2e $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check python test benchmark kernels
-	$(VENV)/bin/ruff format --check python test benchmark kernels
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

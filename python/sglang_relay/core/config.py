@@ -1,0 +1,180 @@
+"""Relay configuration: one frozen dataclass, the method table, the layer schedule.
+
+Every method of METHOD.md is a point in the same space (layer range + selection rule):
+
+| method     | L_start | L_det | L_end | selection                                   |
+|------------|---------|-------|-------|---------------------------------------------|
+| standard   | -       | -     | -     | no reuse (relay path off)                   |
+| naive      | L       | L     | L-1   | nothing recomputed                          |
+| cacheblend | 0       | 1     | L-1   | top ``top_ratio`` by key deviation          |
+| epic       | 0       | 0     | L-1   | first ``first_k`` tokens of each span       |
+| relay      | profile | profile | profile | deviation U influence U suffix (U first k) |
+
+Span tokens are computed densely in layers ``[l_start, l_det)``, the selected ones in
+``[l_det, l_end]``; everywhere else their reused (re-rotated) KV stands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
+SIGNALS = ("value", "key")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """What the relay path does. Layer indices may be negative (counted from the end).
+
+    Attributes:
+        method: one of :data:`METHODS`.
+        l_start, l_det, l_end: relay's layer range (see the module docstring).
+        tau_dev: select tokens whose deviation is >= ``tau_dev`` x the span's mean.
+        tau_inf: select tokens whose influence is >= ``tau_inf`` x the span's mean
+            (``None``: influence unused).
+        l_suf: always select the last ``l_suf`` tokens of each span.
+        first_k: always select the first ``first_k`` tokens of each span (EPIC's rule; the
+            first tokens behind a new prefix deviate most).
+        top_ratio: select the top fraction by deviation (CacheBlend's rule) instead of the
+            threshold, if set.
+        max_ratio: cap on the selected fraction of a span (``None``: no cap); the cap keeps
+            the highest-deviation tokens.
+        signal: which deviation detects: ``"value"`` (RelayCaching) or ``"key"``.
+        min_span: shortest token run worth relaying.
+    """
+
+    method: str = "relay"
+    l_start: int = 3
+    l_det: int = 4
+    l_end: int = -1
+    tau_dev: float = 1.5
+    tau_inf: float | None = None
+    l_suf: int = 10
+    first_k: int = 0
+    top_ratio: float | None = None
+    max_ratio: float | None = None
+    signal: str = "value"
+    min_span: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {', '.join(SIGNALS)}; got {self.signal!r}")
+        for name in ("tau_dev", "tau_inf"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number >= 0; got {value}")
+        for name in ("top_ratio", "max_ratio"):
+            value = getattr(self, name)
+            if value is not None and not (0.0 < value <= 1.0):
+                raise ValueError(f"{name} must be in (0, 1]; got {value}")
+        for name in ("l_suf", "first_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.min_span < 2:
+            raise ValueError(f"min_span must be >= 2; got {self.min_span}")
+
+    def for_method(self, method: str) -> RelayConfig:
+        """This config with ``method`` switched and the method's fixed settings applied."""
+        if method == "cacheblend":
+            return replace(
+                self,
+                method=method,
+                l_start=0,
+                l_det=1,
+                l_end=-1,
+                signal="key",
+                top_ratio=self.top_ratio or 0.15,
+                first_k=0,
+                l_suf=0,
+                tau_inf=None,
+                max_ratio=None,
+            )
+        if method == "epic":
+            return replace(
+                self,
+                method=method,
+                l_start=0,
+                l_det=0,
+                l_end=-1,
+                first_k=self.first_k or 16,
+                l_suf=0,
+                top_ratio=None,
+                tau_inf=None,
+                max_ratio=None,
+            )
+        return replace(self, method=method)
+
+    def schedule(self, num_layers: int) -> LayerSchedule:
+        """Resolve the layer range for a model with ``num_layers`` layers."""
+        if self.method == "standard":
+            raise ValueError("the standard method reuses nothing and has no schedule")
+        if self.method == "naive":
+            return LayerSchedule(num_layers, num_layers, num_layers - 1, num_layers)
+
+        def norm(i: int) -> int:
+            return i + num_layers if i < 0 else i
+
+        s, d, e = norm(self.l_start), norm(self.l_det), norm(self.l_end)
+        if not (0 <= s <= d <= e + 1 <= num_layers):
+            raise ValueError(
+                f"need 0 <= l_start <= l_det <= l_end + 1 <= {num_layers}; got "
+                f"l_start={self.l_start}, l_det={self.l_det}, l_end={self.l_end}"
+            )
+        return LayerSchedule(s, d, e, num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RelayConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown relay config fields: {', '.join(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSchedule:
+    """Resolved layer plan: dense in ``[l_start, l_det)``, selected in ``[l_det, l_end]``."""
+
+    l_start: int
+    l_det: int
+    l_end: int
+    num_layers: int
+
+    @property
+    def dense_layers(self) -> int:
+        return self.l_det - self.l_start
+
+    @property
+    def sparse_layers(self) -> int:
+        return max(0, self.l_end - self.l_det + 1)
+
+    def needs_hidden(self) -> bool:
+        """Whether span tokens need their stored hidden state entering ``l_start``."""
+        return self.l_start < self.num_layers and (self.dense_layers + self.sparse_layers) > 0
+
+    def reuse_rate(self, span_tokens: int, selected_tokens: int) -> float:
+        """METHOD.md's token-layer reuse: 1 - recomputed token-layers / (|S| * L)."""
+        if span_tokens <= 0:
+            return 0.0
+        recomputed = span_tokens * self.dense_layers + selected_tokens * self.sparse_layers
+        return 1.0 - recomputed / (span_tokens * self.num_layers)
+
+
+def load_profile(path: str | Path) -> tuple[RelayConfig, dict[str, Any]]:
+    """Read a profile JSON: ``{"config": {...RelayConfig fields}, ...measurements}``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read relay profile {path}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+        raise ValueError(f"relay profile {path} has no 'config' object")
+    return RelayConfig.from_dict(data["config"]), data

@@ -1,0 +1,74 @@
+"""Token selection at the detection layer: which span tokens are rectified.
+
+All functions work on one span occurrence at a time (thresholds are relative to that
+span's mean) and never loop over tokens in Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_relay.core.config import RelayConfig
+
+
+def kv_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
+    """Per-token deviation ``1 - cos(fresh, reused)``, averaged over KV heads.
+
+    Args:
+        fresh, reused: ``[S, H_kv, D]`` (keys or values of one layer).
+
+    Returns:
+        ``[S]`` float32 in ``[0, 2]``.
+    """
+    cos = torch.nn.functional.cosine_similarity(fresh.float(), reused.float(), dim=-1, eps=1e-8)
+    return (1.0 - cos).mean(dim=-1)
+
+
+def select_tokens(
+    cfg: RelayConfig,
+    n: int,
+    deviation: torch.Tensor | None = None,
+    influence: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean mask ``[n]`` of the span tokens to rectify in ``[l_det, l_end]``.
+
+    ``deviation``/``influence``: ``[n]`` scores (``None`` when the rule needs none). The rule:
+    ``top_ratio`` (top fraction by deviation) if set, else ``deviation >= tau_dev * mean``;
+    union ``influence >= tau_inf * mean`` (if ``tau_inf`` and scores are given), the first
+    ``first_k`` and last ``l_suf`` tokens; then the ``max_ratio`` cap, which keeps the
+    forced edge tokens first and the highest-deviation tokens after them.
+    """
+    device = deviation.device if deviation is not None else None
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    if n == 0 or cfg.method in ("standard", "naive"):
+        return mask
+    if cfg.method != "epic":
+        if deviation is None:
+            raise ValueError(f"method {cfg.method!r} needs deviation scores")
+        if deviation.shape != (n,):
+            raise ValueError(f"deviation must have shape [{n}]; got {tuple(deviation.shape)}")
+        if cfg.top_ratio is not None:
+            k = max(1, round(cfg.top_ratio * n))
+            mask[deviation.topk(min(k, n)).indices] = True
+        else:
+            mask |= deviation >= cfg.tau_dev * deviation.mean()
+    if cfg.tau_inf is not None and influence is not None:
+        if influence.shape != (n,):
+            raise ValueError(f"influence must have shape [{n}]; got {tuple(influence.shape)}")
+        mask |= influence.to(mask.device) >= cfg.tau_inf * influence.mean()
+    forced = torch.zeros_like(mask)
+    forced[: cfg.first_k] = True
+    if cfg.l_suf:
+        forced[max(0, n - cfg.l_suf) :] = True
+    mask |= forced
+    if cfg.max_ratio is not None:
+        cap = max(1, int(cfg.max_ratio * n))
+        if int(mask.sum()) > cap:
+            score = deviation.float().clone() if deviation is not None else torch.zeros(n)
+            score = score.to(mask.device)
+            score[forced] = float("inf")
+            score[~mask] = float("-inf")
+            keep = score.topk(cap).indices
+            mask = torch.zeros_like(mask)
+            mask[keep] = True
+    return mask

@@ -1,0 +1,87 @@
+"""Selection policies, the method table, the layer schedule and reuse accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.selection import kv_deviation, select_tokens
+
+
+def test_threshold_suffix_and_first_k():
+    dev = torch.full((100,), 0.01)
+    dev[[5, 50]] = 1.0
+    mask = select_tokens(RelayConfig(tau_dev=1.5, l_suf=10, first_k=2), 100, dev)
+    expected = {0, 1, 5, 50, *range(90, 100)}
+    assert set(mask.nonzero().flatten().tolist()) == expected
+
+
+def test_influence_union():
+    dev = torch.ones(40)
+    inf = torch.ones(40)
+    inf[7] = 10.0
+    cfg = RelayConfig(tau_dev=1.5, tau_inf=1.45, l_suf=0)
+    assert mask_ids(select_tokens(cfg, 40, dev, inf)) == {7}
+    assert mask_ids(select_tokens(cfg, 40, dev, None)) == set()
+
+
+def test_top_ratio_and_cap_keep_highest_deviation():
+    dev = torch.arange(100, dtype=torch.float32)
+    top = select_tokens(RelayConfig().for_method("cacheblend"), 100, dev)
+    assert mask_ids(top) == set(range(85, 100))
+    capped = select_tokens(RelayConfig(tau_dev=0.0, l_suf=0, first_k=3, max_ratio=0.1), 100, dev)
+    assert mask_ids(capped) == {0, 1, 2, *range(93, 100)}
+
+
+def test_epic_needs_no_scores():
+    cfg = RelayConfig().for_method("epic")
+    assert mask_ids(select_tokens(cfg, 40)) == set(range(16))
+    assert mask_ids(select_tokens(cfg, 5)) == set(range(5))
+
+
+def test_deviation_is_one_minus_cosine():
+    a = torch.randn(10, 3, 64)
+    assert torch.allclose(kv_deviation(a, 2 * a), torch.zeros(10), atol=1e-6)
+    assert torch.allclose(kv_deviation(a, -a), torch.full((10,), 2.0), atol=1e-6)
+
+
+def test_schedules_and_reuse():
+    L = 30
+    assert RelayConfig(method="naive").schedule(L).reuse_rate(100, 0) == 1.0
+    s = RelayConfig(l_start=3, l_det=4, l_end=-1).schedule(L)
+    assert (s.l_start, s.l_det, s.l_end) == (3, 4, 29)
+    # |S|=100, |I|=15: 1 - (100*1 + 15*26) / 3000
+    assert s.reuse_rate(100, 15) == pytest.approx(1 - (100 + 15 * 26) / 3000)
+    full = RelayConfig(l_start=0, l_det=0, l_end=-1).schedule(L)
+    assert full.reuse_rate(100, 100) == pytest.approx(0.0)
+    cb = RelayConfig().for_method("cacheblend").schedule(L)
+    assert (cb.l_start, cb.l_det, cb.l_end) == (0, 1, 29)
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(method="magic"), "method must be one of"),
+        (dict(tau_dev=float("nan")), "tau_dev"),
+        (dict(top_ratio=1.5), "top_ratio"),
+        (dict(l_suf=-1), "l_suf"),
+        (dict(signal="query"), "signal"),
+    ],
+)
+def test_bad_config_is_a_clear_error(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        RelayConfig(**kwargs)
+
+
+def test_bad_layer_range():
+    with pytest.raises(ValueError, match="l_start <= l_det"):
+        RelayConfig(l_start=10, l_det=4).schedule(30)
+    with pytest.raises(ValueError, match="l_start <= l_det"):
+        RelayConfig(l_start=0, l_det=4, l_end=40).schedule(30)
+    with pytest.raises(ValueError, match="unknown relay config fields"):
+        RelayConfig.from_dict({"l_strat": 3})
+
+
+def mask_ids(mask: torch.Tensor) -> set[int]:
+    return set(mask.nonzero().flatten().tolist())
