@@ -71,6 +71,16 @@ def rerotate_keys(
             f"and {tuple(delta.shape)}"
         )
     cos, sin = delta_cos_sin(cos_sin_cache, delta)
+    return apply_rotation(k, cos, sin, is_neox=is_neox)
+
+
+def apply_rotation(
+    k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, is_neox: bool = True
+) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` dims of ``k`` (``[N, H, D]``) by per-row angles
+    given as ``cos``/``sin`` (``[N, rot_dim // 2]``, e.g. from :func:`delta_cos_sin`, which
+    callers compute once and reuse for every layer). Returns a new tensor of ``k``'s dtype."""
+    rot_dim = 2 * cos.shape[-1]
     cos = cos.unsqueeze(1)  # [N, 1, rot_dim/2]
     sin = sin.unsqueeze(1)
     x = k[..., :rot_dim].float()
@@ -81,6 +91,8 @@ def rerotate_keys(
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     rotated = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+    if rot_dim == k.shape[-1]:
+        return rotated.to(k.dtype)
     out = k.clone()
     out[..., :rot_dim] = rotated.to(k.dtype)
     return out

@@ -53,3 +53,23 @@ def hook_registry():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     return HookRegistry, HookType
+
+
+def kv_write_loc(loc):
+    """A KV write target for ``set_kv_buffer`` on SGLang's token-major pools."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    return KVWriteLoc(loc)
+
+
+# Model classes whose forward the relay loop may take over (dotted hook targets).
+MODEL_FORWARD_TARGETS = (
+    "sglang.srt.models.llama.LlamaModel.forward",
+    "sglang.srt.models.qwen2.Qwen2Model.forward",
+)
+PREPARE_FOR_EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+REQUEST_LEVEL_KEY_TARGET = (
+    "sglang.srt.managers.scheduler_components.output_streamer."
+    "SchedulerOutputStreamer.is_request_level_customized_info_key"
+)
+META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"

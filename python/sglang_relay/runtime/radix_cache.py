@@ -1,11 +1,16 @@
-"""The ``relay`` radix-cache backend: SGLang's ``UnifiedRadixCache`` plus relay bookkeeping."""
+"""The ``relay`` radix-cache backend: SGLang's ``UnifiedRadixCache`` that also records the
+output spans of finished requests and keeps relayed (approximate) KV out of the tree."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import torch
+
 from sglang_relay.runtime import compat
+from sglang_relay.runtime.relay import RelayRuntime, _set_current
+from sglang_relay.runtime.settings import settings_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -13,34 +18,88 @@ UnifiedRadixCache = compat.unified_radix_cache_class()
 
 
 class RelayRadixCache(UnifiedRadixCache):
-    """A ``UnifiedRadixCache`` that records the output spans of finished requests.
+    """A ``UnifiedRadixCache`` plus relay bookkeeping.
 
-    Exact prefix matching is inherited unchanged: a plain radix hit only ever returns KV
-    that SGLang itself computed for that exact prefix.
+    * Exact stays exact: a request whose prefill used relayed KV is inserted into the tree
+      only up to its first relayed position (unless ``allow_approx_prefix``), so a plain
+      prefix hit never returns approximate KV.
+    * Finished, non-relayed requests leave their output tokens as spans; the span KV is the
+      tree's own and may be evicted by the tree at any time: the allocator hook clears
+      the slot owner map on every free, which invalidates the span.
     """
+
+    relay: RelayRuntime | None = None
 
     def __init__(self, params: Any, *, architecture: str | None = None) -> None:
         super().__init__(params)
         self.relay_architecture = architecture
-        self.relay_counters: dict[str, int] = {
-            "finished_requests": 0,
-            "recorded_output_tokens": 0,
-        }
+        self.relay_counters: dict[str, int] = {"finished_requests": 0, "recorded_spans": 0}
 
+    def attach_runtime(self, runtime: RelayRuntime) -> None:
+        self.relay = runtime
+        allocator = self.token_to_kv_pool_allocator
+        original_free = allocator.free
+        store = runtime.store
+
+        def free(free_index: torch.Tensor, _orig=original_free) -> None:
+            store.on_free(free_index)
+            _orig(free_index)
+
+        allocator.free = free
+
+    # ---- tree insertion ------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        super().checkpoint(req, up_to=up_to, **kwargs)
-        if req.finished():
+        rt = self.relay
+        if rt is None:
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        relayed_from = rt.relayed_from.get(req.rid)
+        if relayed_from is not None and not rt.settings.allow_approx_prefix:
+            up_to = min(up_to, relayed_from)
+        finished = req.finished()
+        span = None
+        if finished:
             self.relay_counters["finished_requests"] += 1
-            self.relay_counters["recorded_output_tokens"] += max(0, len(req.output_ids) - 1)
+            rt.relayed_from.pop(req.rid, None)
+            if relayed_from is None:
+                span = self._span_of(req, up_to)
+        super().checkpoint(req, up_to=up_to, **kwargs)
+        if span is not None:
+            span_id, tokens, slots, positions = span
+            namespace = (req.extra_key, req.cache_salt)
+            if rt.store.commit(span_id, tokens, slots, positions, namespace):
+                self.relay_counters["recorded_spans"] += 1
+
+    def _span_of(self, req: Any, up_to: int):
+        """Claim the output tokens that have KV in the row (all but the last sampled one)."""
+        rt = self.relay
+        start = len(req.origin_input_ids)
+        n = min(len(req.output_ids), up_to - start)
+        if n < rt.cfg.min_span or req.kv.req_pool_idx is None:
+            return None
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        slots = row[start : start + n].to(torch.int64).clone()
+        positions = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
+        span_id = rt.store.claim(slots)
+        return span_id, list(req.output_ids[:n]), slots, positions
+
+    def reset(self) -> None:
+        super().reset()
+        if self.relay is not None:
+            self.relay.store.clear()
+            self.relay.relayed_from.clear()
+            self.relay.pending.clear()
 
     def relay_stats(self) -> dict[str, Any]:
         """Counters for ``/get_server_info`` (``internal_states[i]["relay"]``)."""
-        return {
+        out: dict[str, Any] = {
             "enabled": True,
             "backend": type(self).__name__,
             "architecture": self.relay_architecture,
             **self.relay_counters,
         }
+        if self.relay is not None:
+            out.update(self.relay.stats())
+        return out
 
 
 def build_relay_cache(ctx: Any) -> Any:
@@ -55,9 +114,35 @@ def build_relay_cache(ctx: Any) -> Any:
         )
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         raise ValueError("sglang-relay does not support sliding-window, Mamba or DSA models yet")
+    if ctx.tp_size != 1:
+        raise ValueError("sglang-relay supports tensor parallel size 1 only for now (--tp 1)")
+    if ctx.params.page_size != 1:
+        raise ValueError("sglang-relay supports --page-size 1 only for now")
+    if ctx.disable_radix_cache:
+        raise ValueError(
+            "--radix-cache-backend relay needs the radix cache: drop --disable-radix-cache"
+        )
+    settings = settings_from_env(ctx.server_args.model_path)
     _, _, create_unified = compat.radix_cache_api()
 
     def cache_class(params: Any) -> RelayRadixCache:
         return RelayRadixCache(params, architecture=arch)
 
-    return create_unified(ctx, cache_class=cache_class)
+    cache = create_unified(ctx, cache_class=cache_class)
+    model_runner = ctx.tp_worker.model_runner
+    pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
+    budget = settings.span_tokens or max(1024, pool_tokens // 4)
+    runtime = RelayRuntime(settings, model_runner, span_budget=budget)
+    cache.attach_runtime(runtime)
+    _set_current(runtime)
+    logger.info(
+        "sglang-relay: method=%s layers=[%s,%s,%s] capture_layer=%s span_budget=%d side=%.1f MB",
+        runtime.cfg.method,
+        runtime.cfg.l_start,
+        runtime.cfg.l_det,
+        runtime.cfg.l_end,
+        runtime.capture_layer,
+        budget,
+        runtime.side_bytes() / 2**20,
+    )
+    return cache

@@ -1,0 +1,211 @@
+"""The relay forward: a Llama-family layer loop with per-layer active token sets.
+
+For an extend batch that carries relay plans, every row is one extend token. Normal rows
+(new tokens, whole plain requests) run every layer as usual. Span rows (tokens whose KV is
+spliced from a recorded span) run only where their group's schedule says: densely in
+``[l_start, l_det)`` starting from the span's stored hidden state at ``l_start``, and, if
+selected at ``l_det``, in ``[l_det, l_end]``. Elsewhere their spliced, re-rotated KV
+stands. Attention of the active rows runs over each request's whole context in the KV
+pool, causal by position (:func:`~sglang_relay.core.attention.positional_causal_attention`),
+so only the needed query rows are computed.
+
+Decode batches run the same loop with all rows active when the stored hidden state must be
+captured at ``l_start`` (one indexed copy per step); otherwise SGLang's stock forward runs.
+
+Supported: the pre-norm decoder layers of SGLang's Llama and Qwen2 models (``input_layernorm``,
+``self_attn.{qkv_proj,rotary_emb,attn,o_proj}``, ``post_attention_layernorm``, ``mlp``),
+tensor parallel size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.config import LayerSchedule, RelayConfig
+from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+from sglang_relay.core.selection import kv_deviation, select_tokens
+
+
+@dataclass
+class SpanGroup:
+    """Span rows of the batch that share one config (one relay method)."""
+
+    cfg: RelayConfig
+    sched: LayerSchedule
+    rows: torch.Tensor  # [S] int64 batch rows, ascending
+    src: torch.Tensor  # [S] int64 source KV slots
+    delta: torch.Tensor | None = None  # [S] int64 new position - old position
+    segments: list[tuple[int, int, dict]] = field(default_factory=list)  # (lo, hi, stats)
+    selected: torch.Tensor | None = None  # [<=S] int64 batch rows chosen at l_det
+    seg_selected: list[int] | None = None  # selected count per segment
+
+
+@dataclass
+class BatchPlan:
+    """Everything the relay forward needs for one extend batch."""
+
+    groups: list[SpanGroup]
+    span_rows: torch.Tensor  # [S_all] int64, all span rows (any group)
+    span_src: torch.Tensor  # [S_all] int64
+    span_delta: torch.Tensor  # [S_all] int64 new position - old position
+    normal_rows: torch.Tensor  # [N - S_all] int64
+    row_starts: list[int]  # per request, first batch row (CPU)
+    seq_lens: list[int]  # per request, context length after this extend (CPU)
+    num_rows: int
+    kv_pool: Any  # SGLang's token_to_kv_pool (get_key_buffer / set_kv_buffer)
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int32 slots by position
+
+
+def qkv(attn_mod, positions: torch.Tensor, x: torch.Tensor):
+    """q, k, v of a Llama/Qwen2 attention block (post-RoPE q and k), flat ``[n, heads*dim]``."""
+    out, _ = attn_mod.qkv_proj(x)
+    q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+    q, k = attn_mod.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def _write_kv(pool, radix_attn, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    from sglang_relay.runtime.compat import kv_write_loc
+
+    k = k.reshape(-1, radix_attn.tp_k_head_num, radix_attn.qk_head_dim)
+    v = v.reshape(-1, radix_attn.tp_v_head_num, radix_attn.v_head_dim)
+    pool.set_kv_buffer(radix_attn, kv_write_loc(loc), k, v)
+
+
+def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) -> torch.Tensor:
+    """Write the active rows' K/V, then attend them over their requests' contexts."""
+    _write_kv(plan.kv_pool, radix_attn, fb.out_cache_loc[rows], k, v)
+    hq, d, dv = radix_attn.tp_q_head_num, radix_attn.qk_head_dim, radix_attn.v_head_dim
+    kbuf = plan.kv_pool.get_key_buffer(radix_attn.layer_id)
+    vbuf = plan.kv_pool.get_value_buffer(radix_attn.layer_id)
+    q3 = q.reshape(-1, hq, d)
+    out = q.new_empty((q3.shape[0], hq, dv))
+    rows_cpu = rows.cpu()
+    bounds = torch.searchsorted(rows_cpu, torch.tensor(plan.row_starts + [plan.num_rows]))
+    req_to_token = plan.req_to_token
+    positions = fb.positions[rows]
+    for i in range(len(plan.row_starts)):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if lo == hi:
+            continue
+        seq_len = int(plan.seq_lens[i])
+        slots = req_to_token[fb.req_pool_indices[i], :seq_len]
+        out[lo:hi] = positional_causal_attention(
+            q3[lo:hi], kbuf[slots], vbuf[slots], positions[lo:hi], radix_attn.scaling
+        )
+    return out.reshape(q3.shape[0], hq * dv)
+
+
+def _layer(layer, positions, h, r, fb, attend):
+    """One pre-norm decoder layer on the given rows; ``attend(q, k, v)`` does attention."""
+    if r is None:
+        r = h
+        x = layer.input_layernorm(h)
+    else:
+        x, r = layer.input_layernorm(h, r)
+    q, k, v = qkv(layer.self_attn, positions, x)
+    o = attend(q, k, v)
+    h, _ = layer.self_attn.o_proj(o)
+    x, r = layer.post_attention_layernorm(h, r)
+    return layer.mlp(x, forward_batch=fb), r
+
+
+def splice(fb, model, plan: BatchPlan) -> None:
+    """Copy every span's KV into the request's slots, keys re-rotated, in all layers."""
+    if plan.span_rows.numel() == 0:
+        return
+    rope = model.layers[0].self_attn.rotary_emb
+    cos, sin = delta_cos_sin(rope.cos_sin_cache, plan.span_delta)
+    dst = fb.out_cache_loc[plan.span_rows]
+    pool = plan.kv_pool
+    for layer in model.layers:
+        lid = layer.self_attn.attn.layer_id
+        kbuf, vbuf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        kbuf[dst] = apply_rotation(kbuf[plan.span_src], cos, sin, is_neox=rope.is_neox_style)
+        vbuf[dst] = vbuf[plan.span_src]
+
+
+def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r) -> None:
+    """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select."""
+    cfg, rows = group.cfg, group.rows
+    n = rows.numel()
+    deviation = None
+    if cfg.method != "epic":
+        hs = h[rows]
+        x = layer.input_layernorm(hs) if r is None else layer.input_layernorm(hs, r[rows])[0]
+        _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
+        ra = layer.self_attn.attn
+        loc = fb.out_cache_loc[rows]
+        if cfg.signal == "key":
+            old = pool.get_key_buffer(ra.layer_id)[loc]
+            new = k.reshape(n, ra.tp_k_head_num, ra.qk_head_dim)
+        else:
+            old = pool.get_value_buffer(ra.layer_id)[loc]
+            new = v.reshape(n, ra.tp_v_head_num, ra.v_head_dim)
+        deviation = kv_deviation(new, old)
+        _write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
+    keep, counts = [], []
+    for lo, hi, _ in group.segments:
+        mask = select_tokens(cfg, hi - lo, None if deviation is None else deviation[lo:hi])
+        keep.append(rows[lo:hi][mask.to(rows.device)])
+        counts.append(int(keep[-1].numel()))
+    group.selected = torch.cat(keep) if keep else rows[:0]
+    group.seg_selected = counts
+
+
+def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store):
+    """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``."""
+    splice(fb, model, plan)
+    h = model.embed_tokens(input_ids)
+    r = None
+    num_layers = len(model.layers)
+    for lid, layer in enumerate(model.layers):
+        for g in plan.groups:
+            if lid == g.sched.l_start and 0 < lid < num_layers and g.rows.numel():
+                h[g.rows] = hidden_store[g.src].to(h.dtype)
+                r[g.rows] = 0
+            if lid == g.sched.l_det and lid <= g.sched.l_end and g.rows.numel():
+                _detect_and_select(fb, plan.kv_pool, layer, g, h, r)
+        parts = [plan.normal_rows]
+        for g in plan.groups:
+            if g.sched.l_start <= lid < g.sched.l_det:
+                parts.append(g.rows)
+            elif g.sched.l_det <= lid <= g.sched.l_end and g.selected is not None:
+                parts.append(g.selected)
+        rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
+        if rows.numel() == 0:
+            continue
+
+        def attend(q, k, v, rows=rows, layer=layer):
+            return attend_rows(fb, plan, layer.self_attn.attn, q, k, v, rows)
+
+        r_in = None if r is None else r[rows]
+        h_out, r_out = _layer(layer, positions[rows], h[rows], r_in, fb, attend)
+        if r is None:
+            r = torch.zeros_like(h)
+        h[rows] = h_out
+        r[rows] = r_out
+    out, _ = model.norm(h, r)
+    return out
+
+
+def capture_decode(model, input_ids, positions, fb, capture_layer: int, hidden_store):
+    """Stock-equivalent decode that also stores the residual stream entering
+    ``capture_layer`` of every decoded token at its KV slot."""
+    h = model.embed_tokens(input_ids)
+    r = None
+    for lid, layer in enumerate(model.layers):
+        if lid == capture_layer:
+            stream = h if r is None else h + r
+            hidden_store[fb.out_cache_loc] = stream.to(hidden_store.dtype)
+
+        def attend(q, k, v, radix_attn=layer.self_attn.attn):
+            return radix_attn(q, k, v, fb)
+
+        h, r = _layer(layer, positions, h, r, fb, attend)
+    out, _ = model.norm(h, r)
+    return out

@@ -1,0 +1,136 @@
+"""Recorded output spans: their tokens, KV slots, original positions, and validity.
+
+A span is the decoded output of a finished request. Its KV stays in the pool as long as
+the radix tree keeps it; the tree may evict it at any time. Validity is tracked per slot:
+``owner[slot]`` holds the id of the span whose KV the slot carries, and is reset to -1 the
+moment the allocator frees the slot (:meth:`SpanStore.on_free`). Span ids are never
+reused, so ``owner[src] == span_id`` proves that the KV is still the span's own, even if
+the slot was freed and reallocated in between.
+
+Not thread-safe: the scheduler thread owns it (like the radix tree).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from sglang_relay.core.span_index import SpanIndex
+
+
+@dataclass(slots=True)
+class Span:
+    span_id: int
+    namespace: Hashable
+    slots: torch.Tensor  # [n] int64, KV pool slots (device of the pool)
+    positions: torch.Tensor  # [n] int64, positions the KV was computed at
+    num_tokens: int
+
+
+class SpanSource(NamedTuple):
+    """A matched run: ``length`` tokens of span ``span_id`` starting at ``span_start``."""
+
+    span_id: int
+    prompt_start: int
+    span_start: int
+    length: int
+    slots: torch.Tensor  # [length] int64
+    positions: torch.Tensor  # [length] int64
+
+
+class SpanStore:
+    """Token-budgeted LRU of spans plus the slot-owner map used to validate them."""
+
+    def __init__(
+        self, pool_slots: int, device: torch.device | str, *, min_match: int, max_tokens: int
+    ) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"span token budget must be > 0; got {max_tokens}")
+        # max_bucket: skip anchor grams shared by > 64 places (common boilerplate), see SpanIndex
+        self.index = SpanIndex(min_match=min_match, anchor=max(1, min_match // 2), max_bucket=64)
+        self.spans: OrderedDict[int, Span] = OrderedDict()  # LRU order, oldest first
+        self.owner = torch.full((pool_slots,), -1, dtype=torch.int64, device=device)
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self._next_id = 1
+
+    # ---- recording ------------------------------------------------------------------
+    def claim(self, slots: torch.Tensor) -> int:
+        """Reserve a new span id and mark ``slots`` as carrying its KV. Call before the
+        tree takes (or frees) the slots, then :meth:`commit` or drop the id."""
+        span_id = self._next_id
+        self._next_id += 1
+        self.owner[slots] = span_id
+        return span_id
+
+    def commit(
+        self,
+        span_id: int,
+        tokens: list[int],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        namespace: Hashable,
+    ) -> bool:
+        """Record the span if all its slots still carry its KV; returns whether it did."""
+        if len(tokens) < self.index.min_match or not self.slots_valid(span_id, slots):
+            return False
+        self.index.add(span_id, tokens, namespace)
+        self.spans[span_id] = Span(span_id, namespace, slots, positions, len(tokens))
+        self.num_tokens += len(tokens)
+        while self.num_tokens > self.max_tokens and len(self.spans) > 1:
+            self.drop(next(iter(self.spans)))
+        return True
+
+    def drop(self, span_id: int) -> None:
+        span = self.spans.pop(span_id, None)
+        if span is None:
+            return
+        self.index.remove(span_id)
+        self.num_tokens -= span.num_tokens
+
+    def clear(self) -> None:
+        for span_id in list(self.spans):
+            self.drop(span_id)
+        self.owner.fill_(-1)
+
+    # ---- validity -------------------------------------------------------------------
+    def on_free(self, slots: torch.Tensor) -> None:
+        """Allocator hook: these slots no longer carry any span's KV."""
+        if slots.numel():
+            self.owner[slots.to(self.owner.device, torch.int64)] = -1
+
+    def slots_valid(self, span_id: int, slots: torch.Tensor) -> bool:
+        return bool((self.owner[slots] == span_id).all())
+
+    # ---- lookup ---------------------------------------------------------------------
+    def find(self, tokens: list[int], namespace: Hashable) -> list[SpanSource]:
+        """Matched runs of recorded spans inside ``tokens`` (same namespace only)."""
+        out = []
+        for m in self.index.find(tokens, namespace):
+            span = self.spans.get(m.span_id)
+            if span is None:
+                continue
+            self.spans.move_to_end(m.span_id)  # LRU touch
+            sl = slice(m.span_start, m.span_start + m.length)
+            out.append(
+                SpanSource(
+                    m.span_id,
+                    m.prompt_start,
+                    m.span_start,
+                    m.length,
+                    span.slots[sl],
+                    span.positions[sl],
+                )
+            )
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "spans": len(self.spans),
+            "span_tokens": self.num_tokens,
+            "span_token_budget": self.max_tokens,
+        }
