@@ -18,6 +18,12 @@ commands:
                          embedded model, 127.0.0.1:30000, CPU settings when there is no GPU)
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
+  profile                offline layer-range profiler (writes a profile JSON and a plot)
+  bench fidelity|ttft    benchmarks (see docs/)
+
+relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
+  --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
+  --relay-allow-approx-prefix
 """
 
 
@@ -44,10 +50,32 @@ def _cmd_prepare_model(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_profile(argv: list[str]) -> int:
+    from sglang_relay.profiler import main as profile_main
+
+    return profile_main(argv)
+
+
+BENCHES = {
+    "fidelity": "sglang_relay.bench.fidelity",
+    "ttft": "sglang_relay.bench.ttft",
+}
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    import importlib
+
+    if not argv or argv[0] not in BENCHES:
+        raise RelayError(f"bench needs one of: {', '.join(BENCHES)}")
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+
+
 COMMANDS = {
     "serve": _cmd_serve,
     "demo": _cmd_demo,
     "prepare-model": _cmd_prepare_model,
+    "profile": _cmd_profile,
+    "bench": _cmd_bench,
 }
 
 

@@ -126,10 +126,61 @@ def free_port(host: str = DEFAULT_HOST) -> int:
             return port
 
 
+# sglang-relay's own serve flags -> the environment variables the scheduler reads
+# (see sglang_relay.runtime.settings); SGLang's parser never sees them.
+RELAY_FLAGS = {
+    "--relay-method": "SGLANG_RELAY_METHOD",
+    "--relay-profile": "SGLANG_RELAY_PROFILE",
+    "--relay-config": "SGLANG_RELAY_CONFIG",
+    "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
+}
+RELAY_SWITCHES = {"--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX"}
+
+
+def split_relay_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Separate ``--relay-*`` flags (returned as env settings) from SGLang's flags."""
+    rest: list[str] = []
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        name, eq, value = item.partition("=")
+        if name in RELAY_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise RelayError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            env[RELAY_FLAGS[name]] = value
+        elif item in RELAY_SWITCHES:
+            env[RELAY_SWITCHES[item]] = "1"
+        elif name.startswith("--relay-"):
+            known = ", ".join(sorted([*RELAY_FLAGS, *RELAY_SWITCHES]))
+            raise RelayError(f"unknown flag {name} (relay flags: {known})")
+        else:
+            rest.append(item)
+        i += 1
+    return rest, env
+
+
+def check_relay_settings(env: dict[str, str], model_path: str) -> None:
+    """Validate the relay settings the scheduler will read; one clear error if wrong."""
+    from sglang_relay.runtime.settings import settings_from_env
+
+    try:
+        settings = settings_from_env(model_path, {**os.environ, **env})
+        if settings.config.method != "standard" and Path(model_path, "config.json").is_file():
+            layers = json.loads(Path(model_path, "config.json").read_text())["num_hidden_layers"]
+            settings.config.schedule(int(layers))
+    except (ValueError, KeyError) as exc:
+        raise RelayError(f"relay settings: {exc}") from exc
+
+
 def prepare(argv: list[str]) -> list[str]:
     """Everything ``sglang-relay serve`` checks before handing argv to SGLang."""
     from sglang_relay.runtime import cpu
 
+    argv, relay_env = split_relay_flags(argv)
     cpu_mode = cpu.activate()
     default_model = None
     if not has_flag(argv, "--model-path"):
@@ -138,7 +189,11 @@ def prepare(argv: list[str]) -> list[str]:
         default_model = str(ensure_model())
     out = build_server_argv(argv, cpu=cpu_mode, model_path=default_model)
     relay = flag_value(out, "--radix-cache-backend") == "relay"
-    check_model_path(flag_value(out, "--model-path") or "", relay=relay)
+    model_path = flag_value(out, "--model-path") or ""
+    check_model_path(model_path, relay=relay)
+    if relay:
+        check_relay_settings(relay_env, model_path)
+    os.environ.update(relay_env)  # reaches the spawned scheduler
     port = flag_value(out, "--port")
     try:
         port_num = int(port) if port is not None else DEFAULT_PORT

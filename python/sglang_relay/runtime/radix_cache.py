@@ -37,6 +37,7 @@ class RelayRadixCache(UnifiedRadixCache):
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
         self.relay = runtime
+        self._takeover: dict[int, tuple[int, int]] = {}
         allocator = self.token_to_kv_pool_allocator
         original_free = allocator.free
         store = runtime.store
@@ -46,6 +47,7 @@ class RelayRadixCache(UnifiedRadixCache):
             _orig(free_index)
 
         allocator.free = free
+        store.free_slots = free
 
     # ---- tree insertion ------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -53,21 +55,23 @@ class RelayRadixCache(UnifiedRadixCache):
         if rt is None:
             return super().checkpoint(req, up_to=up_to, **kwargs)
         relayed_from = rt.relayed_from.get(req.rid)
-        if relayed_from is not None and not rt.settings.allow_approx_prefix:
-            up_to = min(up_to, relayed_from)
-        finished = req.finished()
+        clamp = relayed_from is not None and not rt.settings.allow_approx_prefix
+        tree_up_to = min(up_to, relayed_from) if clamp else up_to
         span = None
-        if finished:
+        if req.finished():
             self.relay_counters["finished_requests"] += 1
             rt.relayed_from.pop(req.rid, None)
-            if relayed_from is None:
-                span = self._span_of(req, up_to)
-        super().checkpoint(req, up_to=up_to, **kwargs)
-        if span is not None:
-            span_id, tokens, slots, positions = span
-            namespace = (req.extra_key, req.cache_salt)
-            if rt.store.commit(span_id, tokens, slots, positions, namespace):
-                self.relay_counters["recorded_spans"] += 1
+            span = self._span_of(req, up_to)
+        super().checkpoint(req, up_to=tree_up_to, **kwargs)
+        if span is None:
+            return
+        span_id, start, tokens, slots, positions = span
+        owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
+        namespace = (req.extra_key, req.cache_salt)
+        if rt.store.commit(span_id, tokens, slots, positions, namespace, owned=owned):
+            self.relay_counters["recorded_spans"] += 1
+            if owned:
+                self._takeover[req.kv.req_pool_idx] = (start, start + len(tokens))
 
     def _span_of(self, req: Any, up_to: int):
         """Claim the output tokens that have KV in the row (all but the last sampled one)."""
@@ -80,14 +84,59 @@ class RelayRadixCache(UnifiedRadixCache):
         slots = row[start : start + n].to(torch.int64).clone()
         positions = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
         span_id = rt.store.claim(slots)
-        return span_id, list(req.output_ids[:n]), slots, positions
+        return span_id, start, list(req.output_ids[:n]), slots, positions
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """Free a finished request's row except the output slots the span store took over."""
+        take = getattr(self, "_takeover", {}).pop(kv.req_pool_idx, None)
+        if take is not None:
+            lo, hi = take
+            kept: list[tuple[int, int]] = []
+            for a, b in ranges:
+                if a < lo:
+                    kept.append((a, min(b, lo)))
+                if b > hi:
+                    kept.append((max(a, hi), b))
+            ranges = [(a, b) for a, b in kept if b > a]
+        super().free_kv_row(kv, ranges)
+
+    # ---- memory accounting: owned spans are evictable --------------------------------
+    def _owned(self) -> int:
+        return self.relay.store.owned_tokens if self.relay is not None else 0
+
+    def evictable_size(self) -> int:
+        return super().evictable_size() + self._owned()
+
+    def full_evictable_size(self) -> int:
+        return super().full_evictable_size() + self._owned()
+
+    def evict(self, params: Any) -> Any:
+        released = self._release_owned(params)
+        result = super().evict(params)
+        result.num_tokens_evicted += released
+        return result
+
+    def evict_for_alloc(self, params: Any, **kwargs: Any) -> Any:
+        released = self._release_owned(params)
+        result = super().evict_for_alloc(params, **kwargs)
+        result.num_tokens_evicted += released
+        return result
+
+    def _release_owned(self, params: Any) -> int:
+        """Owned spans go first when SGLang needs room (they are the least exact KV)."""
+        need = int(getattr(params, "num_tokens", 0) or 0)
+        if need <= 0 or self.relay is None:
+            return 0
+        return self.relay.store.release_owned(need)
 
     def reset(self) -> None:
         super().reset()
         if self.relay is not None:
-            self.relay.store.clear()
+            # flush_cache clears the allocator right after: forget, do not free
+            self.relay.store.clear(release=False)
             self.relay.relayed_from.clear()
             self.relay.pending.clear()
+            self._takeover.clear()
 
     def relay_stats(self) -> dict[str, Any]:
         """Counters for ``/get_server_info`` (``internal_states[i]["relay"]``)."""

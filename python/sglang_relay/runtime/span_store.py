@@ -13,7 +13,7 @@ Not thread-safe: the scheduler thread owns it (like the radix tree).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +29,7 @@ class Span:
     slots: torch.Tensor  # [n] int64, KV pool slots (device of the pool)
     positions: torch.Tensor  # [n] int64, positions the KV was computed at
     num_tokens: int
+    owned: bool = False  # the store (not the radix tree) holds these slots
 
 
 class SpanSource(NamedTuple):
@@ -43,10 +44,22 @@ class SpanSource(NamedTuple):
 
 
 class SpanStore:
-    """Token-budgeted LRU of spans plus the slot-owner map used to validate them."""
+    """Token-budgeted LRU of spans plus the slot-owner map used to validate them.
+
+    Most spans reference KV that the radix tree owns. Spans of requests whose prefill was
+    itself relayed are *owned*: their KV is kept out of the tree (it was computed over
+    approximate context), so the store holds the slots and gives them back through
+    ``free_slots`` when the span is dropped (LRU budget or eviction).
+    """
 
     def __init__(
-        self, pool_slots: int, device: torch.device | str, *, min_match: int, max_tokens: int
+        self,
+        pool_slots: int,
+        device: torch.device | str,
+        *,
+        min_match: int,
+        max_tokens: int,
+        free_slots: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"span token budget must be > 0; got {max_tokens}")
@@ -56,6 +69,8 @@ class SpanStore:
         self.owner = torch.full((pool_slots,), -1, dtype=torch.int64, device=device)
         self.max_tokens = max_tokens
         self.num_tokens = 0
+        self.owned_tokens = 0
+        self.free_slots = free_slots
         self._next_id = 1
 
     # ---- recording ------------------------------------------------------------------
@@ -74,27 +89,52 @@ class SpanStore:
         slots: torch.Tensor,
         positions: torch.Tensor,
         namespace: Hashable,
+        *,
+        owned: bool = False,
     ) -> bool:
-        """Record the span if all its slots still carry its KV; returns whether it did."""
+        """Record the span if all its slots still carry its KV; returns whether it did.
+        With ``owned`` the caller hands the slots over to the store (only on success)."""
         if len(tokens) < self.index.min_match or not self.slots_valid(span_id, slots):
             return False
+        if owned and self.free_slots is None:
+            return False
         self.index.add(span_id, tokens, namespace)
-        self.spans[span_id] = Span(span_id, namespace, slots, positions, len(tokens))
+        self.spans[span_id] = Span(span_id, namespace, slots, positions, len(tokens), owned)
         self.num_tokens += len(tokens)
+        self.owned_tokens += len(tokens) if owned else 0
         while self.num_tokens > self.max_tokens and len(self.spans) > 1:
             self.drop(next(iter(self.spans)))
         return True
 
-    def drop(self, span_id: int) -> None:
+    def drop(self, span_id: int, *, release: bool = True) -> int:
+        """Forget a span; an owned span's slots go back to the allocator (``release``).
+        Returns the number of slots released."""
         span = self.spans.pop(span_id, None)
         if span is None:
-            return
+            return 0
         self.index.remove(span_id)
         self.num_tokens -= span.num_tokens
+        if not span.owned:
+            return 0
+        self.owned_tokens -= span.num_tokens
+        if release and self.free_slots is not None:
+            self.free_slots(span.slots)
+            return span.num_tokens
+        return 0
 
-    def clear(self) -> None:
+    def release_owned(self, num_tokens: int) -> int:
+        """Drop owned spans, least recently used first, until ``num_tokens`` slots are
+        released (or none is left). Returns the number released."""
+        released = 0
+        for span_id in [sid for sid, sp in self.spans.items() if sp.owned]:
+            if released >= num_tokens:
+                break
+            released += self.drop(span_id)
+        return released
+
+    def clear(self, *, release: bool = True) -> None:
         for span_id in list(self.spans):
-            self.drop(span_id)
+            self.drop(span_id, release=release)
         self.owner.fill_(-1)
 
     # ---- validity -------------------------------------------------------------------
@@ -132,5 +172,6 @@ class SpanStore:
         return {
             "spans": len(self.spans),
             "span_tokens": self.num_tokens,
+            "owned_span_tokens": self.owned_tokens,
             "span_token_budget": self.max_tokens,
         }

@@ -1,0 +1,654 @@
+"""Reference executor of the relay semantics on a Hugging Face ``LlamaForCausalLM``.
+
+This is the plain, per-request twin of :mod:`sglang_relay.runtime.model_loop`: the same
+layer loop with explicit per-layer active rows, written on the HF modules of the model
+(``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, the model's rotary embedding,
+``post_attention_layernorm``, ``mlp``) and :func:`positional_causal_attention`. It owns its
+KV tensors (one dense ``[L, T, H_kv, D]`` pair per request, row = absolute position) and
+never uses HF's cache classes, so both paths can be compared and the relay's fidelity
+measured without a server. It imports no sglang.
+
+Pieces:
+
+* :func:`generate` runs requests greedily (batched decode) and returns, per request, an
+  :class:`UpstreamRecord`: the output tokens, and for the span tokens (the outputs that
+  were fed back, i.e. all but the last sampled token) the decode-phase KV of every layer
+  (post-RoPE keys) and the residual stream entering every layer.
+* :func:`relay_prefill` computes a downstream prompt whose span occurrences
+  (:class:`SpanOccurrence`) reuse upstream KV under a :class:`RelayConfig` (any of the
+  five methods; ``standard`` is the exact full prefill, also :func:`exact_prefill`).
+  Optional teacher-forced tokens after the prompt run as normal rows in the same pass,
+  which equals prefilling and then extending with them.
+* :func:`extend`, :func:`greedy_continue`, :func:`teacher_forced` continue from a prefill.
+* :func:`fidelity` compares a method's logits with the exact ones (first-token KL and
+  top-1, teacher-forced top-1, free-running greedy prefix and first divergence).
+
+Semantics (identical to the runtime): span rows first get the upstream KV in all layers,
+keys re-rotated by ``new_pos - old_pos``. At ``l_start`` (if ``0 < l_start < L``) their
+stream is replaced by the stored one; at ``l_det`` (if ``l_det <= l_end``) their fresh K/V
+are compared with the stored K/V (value or key deviation), written into that layer, and
+tokens are selected per span occurrence. Active rows per layer: normal rows, all span rows
+in ``[l_start, l_det)``, the selected span rows in ``[l_det, l_end]``. Active rows write
+their K/V, then attend over all positions, causal by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+from sglang_relay.core.selection import kv_deviation, select_tokens
+
+__all__ = [
+    "KVCache",
+    "RefModel",
+    "RelayResult",
+    "SpanOccurrence",
+    "UpstreamRecord",
+    "exact_prefill",
+    "extend",
+    "fidelity",
+    "first_token_kl",
+    "generate",
+    "greedy_continue",
+    "load_model",
+    "relay_prefill",
+    "teacher_forced",
+]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class RefModel:
+    """Handles on a HF Llama-family causal LM (fp32, eager) used by the reference loop.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or any model with the same module names).
+    """
+
+    def __init__(self, model: Any) -> None:
+        model.eval()
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        cfg = model.config
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.hidden_size = cfg.hidden_size
+        self.scale = float(self.layers[0].self_attn.scaling)
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self._cos_sin_cache: torch.Tensor | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE ``(cos, sin)``, each ``[n, head_dim]``, at ``positions`` ``[n]``
+        (rows of a table the rotary module computes once per size; elementwise, so equal to
+        what it gives for any batch of positions)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            size = max(need, 2 * (0 if self._rope_table is None else len(self._rope_table[0])))
+            size = max(size, 4096)
+            dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(dummy, torch.arange(size, device=self.device).view(1, -1))
+            self._rope_table = (cos[0], sin[0])
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
+    def cos_sin_cache(self, max_pos: int) -> torch.Tensor:
+        """``[>=max_pos, rot_dim]`` cos || sin (half dims), SGLang's layout, from the model's
+        rotary module (so its scaling variant is whatever the model uses)."""
+        cache = self._cos_sin_cache
+        if cache is None or cache.shape[0] < max_pos:
+            cos, sin = self.rope(torch.arange(max(max_pos, 1), device=self.device))
+            half = cos.shape[-1] // 2
+            cache = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()
+            self._cos_sin_cache = cache
+        return cache
+
+    def qkv(
+        self, layer: Any, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-RoPE ``q [n, H_q, D]``, ``k [n, H_kv, D]`` and ``v [n, H_kv, D]`` of normed
+        input ``x [n, hidden]`` at ``positions [n]``."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rope(positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` float32 logits of last-layer streams ``h [n, hidden]``."""
+        return self.lm_head(self.norm(h)).float()
+
+
+def load_model(model_dir: str, num_layers: int | None = None) -> RefModel:
+    """Load a checkpoint in fp32 with eager attention (optionally only its first layers)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
+    if num_layers is not None:
+        kwargs["num_hidden_layers"] = num_layers
+    return RefModel(AutoModelForCausalLM.from_pretrained(model_dir, **kwargs))
+
+
+@dataclass
+class KVCache:
+    """Dense per-request KV by absolute position: ``k``, ``v`` are ``[L, T, H_kv, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, ref: RefModel, length: int) -> KVCache:
+        shape = (ref.num_layers, length, ref.num_kv_heads, ref.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=ref.dtype, device=ref.device),
+            torch.zeros(shape, dtype=ref.dtype, device=ref.device),
+        )
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    def grown(self, length: int) -> KVCache:
+        """A copy with room for ``length`` positions (the first ``self.length`` kept)."""
+        if length <= self.length:
+            return KVCache(self.k.clone(), self.v.clone())
+        pad = (self.k.shape[0], length - self.length, *self.k.shape[2:])
+        return KVCache(
+            torch.cat((self.k, self.k.new_zeros(pad)), 1),
+            torch.cat((self.v, self.v.new_zeros(pad)), 1),
+        )
+
+
+def _run_layer(
+    ref: RefModel,
+    lid: int,
+    hs: torch.Tensor,
+    rows: torch.Tensor,
+    cache: KVCache,
+    ctx: int,
+) -> None:
+    """Layer ``lid`` on the active ``rows`` (row = position): writes their K/V into
+    ``cache`` (``[L, T, H_kv, D]``), attends over positions ``< ctx`` causally by position,
+    and updates the residual stream ``hs [T, hidden]`` in place."""
+    layer = ref.layers[lid]
+    full = rows.numel() == hs.shape[0]
+    h = hs if full else hs[rows]
+    x = layer.input_layernorm(h)
+    q, k, v = ref.qkv(layer, x, rows)
+    cache.k[lid, rows] = k
+    cache.v[lid, rows] = v
+    o = positional_causal_attention(q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale)
+    h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    if full:
+        hs.copy_(h)
+    else:
+        hs[rows] = h
+
+
+# ----------------------------------------------------------------------------- upstream
+
+
+@dataclass
+class UpstreamRecord:
+    """What an upstream request leaves behind for relays.
+
+    Attributes:
+        prompt: the prompt token ids ``P_A``.
+        output: every sampled token (the last one never got KV).
+        k, v: ``[L, n, H_kv, D]`` decode-phase KV of the span tokens ``output[:n]``
+            (keys post-RoPE at their upstream positions), ``n = len(output) - 1``.
+        hidden: ``[n, L, hidden]`` residual stream entering each layer during decode
+            (layer 0: the embedding), or ``None`` when not captured.
+    """
+
+    prompt: list[int]
+    output: list[int]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    @property
+    def span_tokens(self) -> list[int]:
+        """The tokens that have KV: all outputs but the last sampled one."""
+        return self.output[:-1]
+
+    @property
+    def span_start_pos(self) -> int:
+        """Absolute position of the first span token in the upstream request."""
+        return len(self.prompt)
+
+
+@torch.no_grad()
+def generate(
+    ref: RefModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    stop_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
+    capture: bool = True,
+    force: Sequence[Sequence[int]] | None = None,
+) -> list[UpstreamRecord]:
+    """Greedy generation of several requests, decoded as one batch.
+
+    Each prompt is prefilled alone (all rows active); then one token per request and step
+    runs through the layers, attending over that request's positions only (row = position,
+    as in the prefill). A request stops after sampling a stop token (stop ids are masked
+    while fewer than ``min_new_tokens`` tokens exist) or after ``max_new_tokens`` tokens.
+    ``force`` (one token list per prompt) replaces sampling by those tokens: a
+    teacher-forced decode that records the decode-phase KV of a given text.
+
+    Returns one :class:`UpstreamRecord` per prompt; with ``capture`` it holds the decode KV
+    and the stream entering every layer of each fed (span) token.
+    """
+    bsz = len(prompts)
+    if bsz == 0:
+        return []
+    if force is not None:
+        if len(force) != bsz or any(len(f) == 0 for f in force):
+            raise ValueError("force needs one non-empty token list per prompt")
+        max_new_tokens = max(len(f) for f in force)
+    lens = [len(p) for p in prompts]
+    tmax = max(lens) + max_new_tokens
+    num_l, hkv, d = ref.num_layers, ref.num_kv_heads, ref.head_dim
+    dev = ref.device
+    # [L, B, H_kv, T, D]: the layout SDPA wants per layer
+    kb = torch.zeros(num_l, bsz, hkv, tmax, d, dtype=ref.dtype, device=dev)
+    vb = torch.zeros_like(kb)
+    first = []
+    for b, prompt in enumerate(prompts):
+        res = relay_prefill(ref, prompt, [], None)
+        kb[:, b, :, : lens[b]] = res.cache.k.transpose(1, 2)
+        vb[:, b, :, : lens[b]] = res.cache.v.transpose(1, 2)
+        first.append(res.logits[0])
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+    stop_set = set(stop_ids)
+    limit = [len(f) for f in force] if force is not None else [max_new_tokens] * bsz
+
+    def choose(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
+        """Next token per request (``[B]``) from ``logits [B, V]``."""
+        if 0 < min_new_tokens and stop.numel():
+            short = torch.tensor([len(o) < min_new_tokens for o in outputs], device=dev)
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            banned[:, stop] = short[:, None]
+            logits = logits.masked_fill(banned, float("-inf"))
+        tok = logits.argmax(-1)
+        if force is not None:
+            idx = [min(len(o), limit[b] - 1) for b, o in enumerate(outputs)]
+            tok = torch.tensor([force[b][i] for b, i in enumerate(idx)], device=dev)
+        return tok
+
+    tok = choose(torch.stack(first), [[] for _ in range(bsz)])  # [B]
+    outputs = [[int(t)] for t in tok]
+    hidden = (
+        torch.zeros(bsz, max_new_tokens, num_l, ref.hidden_size, dtype=ref.dtype, device=dev)
+        if capture
+        else None
+    )
+    base = torch.tensor(lens, device=dev)
+    arange_b = torch.arange(bsz, device=dev)
+    t_idx = torch.arange(tmax, device=dev)
+    for step in range(max_new_tokens - 1):
+        done = [
+            len(o) >= limit[b] or (force is None and o[-1] in stop_set)
+            for b, o in enumerate(outputs)
+        ]
+        if all(done):
+            break
+        pos = base + step  # [B] position of the token fed now (output index ``step``)
+        mask = (t_idx[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        hs = ref.embed(tok)  # [B, hidden]
+        for lid, layer in enumerate(ref.layers):
+            if hidden is not None:
+                hidden[:, step, lid] = hs
+            x = layer.input_layernorm(hs)
+            q, k, v = ref.qkv(layer, x, pos)  # q [B, Hq, D], k/v [B, Hkv, D]
+            kb[lid, arange_b, :, pos] = k
+            vb[lid, arange_b, :, pos] = v
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                kb[lid],
+                vb[lid],
+                attn_mask=mask,
+                scale=ref.scale,
+                enable_gqa=ref.num_heads != hkv,
+            )  # [B, Hq, 1, D]
+            hs = hs + layer.self_attn.o_proj(o.reshape(bsz, -1))
+            hs = hs + layer.mlp(layer.post_attention_layernorm(hs))
+        tok = choose(ref.logits(hs), outputs)
+        for b in range(bsz):
+            if not done[b]:
+                outputs[b].append(int(tok[b]))
+    records = []
+    for b in range(bsz):
+        out = outputs[b]
+        n = len(out) - 1
+        rec = UpstreamRecord(list(prompts[b]), out)
+        if capture:
+            span = slice(lens[b], lens[b] + n)
+            rec.k = kb[:, b, :, span].transpose(1, 2).contiguous()  # [L, n, Hkv, D]
+            rec.v = vb[:, b, :, span].transpose(1, 2).contiguous()
+            rec.hidden = hidden[b, :n].clone() if hidden is not None else None
+        records.append(rec)
+    return records
+
+
+# ----------------------------------------------------------------------------- downstream
+
+
+@dataclass(frozen=True)
+class SpanOccurrence:
+    """``prompt[prompt_start : prompt_start + length]`` reuses
+    ``record.span_tokens[span_start : span_start + length]``."""
+
+    prompt_start: int
+    record: UpstreamRecord
+    span_start: int
+    length: int
+
+
+@dataclass
+class RelayResult:
+    """Outcome of :func:`relay_prefill`.
+
+    Attributes:
+        logits: ``[1 + m, vocab]`` float32: the last prompt row, then one row per forced token.
+        cache: final KV of the prompt and the forced tokens, ``[L, T + m, H_kv, D]``.
+        prompt_len: ``T``.
+        span_lengths, selected: per span occurrence (prompt order), tokens and selected ones.
+        reuse_rate: METHOD.md's token-layer reuse over all spans (0 for standard).
+        deviation: ``[S]`` detection scores over the span tokens in prompt order,
+            ``S = sum(span_lengths)`` (``None`` if none computed).
+        selected_mask: ``[S]`` bool, the span tokens selected at ``l_det``.
+        hidden: ``[L, T + m, hidden]`` stream entering each layer if captured.
+    """
+
+    logits: torch.Tensor
+    cache: KVCache
+    prompt_len: int
+    span_lengths: list[int] = field(default_factory=list)
+    selected: list[int] = field(default_factory=list)
+    reuse_rate: float = 0.0
+    deviation: torch.Tensor | None = None
+    selected_mask: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    @property
+    def recomputed_fraction(self) -> float:
+        """Recomputed span token-layers over all span token-layers (``1 - reuse``)."""
+        return 1.0 - self.reuse_rate if self.span_lengths else 0.0
+
+    @property
+    def selected_fraction(self) -> float:
+        """Selected span tokens over all span tokens."""
+        total = sum(self.span_lengths)
+        return sum(self.selected) / total if total else 0.0
+
+
+def _check_spans(prompt: Sequence[int], spans: Sequence[SpanOccurrence]) -> None:
+    end = 0
+    for s in spans:
+        if s.length <= 0 or s.prompt_start < end:
+            raise ValueError("span occurrences must be non-empty, sorted and non-overlapping")
+        if s.prompt_start + s.length > len(prompt) - 1:
+            raise ValueError("the last prompt token must not be part of a span")
+        if s.record.k is None or s.span_start + s.length > s.record.k.shape[1]:
+            raise ValueError("span occurrence exceeds the upstream record's KV")
+        want = s.record.span_tokens[s.span_start : s.span_start + s.length]
+        if list(prompt[s.prompt_start : s.prompt_start + s.length]) != list(want):
+            raise ValueError(f"prompt tokens at {s.prompt_start} differ from the span tokens")
+        end = s.prompt_start + s.length
+
+
+@torch.no_grad()
+def relay_prefill(
+    ref: RefModel,
+    prompt: Sequence[int],
+    spans: Sequence[SpanOccurrence],
+    cfg: RelayConfig | None,
+    *,
+    forced: Sequence[int] = (),
+    capture_hidden: bool = False,
+) -> RelayResult:
+    """Prefill ``prompt`` (``T`` tokens) reusing upstream KV for ``spans`` under ``cfg``.
+
+    ``cfg`` ``None`` or method ``standard``: exact full prefill (spans ignored). ``forced``
+    tokens (``m``) follow the prompt as normal rows, all layers, in the same pass; that
+    equals a prefill followed by an extend with them (the cache at each layer is final
+    once that layer ran). See the module docstring for the semantics.
+    """
+    spans = sorted(spans, key=lambda s: s.prompt_start)
+    use_spans = cfg is not None and cfg.method != "standard" and len(spans) > 0
+    if use_spans:
+        _check_spans(prompt, spans)
+    ids = list(prompt) + list(forced)
+    total = len(ids)
+    num_l = ref.num_layers
+    dev = ref.device
+    cache = KVCache.empty(ref, total)
+    hs = ref.embed(torch.tensor(ids, dtype=torch.long, device=dev))  # [T + m, hidden]
+    hidden = torch.empty(num_l, total, ref.hidden_size, dtype=ref.dtype) if capture_hidden else None
+    all_rows = torch.arange(total, device=dev)
+    result = RelayResult(logits=torch.empty(0), cache=cache, prompt_len=len(prompt))
+
+    if not use_spans:
+        for lid in range(num_l):
+            if hidden is not None:
+                hidden[lid] = hs
+            _run_layer(ref, lid, hs, all_rows, cache, total)
+        result.logits = ref.logits(hs[len(prompt) - 1 :])
+        result.hidden = hidden
+        return result
+
+    assert cfg is not None
+    sched = cfg.schedule(num_l)
+    span_rows = torch.cat(
+        [torch.arange(s.prompt_start, s.prompt_start + s.length, device=dev) for s in spans]
+    )  # [S] ascending
+    bounds = [0]
+    for s in spans:
+        bounds.append(bounds[-1] + s.length)
+    normal = torch.ones(total, dtype=torch.bool, device=dev)
+    normal[span_rows] = False
+    normal_rows = all_rows[normal]
+
+    # splice: upstream KV in every layer, keys re-rotated by new - old position
+    src_k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    old_pos = torch.cat(
+        [
+            s.record.span_start_pos + torch.arange(s.span_start, s.span_start + s.length)
+            for s in spans
+        ]
+    ).to(dev)
+    delta = span_rows - old_pos
+    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
+    for lid in range(num_l):
+        cache.k[lid, span_rows] = apply_rotation(src_k[lid], cos, sin, is_neox=True)
+        cache.v[lid, span_rows] = src_v[lid]
+
+    selected_rows = span_rows[:0]
+    counts = [0] * len(spans)
+    for lid in range(num_l):
+        if lid == sched.l_start and 0 < lid < num_l:
+            stored = [s.record.hidden for s in spans]
+            if any(h is None for h in stored):
+                raise ValueError("this schedule needs the upstream hidden states")
+            hs[span_rows] = torch.cat(
+                [s.record.hidden[s.span_start : s.span_start + s.length, lid] for s in spans]
+            ).to(hs.dtype)
+        if lid == sched.l_det and sched.l_det <= sched.l_end:
+            mask, counts, result.deviation = _detect(ref, cfg, lid, hs, span_rows, bounds, cache)
+            selected_rows = span_rows[mask]
+            result.selected_mask = mask
+        if hidden is not None:
+            hidden[lid] = hs
+        parts = [normal_rows]
+        if sched.l_start <= lid < sched.l_det:
+            parts.append(span_rows)
+        elif sched.l_det <= lid <= sched.l_end:
+            parts.append(selected_rows)
+        rows = torch.cat(parts).sort().values
+        _run_layer(ref, lid, hs, rows, cache, total)
+
+    recomputed = sum(
+        n * sched.dense_layers + c * sched.sparse_layers
+        for n, c in zip([s.length for s in spans], counts, strict=True)
+    )
+    span_total = sum(s.length for s in spans)
+    result.logits = ref.logits(hs[len(prompt) - 1 :])
+    result.span_lengths = [s.length for s in spans]
+    result.selected = counts
+    result.reuse_rate = 1.0 - recomputed / (span_total * num_l)
+    result.hidden = hidden
+    return result
+
+
+def _detect(
+    ref: RefModel,
+    cfg: RelayConfig,
+    lid: int,
+    hs: torch.Tensor,
+    span_rows: torch.Tensor,
+    bounds: list[int],
+    cache: KVCache,
+) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """Detection at ``l_det``: deviation of fresh vs stored K/V of the span rows (``[S]``),
+    fresh K/V written into layer ``lid``, selection per span occurrence (``bounds``: segment
+    offsets into ``span_rows``). Returns the ``[S]`` selection mask, counts per span and
+    the deviation."""
+    deviation = None
+    if cfg.method != "epic":
+        x = ref.layers[lid].input_layernorm(hs[span_rows])
+        _, k, v = ref.qkv(ref.layers[lid], x, span_rows)
+        if cfg.signal == "key":
+            deviation = kv_deviation(k, cache.k[lid, span_rows])
+        else:
+            deviation = kv_deviation(v, cache.v[lid, span_rows])
+        cache.k[lid, span_rows] = k
+        cache.v[lid, span_rows] = v
+    keep, counts = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        mask = select_tokens(cfg, hi - lo, None if deviation is None else deviation[lo:hi])
+        keep.append(mask.to(span_rows.device))
+        counts.append(int(mask.sum()))
+    return torch.cat(keep), counts, deviation
+
+
+def exact_prefill(
+    ref: RefModel,
+    prompt: Sequence[int],
+    *,
+    forced: Sequence[int] = (),
+    capture_hidden: bool = False,
+) -> RelayResult:
+    """The exact full prefill (every row, every layer); ``forced`` as in :func:`relay_prefill`."""
+    return relay_prefill(ref, prompt, [], None, forced=forced, capture_hidden=capture_hidden)
+
+
+# ----------------------------------------------------------------------------- continuation
+
+
+@torch.no_grad()
+def extend(ref: RefModel, cache: KVCache, start: int, tokens: Sequence[int]) -> torch.Tensor:
+    """Run ``tokens`` at positions ``start..start+m-1`` over ``cache`` (positions ``< start``
+    are context), writing their K/V into ``cache`` (must hold ``start + m`` positions).
+    Returns ``[m, vocab]`` float32 logits."""
+    m = len(tokens)
+    if cache.length < start + m:
+        raise ValueError(f"cache holds {cache.length} positions; need {start + m}")
+    rows = torch.arange(start, start + m, device=ref.device)
+    full = torch.zeros(start + m, ref.hidden_size, dtype=ref.dtype, device=ref.device)
+    full[rows] = ref.embed(torch.tensor(list(tokens), dtype=torch.long, device=ref.device))
+    for lid in range(ref.num_layers):
+        _run_layer(ref, lid, full, rows, cache, start + m)
+    return ref.logits(full[rows])
+
+
+def teacher_forced(ref: RefModel, result: RelayResult, continuation: Sequence[int]) -> torch.Tensor:
+    """Logits ``[m, vocab]`` predicting ``continuation[0..m-1]`` after everything in the
+    prefill's KV: row 0 is the prefill's last logits row, row ``i`` follows feeding
+    ``continuation[:i]``. Does not modify ``result``."""
+    m = len(continuation)
+    start = result.cache.length
+    cache = result.cache.grown(start + max(m - 1, 0))
+    rest = extend(ref, cache, start, continuation[: m - 1]) if m > 1 else None
+    first = result.logits[-1:]
+    return first if rest is None else torch.cat((first, rest))
+
+
+def greedy_continue(
+    ref: RefModel, result: RelayResult, max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> list[int]:
+    """Free-running greedy decode (one token per step) from a prefill's KV and last logits."""
+    start = result.cache.length
+    cache = result.cache.grown(start + max_new_tokens)
+    tok = int(result.logits[-1].argmax())
+    out = [tok]
+    while len(out) < max_new_tokens and tok not in stop_ids:
+        tok = int(extend(ref, cache, start + len(out) - 1, [tok])[0].argmax())
+        out.append(tok)
+    return out
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def first_token_kl(exact: torch.Tensor, approx: torch.Tensor) -> float:
+    """``KL(softmax(exact) || softmax(approx))`` of two ``[vocab]`` logit rows (nats)."""
+    p = F.log_softmax(exact.double(), -1)
+    q = F.log_softmax(approx.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def fidelity(
+    exact_logits: torch.Tensor, logits: torch.Tensor, continuation: Sequence[int]
+) -> dict[str, float | int | None]:
+    """Compare teacher-forced logits ``[m, vocab]`` of a method with the exact ones along
+    the exact greedy ``continuation`` (``m`` tokens).
+
+    Free-running greedy decoding from the method's context produces exactly the exact
+    continuation until the first step whose argmax differs (before that it is fed the
+    same tokens as teacher forcing), so the greedy figures follow from the teacher-forced
+    argmaxes: ``greedy_prefix`` is the share of the ``m`` tokens before the first
+    divergence, ``first_divergence`` its index (``None``: no divergence).
+    """
+    m = len(continuation)
+    if exact_logits.shape[0] != m or logits.shape[0] != m or m == 0:
+        raise ValueError("need one logits row per continuation token")
+    cont = torch.tensor(list(continuation), device=logits.device)
+    mine = logits.argmax(-1)
+    agree_tf = (mine == exact_logits.argmax(-1)).float().mean()
+    diff = (mine != cont).nonzero()
+    first_div = int(diff[0]) if diff.numel() else None
+    return {
+        "first_token_kl": first_token_kl(exact_logits[0], logits[0]),
+        "top1": int(mine[0] == exact_logits[0].argmax()),
+        "tf_top1": float(agree_tf),
+        "greedy_prefix": (m if first_div is None else first_div) / m,
+        "first_divergence": first_div,
+        "tf_tokens": m,
+    }

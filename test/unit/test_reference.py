@@ -1,0 +1,279 @@
+"""The HF reference executor: METHOD.md's exactness oracles and sanity of the relay.
+
+Runs the first 6 layers of the embedded model (fp32) so that it takes seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.reference import (
+    RefModel,
+    SpanOccurrence,
+    exact_prefill,
+    fidelity,
+    first_token_kl,
+    generate,
+    greedy_continue,
+    load_model,
+    relay_prefill,
+    teacher_forced,
+)
+from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+
+pytestmark = pytest.mark.model
+
+NUM_LAYERS = 6
+STORY = (
+    "The history of the city begins in the early middle ages, when a small market grew up "
+    "beside the river crossing. Merchants from the surrounding villages brought grain, wool "
+    "and timber, and within a century the town had a church, a wall and a charter granted "
+    "by the king. Over the following centuries the population grew steadily, and the old "
+    "wooden houses were replaced by buildings of brick and stone."
+)
+# every span-layer recomputed from the embeddings: must equal the exact prefill
+FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir) -> RefModel:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; one thread is fastest on a shared machine
+    yield load_model(str(model_dir), num_layers=NUM_LAYERS)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat(tok, system: str, user: str) -> list[int]:
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def upstream(ref, tok):
+    """A: a real English text decoded token by token (teacher-forced decode)."""
+    prompt = chat(tok, "You are a historian.", "Tell me the history of the old city.")
+    story = tok(STORY, add_special_tokens=False).input_ids
+    (rec,) = generate(ref, [prompt], 0, force=[story + [tok.eos_token_id]])
+    assert rec.span_tokens == story
+    return rec
+
+
+def relay_prompt(tok, rec, system: str) -> tuple[list[int], SpanOccurrence]:
+    """B = new system prompt and template around A's span."""
+    head = chat(tok, system, "Summarize this text in one sentence:\n\n")[:-5]
+    tail = tok("\n\nSummary:", add_special_tokens=False).input_ids
+    prompt = head + rec.span_tokens + tail
+    return prompt, SpanOccurrence(len(head), rec, 0, len(rec.span_tokens))
+
+
+def test_layer_loop_reproduces_hf_forward(ref, tok):
+    ids = tok(STORY, add_special_tokens=False).input_ids
+    forced = ids[-12:]
+    ours = exact_prefill(ref, ids[:-12], forced=forced[:-1])
+    with torch.no_grad():
+        theirs = ref.model(torch.tensor([ids[:-1]])).logits[0].float()
+    assert ours.logits.shape == (12, theirs.shape[-1])
+    torch.testing.assert_close(ours.logits, theirs[-12:], atol=1e-4, rtol=0)
+
+
+def test_generate_matches_hf_greedy(ref, tok):
+    prompt = chat(tok, "You are a helpful assistant.", "Name three rivers in Europe.")
+    (rec,) = generate(ref, [prompt, prompt[:9]], 24)[:1]
+    with torch.no_grad():
+        out = ref.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+    assert rec.output == out[0, len(prompt) :].tolist()
+    assert rec.k.shape == (NUM_LAYERS, 23, ref.num_kv_heads, ref.head_dim)
+    assert rec.hidden.shape == (23, NUM_LAYERS, ref.hidden_size)
+    # layer 0's stream is the embedding of the fed token
+    torch.testing.assert_close(rec.hidden[:, 0], ref.embed(torch.tensor(rec.span_tokens)))
+
+
+def test_oracle_same_position_no_recompute_equals_exact(ref, tok, upstream):
+    """(i) decode KV at the same positions behind the same prefix = prefill KV."""
+    tail = tok("\n\nSummary:", add_special_tokens=False).input_ids
+    prompt = upstream.prompt + upstream.span_tokens + tail
+    span = SpanOccurrence(len(upstream.prompt), upstream, 0, len(upstream.span_tokens))
+    exact = exact_prefill(ref, prompt)
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    assert naive.reuse_rate == 1.0 and naive.selected == [0]
+    rows = slice(span.prompt_start, span.prompt_start + span.length)
+    torch.testing.assert_close(naive.cache.k[:, rows], exact.cache.k[:, rows], atol=1e-4, rtol=0)
+    torch.testing.assert_close(naive.cache.v[:, rows], exact.cache.v[:, rows], atol=1e-4, rtol=0)
+    torch.testing.assert_close(naive.logits, exact.logits, atol=1e-4, rtol=0)
+
+
+def test_oracle_full_recompute_equals_exact_behind_new_prefix(ref, tok, upstream):
+    """(ii) L_start = 0, every token selected through the last layer = full prefill."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    assert span.prompt_start != len(upstream.prompt)  # really moved
+    exact = exact_prefill(ref, prompt)
+    full = relay_prefill(ref, prompt, [span], FULL)
+    assert full.selected == [span.length] and full.reuse_rate == 0.0
+    torch.testing.assert_close(full.logits, exact.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(full.cache.k, exact.cache.k, atol=1e-4, rtol=0)
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    assert (naive.logits - exact.logits).abs().max() > 1e-2  # the oracle could fail
+
+
+def test_oracle_rerotated_keys_equal_keys_at_new_position(ref, upstream):
+    """(iii) K re-rotated by delta = K computed at the new position (fp32, 1e-5 relative)."""
+    n = len(upstream.span_tokens)
+    old = upstream.span_start_pos + torch.arange(n)
+    for shift in (-old[0].item(), 57, 1500):
+        new = old + shift
+        delta = new - old
+        cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
+        for lid in (0, NUM_LAYERS - 1):
+            layer = ref.layers[lid]
+            x = layer.input_layernorm(upstream.hidden[:, lid])
+            with torch.no_grad():
+                _, k_new, _ = ref.qkv(layer, x, new)
+            moved = apply_rotation(upstream.k[lid], cos, sin)
+            rel = (moved - k_new).norm() / k_new.norm()
+            assert rel < 1e-5, (shift, lid, float(rel))
+            assert (upstream.k[lid] - k_new).norm() / k_new.norm() > 1e-2
+
+
+def test_oracle_no_recompute_equals_naive(ref, tok, upstream):
+    """(iv) a schedule that recomputes nothing (l_det > l_end) = naive reuse."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor.")
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    for cfg in (
+        RelayConfig(l_start=2, l_det=2, l_end=1),
+        RelayConfig(l_start=NUM_LAYERS, l_det=NUM_LAYERS, l_end=NUM_LAYERS - 1),
+    ):
+        none = relay_prefill(ref, prompt, [span], cfg)
+        assert none.reuse_rate == 1.0
+        torch.testing.assert_close(none.logits, naive.logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(none.cache.v, naive.cache.v, atol=0, rtol=0)
+
+
+def test_relay_lies_between_naive_and_exact(ref, tok, upstream):
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    exact = exact_prefill(ref, prompt)
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    relay = relay_prefill(ref, prompt, [span], RelayConfig(l_start=1, l_det=2, l_end=-1))
+    kl_naive = first_token_kl(exact.logits[0], naive.logits[0])
+    kl_relay = first_token_kl(exact.logits[0], relay.logits[0])
+    assert kl_naive > 1e-4
+    assert kl_relay < kl_naive, (kl_relay, kl_naive)
+    assert 0 < relay.selected[0] < span.length
+    assert 0.0 < relay.reuse_rate < 1.0
+
+
+def test_selection_counts_and_reuse_accounting(ref, tok, upstream):
+    prompt, span = relay_prompt(tok, upstream, "You are an editor.")
+    n = span.length
+    half = SpanOccurrence(span.prompt_start, upstream, 0, n // 2)
+    rest = SpanOccurrence(span.prompt_start + n // 2 + 1, upstream, n // 2 + 1, n - n // 2 - 1)
+    cb = RelayConfig().for_method("cacheblend")
+    res = relay_prefill(ref, prompt, [rest, half], cb)
+    assert res.span_lengths == [half.length, rest.length]
+    assert res.selected == [round(0.15 * half.length), round(0.15 * rest.length)]
+    sched = cb.schedule(NUM_LAYERS)
+    recomputed = sum(
+        m * sched.dense_layers + c * sched.sparse_layers
+        for m, c in zip(res.span_lengths, res.selected, strict=True)
+    )
+    assert res.reuse_rate == pytest.approx(1 - recomputed / (sum(res.span_lengths) * NUM_LAYERS))
+    epic = relay_prefill(ref, prompt, [half, rest], RelayConfig().for_method("epic"))
+    assert epic.selected == [16, 16] and epic.deviation is None
+    # two spans, everything recomputed: still the exact prefill
+    full = relay_prefill(ref, prompt, [half, rest], FULL)
+    torch.testing.assert_close(full.logits, exact_prefill(ref, prompt).logits, atol=1e-4, rtol=0)
+
+
+def test_span_tokens_are_checked(ref, tok, upstream):
+    prompt, span = relay_prompt(tok, upstream, "You are an editor.")
+    shifted = SpanOccurrence(span.prompt_start + 1, upstream, 0, span.length)
+    with pytest.raises(ValueError, match="differ"):
+        relay_prefill(ref, prompt, [shifted], RelayConfig())
+    last = SpanOccurrence(len(prompt) - 1, upstream, 0, 1)
+    with pytest.raises(ValueError, match="last prompt token"):
+        relay_prefill(ref, prompt, [last], RelayConfig())
+
+
+def test_teacher_forcing_and_greedy_agree_with_one_pass(ref, tok, upstream):
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    cont = greedy_continue(ref, exact_prefill(ref, prompt), 16)
+    assert len(cont) == 16
+    exact_tf = exact_prefill(ref, prompt, forced=cont[:-1]).logits
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    tf = teacher_forced(ref, naive, cont)
+    one_pass = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"), forced=cont[:-1])
+    torch.testing.assert_close(tf, one_pass.logits, atol=1e-4, rtol=0)
+    stats = fidelity(exact_tf, tf, cont)
+    assert stats["first_token_kl"] == pytest.approx(first_token_kl(exact_tf[0], tf[0]))
+    # free-running greedy follows the exact continuation exactly up to the first divergence
+    free = greedy_continue(ref, naive, 16)
+    div = stats["first_divergence"]
+    if div is None:
+        assert free == cont
+    else:
+        assert free[:div] == cont[:div] and free[div] != cont[div]
+    same = fidelity(exact_tf, exact_tf, cont)
+    assert same["tf_top1"] == 1.0 and same["greedy_prefix"] == 1.0
+    assert same["first_token_kl"] == pytest.approx(0.0, abs=1e-12)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def spliced_keys(ref, rec, span: SpanOccurrence) -> torch.Tensor:
+    """Upstream keys of the span moved to its new positions: ``[L, n, H_kv, D]``."""
+    new = span.prompt_start + torch.arange(span.length)
+    old = rec.span_start_pos + span.span_start + torch.arange(span.length)
+    cos, sin = delta_cos_sin(ref.cos_sin_cache(int((new - old).abs().max()) + 1), new - old)
+    k = rec.k[:, span.span_start : span.span_start + span.length]
+    return torch.stack([apply_rotation(k[lid], cos, sin) for lid in range(k.shape[0])])
+
+
+def test_naive_keys_are_keys_of_the_decode_stream_at_new_positions(ref, tok, upstream):
+    """Splicing re-rotates: every reused key equals the key the decode stream gives at the
+    new position."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor.")
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    rows = torch.arange(span.prompt_start, span.prompt_start + span.length)
+    for lid, layer in enumerate(ref.layers):
+        with torch.no_grad():
+            _, k, v = ref.qkv(layer, layer.input_layernorm(upstream.hidden[:, lid]), rows)
+        rel = (naive.cache.k[lid, rows] - k).norm() / k.norm()
+        assert rel < 1e-5, (lid, float(rel))
+        torch.testing.assert_close(naive.cache.v[lid, rows], v, atol=1e-5, rtol=0)
+
+
+def test_relay_kv_follows_the_schedule(ref, tok, upstream):
+    """Which rows were recomputed in which layer: reused below l_start and (unselected)
+    above l_det; fresh at l_det for all; selected rows = select_tokens(deviation)."""
+    from sglang_relay.core.selection import kv_deviation, select_tokens
+
+    cfg = RelayConfig(l_start=2, l_det=3, l_end=-1, tau_dev=1.2, l_suf=3)
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    res = relay_prefill(ref, prompt, [span], cfg)
+    rows = torch.arange(span.prompt_start, span.prompt_start + span.length)
+    keys = spliced_keys(ref, upstream, span)
+    k, v = res.cache.k[:, rows], res.cache.v[:, rows]
+    assert rel_err(k[:2], keys[:2]) < 1e-5  # never recomputed
+    torch.testing.assert_close(v[:2], upstream.v[:2], atol=0, rtol=0)
+    assert rel_err(k[2], keys[2]) < 1e-5  # recomputed from the same stored input
+    assert (v[3] - upstream.v[3]).abs().amax(dim=(1, 2)).min() > 0  # fresh for every row
+    torch.testing.assert_close(kv_deviation(v[3], upstream.v[3]), res.deviation)
+    want = select_tokens(cfg, span.length, res.deviation)
+    assert torch.equal(res.selected_mask, want) and 0 < int(want.sum()) < span.length
+    for lid in range(4, NUM_LAYERS):
+        torch.testing.assert_close(v[lid, ~want], upstream.v[lid, ~want], atol=0, rtol=0)
+        assert (v[lid, want] - upstream.v[lid, want]).abs().amax(dim=(1, 2)).min() > 1e-6
