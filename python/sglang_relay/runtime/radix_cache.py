@@ -148,6 +148,14 @@ class RelayRadixCache(UnifiedRadixCache):
         }
         if self.relay is not None:
             out.update(self.relay.stats())
+        allocator = self.token_to_kv_pool_allocator
+        # SGLang's conservation law when idle: available + evictable + protected == total
+        out["pool"] = {
+            "total": int(allocator.size),
+            "available": int(allocator.available_size()),
+            "evictable": int(self.evictable_size()),
+            "protected": int(self.protected_size()),
+        }
         return out
 
 

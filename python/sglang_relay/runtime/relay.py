@@ -122,26 +122,41 @@ class RelayRuntime:
 
     # ---- scheduler side --------------------------------------------------------------
     def request_config(self, req: Any) -> RelayConfig | None:
-        """The config for ``req`` (None: standard prefill). Raises ValueError on bad options."""
+        """The config for ``req`` (None: standard prefill). Raises ValueError on bad options.
+
+        Per-request option ``sampling_params.custom_params["relay"]``: a method name
+        (``"off"`` = standard) or ``{"method": name, "config": {RelayConfig fields}}``.
+        """
         params = getattr(req.sampling_params, "custom_params", None)
         option = params.get("relay") if isinstance(params, dict) else None
+        overrides: dict[str, Any] = {}
         if option is None:
             method = self.cfg.method
         elif isinstance(option, str):
             method = option
-        elif isinstance(option, dict) and set(option) <= {"method"}:
+        elif isinstance(option, dict) and set(option) <= {"method", "config"}:
             method = option.get("method", self.cfg.method)
+            overrides = option.get("config") or {}
+            if not isinstance(method, str) or not isinstance(overrides, dict):
+                raise ValueError("relay option: method must be a string, config an object")
         else:
-            raise ValueError("custom_params.relay must be a method name or {'method': name}")
+            raise ValueError("custom_params.relay must be a method name or {method, config}")
         if method == "off":
             method = "standard"
         if method not in METHODS:
             raise ValueError(f"unknown relay method {method!r}")
         if method == "standard":
             return None
-        if method in ("cacheblend", "epic"):
-            return self.cfg.for_method(method)
-        return RelayConfig.from_dict({**self.cfg.to_dict(), "method": method})
+        base = self.cfg.for_method(method) if method in ("cacheblend", "epic") else self.cfg
+        cfg = RelayConfig.from_dict({**base.to_dict(), **overrides, "method": method})
+        sched = cfg.schedule(self.num_layers)
+        if sched.needs_hidden() and 0 < sched.l_start < self.num_layers:
+            if sched.l_start != self.capture_layer:
+                raise ValueError(
+                    f"l_start must be 0 or {self.capture_layer} (the layer whose hidden "
+                    "states this server stores)"
+                )
+        return cfg
 
     def plan_request(self, req: Any) -> None:
         """Called after ``prepare_for_extend``: find spans in this extend chunk."""

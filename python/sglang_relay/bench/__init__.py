@@ -1,0 +1,1 @@
+"""Benchmarks of sglang-relay (``sglang-relay bench ...``): workloads, drivers, reports."""

@@ -1,0 +1,286 @@
+"""``sglang-relay bench fidelity``: how close each method's output is to exact prefill.
+
+Offline, on the Hugging Face reference executor (:mod:`sglang_relay.core.reference`,
+fp32), which implements the runtime's relay semantics. For every relay case of the
+workload (:mod:`sglang_relay.bench.workload`), the shared work runs once and is cached:
+upstream generations (decode-phase KV and streams), the downstream prompt, its spans and
+its exact greedy continuation (64 tokens). Then per relay: one exact prefill with the
+continuation teacher-forced, and one relay prefill per method with the same forced tokens.
+
+Metrics per method (pooled or averaged over relays):
+
+* ``reuse_rate``: METHOD.md's token-layer reuse, pooled over all relayed span tokens;
+  ``recomputed_fraction`` = 1 - reuse; ``selected_fraction``: share of span tokens
+  selected for rectification.
+* ``first_token_kl``: mean KL(exact || method) of the first generated token (nats);
+  ``top1_agreement``: share of relays whose first token's argmax matches.
+* ``tf_top1_agreement_64``: share of the 64 teacher-forced steps (exact continuation fed)
+  whose argmax matches the exact one.
+* ``greedy_prefix_64``: share of the 64 free-running greedy tokens before the first
+  divergence from the exact continuation; ``first_divergence``: median position (64 if
+  none). Greedy decoding from the method's KV repeats the exact tokens until its first
+  mismatching argmax, so both come from the teacher-forced pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_relay.bench.workload import (
+    GenSettings,
+    RelayCase,
+    load_relay,
+    load_workload,
+    model_fingerprint,
+    prepare_relays,
+)
+from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.reference import RefModel, exact_prefill, fidelity, relay_prefill
+
+METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
+QUICK_RELAYS = 32
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "sglang-relay" / "fidelity"
+
+
+def shipped_profile_path(model_dir: str | Path) -> Path | None:
+    """``sglang_relay/data/profile_<model dir name>.json`` if the package ships one."""
+    name = Path(str(model_dir).rstrip("/")).name
+    candidate = resources.files("sglang_relay.data").joinpath(f"profile_{name}.json")
+    return Path(str(candidate)) if candidate.is_file() else None
+
+
+def method_configs(relay: RelayConfig, methods: list[str]) -> dict[str, RelayConfig | None]:
+    """The config each method runs with (``None``: exact prefill). CacheBlend and EPIC use
+    their fixed settings from the default config; relay uses the profile."""
+    table: dict[str, RelayConfig | None] = {
+        "standard": None,
+        "naive": RelayConfig(method="naive"),
+        "cacheblend": RelayConfig().for_method("cacheblend"),
+        "epic": RelayConfig().for_method("epic"),
+        "relay": replace(relay, method="relay"),
+    }
+    return {m: table[m] for m in methods}
+
+
+def evaluate_relay(
+    ref: RefModel, relay: RelayCase, configs: dict[str, RelayConfig | None]
+) -> dict[str, dict[str, Any]]:
+    """Per-method metrics of one relay (one exact pass shared by all methods)."""
+    cont = relay.continuation
+    forced = cont[:-1]
+    t0 = time.perf_counter()
+    exact = exact_prefill(ref, relay.prompt, forced=forced)
+    exact_s = time.perf_counter() - t0
+    out: dict[str, dict[str, Any]] = {}
+    for name, cfg in configs.items():
+        t0 = time.perf_counter()
+        if cfg is None:
+            res, seconds = exact, exact_s
+        else:
+            res = relay_prefill(ref, relay.prompt, relay.spans, cfg, forced=forced)
+            seconds = time.perf_counter() - t0
+        row = fidelity(exact.logits, res.logits, cont)
+        row.update(
+            id=relay.case.id,
+            span_tokens=relay.span_tokens,
+            spans=len(relay.spans),
+            prompt_tokens=len(relay.prompt),
+            selected=sum(res.selected),
+            reuse_rate=res.reuse_rate,
+            seconds=seconds,
+        )
+        out[name] = row
+    return out
+
+
+def summarize(name: str, rows: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
+    """One table row from per-relay rows."""
+    span = sum(r["span_tokens"] for r in rows)
+    recomputed = sum((1.0 - r["reuse_rate"]) * r["span_tokens"] for r in rows)
+    divs = [
+        r["tf_tokens"] if r["first_divergence"] is None else r["first_divergence"] for r in rows
+    ]
+    kls = [r["first_token_kl"] for r in rows]
+    return {
+        "method": name,
+        "n_relays": len(rows),
+        "reuse_rate": 1.0 - recomputed / span if span else 0.0,
+        "reuse_rate_min": min(r["reuse_rate"] for r in rows),
+        "recomputed_fraction": recomputed / span if span else 0.0,
+        "selected_fraction": sum(r["selected"] for r in rows) / span if span else 0.0,
+        "first_token_kl": statistics.fmean(kls),
+        "first_token_kl_median": statistics.median(kls),
+        "first_token_kl_max": max(kls),
+        "top1_agreement": statistics.fmean(r["top1"] for r in rows),
+        "tf_top1_agreement_64": statistics.fmean(r["tf_top1"] for r in rows),
+        "greedy_prefix_64": statistics.fmean(r["greedy_prefix"] for r in rows),
+        "first_divergence": statistics.median(divs),
+        "seconds_per_relay": statistics.fmean(r["seconds"] for r in rows),
+        "span_tokens_mean": span / len(rows),
+        "num_layers": num_layers,
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| method | reuse | recomputed | KL first token (mean / median) | top-1 | "
+        "TF top-1 (64) | greedy prefix (64) | first divergence (median) | relays |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['reuse_rate']:.3f} | {r['recomputed_fraction']:.3f} | "
+            f"{r['first_token_kl']:.4f} / {r['first_token_kl_median']:.4f} | "
+            f"{r['top1_agreement']:.3f} | {r['tf_top1_agreement_64']:.3f} | "
+            f"{r['greedy_prefix_64']:.3f} | {r['first_divergence']:g} | {r['n_relays']} |"
+        )
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sglang-relay bench fidelity",
+        description="Fidelity of relay methods vs exact prefill on the HF reference (fp32).",
+    )
+    p.add_argument("--quick", action="store_true", help=f"first {QUICK_RELAYS} relays only")
+    p.add_argument("--workload", default=None, help="relay cases (JSONL; default: packaged)")
+    p.add_argument("--json", default=None, help="write the rows (with per-relay data) here")
+    p.add_argument("--model-path", default=None, help="HF model dir (default: embedded)")
+    p.add_argument("--profile", default=None, help="relay profile JSON (default: shipped)")
+    p.add_argument("--n-relays", type=int, default=None, help="number of relays to run")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}"
+    )
+    p.add_argument("--cache-dir", default=None, help="generation cache folder")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        print(f"unknown methods: {unknown}; choose from {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sglang_relay.core.reference import load_model
+    from sglang_relay.embedded_model import ensure_model
+
+    hf_logging.set_verbosity_error()
+    started = time.perf_counter()
+    model_dir = Path(args.model_path) if args.model_path else ensure_model()
+    profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
+    relay_cfg = load_profile(profile_path)[0] if profile_path else RelayConfig()
+    cases = load_workload(args.workload)
+    limit = args.n_relays or (QUICK_RELAYS if args.quick else None)
+    ref = load_model(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fingerprint = model_fingerprint(model_dir, ref.num_layers)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    configs = method_configs(relay_cfg, methods)
+    for cfg in configs.values():
+        if cfg is not None:
+            cfg.schedule(ref.num_layers)  # fail early on a layer range this model lacks
+
+    gen = GenSettings()
+    # take cases in order until `limit` usable ones (skipped ones are replaced)
+    usable: list = []
+    skipped: list = []
+    pending = list(cases)
+    bar = tqdm(desc="generate (cached)", unit="seq", disable=args.no_progress, file=sys.stderr)
+    while pending and (limit is None or len(usable) < limit):
+        want = len(pending) if limit is None else limit - len(usable)
+        take, pending = pending[:want], pending[want:]
+        ok, bad = prepare_relays(
+            ref, tok, take, cache_dir, fingerprint, gen, progress=lambda _s, n: bar.update(n)
+        )
+        usable += ok
+        skipped += bad
+    bar.close()
+    gen_s = time.perf_counter() - started
+    for case, reason in skipped:
+        print(f"skipped {case.id}: {reason}", file=sys.stderr)
+    if not usable:
+        print("no usable relay case", file=sys.stderr)
+        return 1
+
+    per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for case, path in tqdm(usable, desc="relays", unit="relay", disable=args.no_progress):
+        relay = load_relay(path, case)
+        for name, row in evaluate_relay(ref, relay, configs).items():
+            per_method[name].append(row)
+        del relay
+    rows = [summarize(m, per_method[m], ref.num_layers) for m in methods]
+    total_s = time.perf_counter() - started
+    print(markdown_table(rows))
+    print(
+        f"\n{len(usable)} relays ({len(skipped)} skipped), model {model_dir.name} "
+        f"({ref.num_layers} layers, fp32), relay config {relay_cfg.to_dict()}; "
+        f"{total_s:.0f} s total ({gen_s:.0f} s loading/generation), "
+        f"{torch.get_num_threads()} threads"
+    )
+    if args.json:
+        meta = {
+            "model": str(model_dir),
+            "profile": str(profile_path) if profile_path else None,
+            "workload": args.workload or "packaged:fidelity_workload.jsonl",
+            "quick": bool(args.quick),
+            "machine": machine_info(),
+            "generation": asdict(gen),
+            "seconds_total": total_s,
+            "seconds_generation": gen_s,
+            "skipped": [c.id for c, _ in skipped],
+        }
+        out = []
+        for row, m in zip(rows, methods, strict=True):
+            cfg = configs[m]
+            out.append(
+                {
+                    **row,
+                    "config": cfg.to_dict() if cfg is not None else None,
+                    "run": meta,
+                    "per_relay": per_method[m],
+                }
+            )
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

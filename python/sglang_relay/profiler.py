@@ -1,0 +1,462 @@
+"""``sglang-relay profile``: the offline layer-range profiler (see docs/profiling.md).
+
+On calibration relays (a workload disjoint from the fidelity bench's), with the HF
+reference executor:
+
+1. curves per layer, comparing the reused KV (decode-phase, keys re-rotated) with the
+   downstream exact prefill over the span tokens: mean key and value cosine, relative
+   deviation of the residual stream, the adjacent-layer Spearman rank correlation of the
+   per-token value deviation, and how concentrated that deviation is (share carried by the
+   top 15 % of tokens, ratio first 16 tokens / rest);
+2. a search over relay configs (layer range, then the selection rule by coordinate
+   descent), each candidate measured on every calibration relay: first-token KL vs exact,
+   teacher-forced top-1 over the exact 64-token continuation, token-layer reuse. Every
+   candidate carries the ``max_ratio`` cap that makes its reuse >= ``--min-reuse`` on
+   every span by construction;
+3. the rule: among candidates whose reuse is >= ``--min-reuse`` on every calibration
+   relay, the lowest mean first-token KL; candidates within 2 % of it are ranked by
+   teacher-forced top-1, then by reuse.
+
+Writes ``profile.json`` (``{"model", "config", "curves", "search", "chosen", ...}``, the
+``config`` loadable by :func:`~sglang_relay.core.config.load_profile`) and
+``profile.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.reference import (
+    RefModel,
+    RelayResult,
+    exact_prefill,
+    fidelity,
+    relay_prefill,
+)
+from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+from sglang_relay.core.selection import kv_deviation
+
+TOP_SHARE = 0.15
+FIRST = 16
+KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
+
+
+# ----------------------------------------------------------------------------- curves
+
+
+def span_rows_and_reused(
+    ref: RefModel, relay: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Span rows of a relay and what reuse puts there: ``rows [S]``, keys re-rotated and
+    values ``[L, S, H_kv, D]``, decode streams ``[L, S, hidden]``."""
+    rows, ks, vs, hs, deltas = [], [], [], [], []
+    for s in relay.spans:
+        lo, hi = s.span_start, s.span_start + s.length
+        rows.append(torch.arange(s.prompt_start, s.prompt_start + s.length))
+        deltas.append(rows[-1] - (s.record.span_start_pos + torch.arange(lo, hi)))
+        ks.append(s.record.k[:, lo:hi])
+        vs.append(s.record.v[:, lo:hi])
+        hs.append(s.record.hidden[lo:hi].transpose(0, 1))
+    delta = torch.cat(deltas)
+    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
+    k = torch.cat(ks, 1)
+    k = torch.stack([apply_rotation(k[lid], cos, sin) for lid in range(k.shape[0])])
+    return torch.cat(rows), k, torch.cat(vs, 1), torch.cat(hs, 1)
+
+
+def relay_curves(ref: RefModel, relay: Any, exact: RelayResult) -> dict[str, list[float]]:
+    """Per-layer comparison of reused vs exact KV over one relay's span tokens."""
+    from scipy.stats import spearmanr
+
+    rows, k_re, v_re, h_dec = span_rows_and_reused(ref, relay)
+    k_ex, v_ex = exact.cache.k[:, rows], exact.cache.v[:, rows]
+    h_ex = exact.hidden[:, rows]
+    num_l = ref.num_layers
+    out: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "key_cos",
+            "value_cos",
+            "stream_rel_dev",
+            "top15_share",
+            "first16_ratio",
+            "spearman_value",
+            "spearman_key",
+        )
+    }
+    dev_v, dev_k = [], []
+    for lid in range(num_l):
+        dk = kv_deviation(k_ex[lid], k_re[lid])  # [S]
+        dv = kv_deviation(v_ex[lid], v_re[lid])
+        dev_k.append(dk)
+        dev_v.append(dv)
+        out["key_cos"].append(float(1 - dk.mean()))
+        out["value_cos"].append(float(1 - dv.mean()))
+        rel = (h_dec[lid] - h_ex[lid]).norm(dim=-1) / h_ex[lid].norm(dim=-1)
+        out["stream_rel_dev"].append(float(rel.mean()))
+        top = max(1, round(TOP_SHARE * dv.numel()))
+        total = float(dv.sum())
+        out["top15_share"].append(float(dv.topk(top).values.sum()) / total if total else 0.0)
+        first = [dv[lo : lo + FIRST] for lo in _span_bounds(relay)]
+        first_mean = float(torch.cat(first).mean())
+        out["first16_ratio"].append(first_mean / max(float(dv.mean()), 1e-12))
+    for lid in range(num_l - 1):
+        out["spearman_value"].append(_spearman(spearmanr, dev_v[lid], dev_v[lid + 1]))
+        out["spearman_key"].append(_spearman(spearmanr, dev_k[lid], dev_k[lid + 1]))
+    return out
+
+
+def _span_bounds(relay: Any) -> list[int]:
+    starts, acc = [], 0
+    for s in relay.spans:
+        starts.append(acc)
+        acc += s.length
+    return starts
+
+
+def _spearman(fn: Any, a: torch.Tensor, b: torch.Tensor) -> float:
+    value = fn(a.numpy(), b.numpy()).statistic
+    return float(value) if math.isfinite(value) else 0.0
+
+
+def mean_curves(per_relay: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    return {
+        key: [round(statistics.fmean(vals), 5) for vals in zip(*(c[key] for c in per_relay))]
+        for key in per_relay[0]
+    }
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def reuse_cap(cfg: RelayConfig, num_layers: int, min_reuse: float) -> float | None:
+    """Largest ``max_ratio`` (3 decimals, rounded down) that guarantees ``min_reuse`` on
+    every span for this layer range; ``None`` if even selecting nothing is not enough."""
+    sched = cfg.schedule(num_layers)
+    budget = num_layers * (1.0 - min_reuse) - sched.dense_layers
+    if sched.sparse_layers == 0:
+        return 1.0 if budget >= 0 else None
+    cap = math.floor(1000 * budget / sched.sparse_layers - 1e-9) / 1000
+    if cap <= 0:
+        return None
+    return min(cap, 1.0)
+
+
+def with_cap(cfg: RelayConfig, num_layers: int, min_reuse: float, scale: float = 1.0):
+    cap = reuse_cap(cfg, num_layers, min_reuse)
+    if cap is None:
+        return None
+    return replace(cfg, max_ratio=max(0.001, math.floor(1000 * cap * scale) / 1000))
+
+
+def evaluate(
+    ref: RefModel, relays: list[Any], exacts: list[RelayResult], cfg: RelayConfig
+) -> dict[str, Any]:
+    """Calibration metrics of one candidate."""
+    kls, tfs, top1s, reuses, spans, sel = [], [], [], [], 0, 0
+    for relay, exact in zip(relays, exacts, strict=True):
+        res = relay_prefill(ref, relay.prompt, relay.spans, cfg, forced=relay.continuation[:-1])
+        f = fidelity(exact.logits, res.logits, relay.continuation)
+        kls.append(f["first_token_kl"])
+        tfs.append(f["tf_top1"])
+        top1s.append(f["top1"])
+        reuses.append(res.reuse_rate)
+        spans += sum(res.span_lengths)
+        sel += sum(res.selected)
+    return {
+        "first_token_kl": statistics.fmean(kls),
+        "first_token_kl_median": statistics.median(kls),
+        "tf_top1": statistics.fmean(tfs),
+        "top1": statistics.fmean(top1s),
+        "reuse_min": min(reuses),
+        "reuse_mean": statistics.fmean(reuses),
+        "selected_fraction": sel / spans if spans else 0.0,
+    }
+
+
+def rank_key(entry: dict[str, Any], best_kl: float) -> tuple:
+    """The selection rule's order (lower is better) among eligible candidates."""
+    m = entry["metrics"]
+    tied = m["first_token_kl"] <= best_kl * (1 + KL_TIE)
+    return (0 if tied else 1, -m["tf_top1"] if tied else m["first_token_kl"], -m["reuse_mean"])
+
+
+def choose(search: list[dict[str, Any]], min_reuse: float) -> dict[str, Any] | None:
+    eligible = [e for e in search if e["metrics"]["reuse_min"] >= min_reuse - 1e-9]
+    if not eligible:
+        return None
+    best_kl = min(e["metrics"]["first_token_kl"] for e in eligible)
+    return min(eligible, key=lambda e: rank_key(e, best_kl))
+
+
+class Search:
+    """Evaluates candidates once each (by config) and keeps the log."""
+
+    def __init__(self, ref, relays, exacts, min_reuse: float, bar: Any) -> None:
+        self.ref, self.relays, self.exacts = ref, relays, exacts
+        self.min_reuse = min_reuse
+        self.log: list[dict[str, Any]] = []
+        self._seen: dict[RelayConfig, dict[str, Any]] = {}
+        self.bar = bar
+
+    def run(self, cfg: RelayConfig | None, stage: str) -> dict[str, Any] | None:
+        if cfg is None:
+            return None
+        if cfg in self._seen:
+            return self._seen[cfg]
+        t0 = time.perf_counter()
+        metrics = evaluate(self.ref, self.relays, self.exacts, cfg)
+        entry = {
+            "stage": stage,
+            "config": cfg.to_dict(),
+            "metrics": {k: round(v, 6) for k, v in metrics.items()},
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        self._seen[cfg] = entry
+        self.log.append(entry)
+        self.bar.update(1)
+        self.bar.set_postfix_str(
+            f"{_describe(cfg)} KL={metrics['first_token_kl']:.4f} TF={metrics['tf_top1']:.3f}"
+        )
+        return entry
+
+    def best(self, entries: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        return choose([e for e in entries if e is not None], self.min_reuse)
+
+
+def _describe(cfg: RelayConfig) -> str:
+    return (
+        f"({cfg.l_start},{cfg.l_det},{cfg.l_end}) {cfg.signal[0]} tau={cfg.tau_dev} "
+        f"k={cfg.first_k} suf={cfg.l_suf} cap={cfg.max_ratio}"
+    )
+
+
+def layer_ranges(num_layers: int, quick: bool) -> list[tuple[int, int, int]]:
+    last = num_layers - 1
+    if quick:
+        pairs = [(0, 1), (1, 2), (3, 4), (6, 7)]
+        return [(s, d, last) for s, d in pairs]
+    pairs = [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (2, 4), (4, 5), (6, 7), (9, 10)]
+    ranges = [(s, d, last) for s, d in pairs if d < num_layers]
+    ranges += [(3, 4, last - 2), (3, 4, last - 4)]
+    return ranges
+
+
+def run_search(search: Search, num_layers: int, quick: bool) -> dict[str, Any] | None:
+    """Stage 1: layer ranges with a fixed rule; stage 2: coordinate descent over the rule
+    for the best two ranges."""
+    min_reuse = search.min_reuse
+    base = RelayConfig(tau_dev=1.5, l_suf=10, first_k=0, signal="value")
+    stage1 = []
+    for s, d, e in layer_ranges(num_layers, quick):
+        cfg = replace(base, l_start=s, l_det=d, l_end=e)
+        stage1.append(search.run(with_cap(cfg, num_layers, min_reuse), "layer range"))
+    ranked = sorted(
+        (x for x in stage1 if x is not None),
+        key=lambda x: x["metrics"]["first_token_kl"],
+    )
+    axes: list[tuple[str, list[Any]]] = [
+        ("first_k", [0, 4, 8, 16]),
+        ("tau_dev", [1.0, 1.5, 2.0, 3.0]),
+        ("l_suf", [0, 10]),
+        ("signal", ["value", "key"]),
+    ]
+    if quick:
+        axes = [("first_k", [0, 8, 16]), ("tau_dev", [1.0, 1.5, 2.0])]
+    finalists = []
+    for start in ranked[: 1 if quick else 2]:
+        current = start
+        for _round in range(1 if quick else 2):
+            for name, values in axes:
+                trial = [current]
+                for value in values:
+                    cfg = replace(RelayConfig.from_dict(current["config"]), **{name: value})
+                    trial.append(search.run(with_cap(cfg, num_layers, min_reuse), f"rule:{name}"))
+                current = search.best(trial) or current
+        # a tighter cap than the reuse budget allows (fewer tokens can be better)
+        cfg = RelayConfig.from_dict(current["config"])
+        trial = [current, search.run(with_cap(cfg, num_layers, min_reuse, 0.75), "rule:cap")]
+        finalists.append(search.best(trial) or current)
+    return search.best(finalists + search.log)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def plot(curves: dict[str, list[float]], search: list[dict[str, Any]], chosen, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    layers = list(range(len(curves["value_cos"])))
+    a = ax[0, 0]
+    a.plot(layers, curves["value_cos"], "o-", label="value cosine")
+    a.plot(layers, curves["key_cos"], "s-", label="key cosine (re-rotated)")
+    a.set_xlabel("layer")
+    a.set_ylabel("cosine reused vs exact")
+    a.set_title("KV similarity, decode vs downstream prefill")
+    a.legend()
+    a = ax[0, 1]
+    a.plot(layers, curves["stream_rel_dev"], "o-", color="C3")
+    a.set_xlabel("layer (stream entering it)")
+    a.set_ylabel("relative deviation")
+    a.set_title("residual stream deviation")
+    a = ax[1, 0]
+    mid = [i + 0.5 for i in layers[:-1]]
+    a.plot(mid, curves["spearman_value"], "o-", label="Spearman, value deviation")
+    a.plot(mid, curves["spearman_key"], "s-", label="Spearman, key deviation")
+    a.plot(layers, curves["top15_share"], "^-", label="share of deviation in top 15 %")
+    a.set_xlabel("layer")
+    a.set_ylim(0, 1.02)
+    a.set_title("token sparsity and adjacent-layer rank stability")
+    a.legend()
+    a = ax[1, 1]
+    xs = [e["metrics"]["reuse_min"] for e in search]
+    ys = [e["metrics"]["first_token_kl"] for e in search]
+    a.scatter(xs, ys, c="C0", s=18, label="candidates (calibration)")
+    if chosen is not None:
+        a.scatter(
+            [chosen["metrics"]["reuse_min"]],
+            [chosen["metrics"]["first_token_kl"]],
+            c="C3",
+            s=80,
+            marker="*",
+            label="chosen",
+        )
+    a.set_xlabel("reuse (min over relays)")
+    a.set_ylabel("first-token KL (mean)")
+    a.set_title("search")
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang-relay profile", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=None, help="HF model dir (default: embedded)")
+    p.add_argument("--out", default="relay-profile", help="output folder")
+    p.add_argument("--quick", action="store_true", help="8 relays, a smaller search")
+    p.add_argument("--workload", default=None, help="calibration JSONL (default: packaged)")
+    p.add_argument("--n-relays", type=int, default=None, help="calibration relays to use")
+    p.add_argument("--min-reuse", type=float, default=0.80, help="reuse constraint")
+    p.add_argument("--cache-dir", default=None, help="generation cache folder")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0.0 < args.min_reuse < 1.0:
+        print("--min-reuse must be in (0, 1)", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sglang_relay.bench.fidelity import default_cache_dir
+    from sglang_relay.bench.workload import (
+        GenSettings,
+        load_relay,
+        load_workload,
+        model_fingerprint,
+        prepare_relays,
+    )
+    from sglang_relay.core.reference import load_model
+    from sglang_relay.embedded_model import ensure_model
+
+    hf_logging.set_verbosity_error()
+    started = time.perf_counter()
+    model_dir = Path(args.model_path) if args.model_path else ensure_model()
+    ref = load_model(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cases = load_workload(args.workload, name="calibration_workload.jsonl")
+    limit = args.n_relays or (8 if args.quick else len(cases))
+    bar = tqdm(desc="generate (cached)", unit="seq", disable=args.no_progress, file=sys.stderr)
+    usable, skipped = prepare_relays(
+        ref,
+        tok,
+        cases[:limit],
+        Path(args.cache_dir) if args.cache_dir else default_cache_dir(),
+        model_fingerprint(model_dir, ref.num_layers),
+        GenSettings(),
+        progress=lambda _s, n: bar.update(n),
+    )
+    bar.close()
+    for case, reason in skipped:
+        print(f"skipped {case.id}: {reason}", file=sys.stderr)
+    if not usable:
+        print("no usable calibration relay", file=sys.stderr)
+        return 1
+    relays = [load_relay(path, case) for case, path in usable]
+
+    per_relay, exacts = [], []
+    for relay in tqdm(relays, desc="curves", unit="relay", disable=args.no_progress):
+        exact = exact_prefill(
+            ref, relay.prompt, forced=relay.continuation[:-1], capture_hidden=True
+        )
+        per_relay.append(relay_curves(ref, relay, exact))
+        exact.hidden = None
+        exacts.append(exact)
+    curves = mean_curves(per_relay)
+
+    bar = tqdm(desc="search", unit="cfg", disable=args.no_progress, file=sys.stderr)
+    search = Search(ref, relays, exacts, args.min_reuse, bar)
+    chosen = run_search(search, ref.num_layers, args.quick)
+    bar.close()
+    if chosen is None:
+        print(f"no candidate reaches reuse {args.min_reuse}", file=sys.stderr)
+        return 1
+    config = RelayConfig.from_dict(chosen["config"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = {
+        "model": model_dir.name,
+        "config": config.to_dict(),
+        "rule": (
+            f"min mean first-token KL over calibration relays subject to reuse >= "
+            f"{args.min_reuse} on every relay (max_ratio cap); candidates within "
+            f"{KL_TIE:.0%} of the best KL ranked by teacher-forced top-1, then reuse"
+        ),
+        "chosen": chosen,
+        "calibration": {
+            "relays": [r.case.id for r in relays],
+            "skipped": [c.id for c, _ in skipped],
+            "span_tokens": [r.span_tokens for r in relays],
+            "quick": bool(args.quick),
+        },
+        "curves": curves,
+        "search": search.log,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    plot(curves, search.log, chosen, out / "profile.png")
+    m = chosen["metrics"]
+    print(f"chosen: {_describe(config)}")
+    print(
+        f"calibration ({len(relays)} relays): first-token KL {m['first_token_kl']:.4f}, "
+        f"TF top-1 {m['tf_top1']:.3f}, reuse min {m['reuse_min']:.3f} / mean "
+        f"{m['reuse_mean']:.3f}; {len(search.log)} candidates in {profile['seconds']:.0f} s"
+    )
+    print(f"wrote {out / 'profile.json'} and {out / 'profile.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Relay end to end on the real server: hits, exactness oracles, safety, users' paths."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.e2e
+
+_unique = itertools.count()
+ALL_SELECTED = {"l_start": 0, "l_det": 0, "l_end": -1, "top_ratio": 1.0, "l_suf": 0}
+NOTHING_RECOMPUTED = {"l_start": 30, "l_det": 30, "l_end": 29}
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat(tok, system: str, user: str) -> str:
+    return tok.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+
+def generate(url, text, n=16, relay=None, logprobs=False, **extra):
+    # long generations are upstream outputs: make their length deterministic
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": n >= 100}
+    if relay is not None:
+        params["custom_params"] = {"relay": relay}
+    body = {"text": text, "sampling_params": params, **extra}
+    if logprobs:
+        body.update(return_logprob=True, top_logprobs_num=5)
+    resp = requests.post(url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def relay_info(url):
+    return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["relay"]
+
+
+def first_logprobs(out) -> dict[int, float]:
+    return {tid: lp for lp, tid, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+@pytest.fixture()
+def upstream(server, tok):
+    """A fresh upstream output (>= 100 tokens) and a downstream prompt embedding it."""
+    k = next(_unique)
+    a = generate(
+        server.url,
+        chat(
+            tok,
+            f"You are architect #{k}.",
+            f"Write a numbered design spec for tool {k}: "
+            "a function that merges overlapping intervals.",
+        ),
+        n=140,
+    )
+    assert a["meta_info"]["completion_tokens"] >= 100
+    prompt = chat(tok, f"You are developer #{k}.", f"Spec:\n\n{a['text']}\n\nImplement it.")
+    return a, prompt
+
+
+def test_every_response_reports_relay(server, tok):
+    out = generate(server.url, chat(tok, "You are terse.", "Say hi."), n=4)
+    relay = out["meta_info"]["relay"]
+    assert relay["spans_matched"] == 0 and relay["fallback"] is None
+
+
+def test_downstream_reuses_the_upstream_output(server, upstream):
+    a, prompt = upstream
+    out = generate(server.url, prompt)
+    relay = out["meta_info"]["relay"]
+    assert relay["spans_matched"] >= 1
+    # the whole span but edges that re-tokenize differently (and text after an EOS)
+    assert relay["reused_tokens"] >= 0.75 * a["meta_info"]["completion_tokens"]
+    assert 0.5 < relay["reuse_rate"] < 1.0
+    assert relay["fallback"] is None
+
+
+def test_oracle_everything_recomputed_equals_standard(server, upstream):
+    _, prompt = upstream
+    full = generate(
+        server.url, prompt, relay={"method": "relay", "config": ALL_SELECTED}, logprobs=True
+    )
+    assert full["meta_info"]["relay"]["reuse_rate"] == 0.0
+    assert full["meta_info"]["relay"]["spans_matched"] >= 1
+    std = generate(server.url, prompt, relay="standard", logprobs=True)
+    a, b = first_logprobs(full), first_logprobs(std)
+    assert a.keys() == b.keys()
+    for tid in a:
+        assert a[tid] == pytest.approx(b[tid], abs=2e-4)
+    assert full["output_ids"] == std["output_ids"]
+
+
+def test_oracle_no_recompute_equals_naive(server, upstream):
+    _, prompt = upstream
+    naive = generate(server.url, prompt, relay="naive", logprobs=True)
+    none = generate(
+        server.url, prompt, relay={"method": "relay", "config": NOTHING_RECOMPUTED}, logprobs=True
+    )
+    assert naive["meta_info"]["relay"]["reuse_rate"] == 1.0
+    a, b = first_logprobs(naive), first_logprobs(none)
+    assert a.keys() == b.keys()
+    for tid in a:
+        assert a[tid] == pytest.approx(b[tid], abs=1e-5)
+
+
+def test_exact_prefix_hits_never_return_relayed_kv(server, tok, upstream):
+    _, prompt = upstream
+    relayed = generate(server.url, prompt)
+    span_start = (
+        relayed["meta_info"]["prompt_tokens"] - relayed["meta_info"]["relay"]["reused_tokens"]
+    )
+    again = generate(server.url, prompt, relay="standard")
+    # the prefix cache may serve the prompt up to the span, never the relayed span itself
+    assert again["meta_info"]["cached_tokens"] < span_start
+
+
+def test_namespaces_never_share_spans(server, tok):
+    k = next(_unique)
+    a = generate(
+        server.url,
+        chat(tok, f"Planner {k}.", "List ten steps to bake bread."),
+        n=120,
+        cache_salt="tenant-a",
+    )
+    prompt = chat(tok, f"Critic {k}.", f"Steps:\n\n{a['text']}\n\nCritique them.")
+    other = generate(server.url, prompt, cache_salt="tenant-b")
+    assert other["meta_info"]["relay"]["spans_matched"] == 0
+    same = generate(server.url, prompt, cache_salt="tenant-a")
+    assert same["meta_info"]["relay"]["spans_matched"] >= 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        42,
+        {"method": "warp"},
+        {"config": {"l_start": 99}},
+        {"config": {"tau_dev": -1}},
+        {"weird": 1},
+    ],
+)
+def test_malformed_options_fall_back_cleanly(server, upstream, bad):
+    _, prompt = upstream
+    out = generate(server.url, prompt, relay=bad)
+    relay = out["meta_info"]["relay"]
+    assert relay["fallback"].startswith("bad_options")
+    assert relay["spans_matched"] == 0
+    std = generate(server.url, prompt, relay="standard")
+    assert out["output_ids"] == std["output_ids"]
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_chain_of_three_reuses_both_upstream_outputs(server, tok):
+    k = next(_unique)
+    a = generate(server.url, chat(tok, f"Architect {k}.", "Spec a stack class in Python."), n=120)
+    b = generate(
+        server.url, chat(tok, f"Developer {k}.", f"Spec:\n\n{a['text']}\n\nCode it."), n=120
+    )
+    assert b["meta_info"]["relay"]["spans_matched"] >= 1
+    c = generate(
+        server.url,
+        chat(tok, f"Reviewer {k}.", f"Spec:\n\n{a['text']}\n\nCode:\n\n{b['text']}\n\nReview."),
+    )
+    assert c["meta_info"]["relay"]["spans_matched"] >= 2
+    assert c["meta_info"]["relay"]["reused_tokens"] >= 200
+
+
+def test_frontend_program_gets_relay_hits(server):
+    import sglang as sgl
+
+    k = next(_unique)
+
+    @sgl.function
+    def architect(s, task):
+        s += sgl.system(f"You are architect {k}.")
+        s += sgl.user(task)
+        s += sgl.assistant(sgl.gen("spec", max_tokens=120, temperature=0))
+
+    @sgl.function
+    def developer(s, spec):
+        s += sgl.system(f"You are developer {k}.")
+        s += sgl.user("Here is the spec:\n\n" + spec + "\n\nImplement it in Python.")
+        s += sgl.assistant(sgl.gen("code", max_tokens=8, temperature=0))
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    spec = architect.run(task="Design a queue with two stacks.", backend=backend)["spec"]
+    state = developer.run(spec=spec, backend=backend)
+    relay = state.get_meta_info("code")["relay"]
+    assert relay["spans_matched"] >= 1 and relay["reused_tokens"] >= 80
+
+
+def test_openai_chain_gets_relay_hits(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    k = next(_unique)
+    first = (
+        client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": f"({k}) Explain binary search in detail."}],
+            max_tokens=120,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
+    before = relay_info(server.url).get("relayed_tokens", 0)
+    client.chat.completions.create(
+        model="default",
+        messages=[
+            {"role": "system", "content": f"Reviewer {k}."},
+            {"role": "user", "content": f"Check this explanation:\n\n{first}\n\nIs it right?"},
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert relay_info(server.url).get("relayed_tokens", 0) >= before + 80
+
+
+def test_no_leaked_slots_when_idle(server):
+    time.sleep(1.0)
+    pool = relay_info(server.url)["pool"]
+    assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"], pool
