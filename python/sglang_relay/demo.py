@@ -2,7 +2,8 @@
 
 Each downstream prompt embeds the earlier agents' outputs inside its own template, which
 is exactly the text that SGLang's prefix cache cannot reuse. The demo prints, per agent,
-the prompt length, the tokens served from cache, the time to first token and the output.
+the prompt length, the relayed tokens and reuse rate, and the time to first token with
+relay and with plain SGLang's standard prefill (both pipelines on the same server).
 """
 
 from __future__ import annotations
@@ -38,11 +39,19 @@ def chat_prompt(tokenizer: Any, system: str, user: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def run_chain(url: str, chain: dict[str, Any], tokenizer: Any) -> list[AgentResult]:
-    """Run the agents in order; agent i's template sees the outputs of agents < i by name."""
+def run_chain(
+    url: str, chain: dict[str, Any], tokenizer: Any, method: str | None = None
+) -> list[AgentResult]:
+    """Run the agents in order; agent i's template sees the outputs of agents < i by name.
+    ``method`` picks the relay method per request (None: the server's default)."""
     outputs: dict[str, str] = {"task": chain["task"]}
     results = []
-    params = {"max_new_tokens": int(chain.get("max_new_tokens", 128)), "temperature": 0.0}
+    params: dict[str, Any] = {
+        "max_new_tokens": int(chain.get("max_new_tokens", 128)),
+        "temperature": 0.0,
+    }
+    if method is not None:
+        params["custom_params"] = {"relay": method}
     for agent in chain["agents"]:
         user = agent["template"].format(**outputs)
         gen = generate(url, chat_prompt(tokenizer, agent["system"], user), params)
@@ -51,22 +60,21 @@ def run_chain(url: str, chain: dict[str, Any], tokenizer: Any) -> list[AgentResu
     return results
 
 
-def _relay_cell(gen: Generation) -> str:
-    relay = gen.relay
-    if not relay:
-        return "n/a"
-    return f"{relay.get('reused_tokens', 0)} reused"
-
-
-def format_table(results: list[AgentResult]) -> str:
-    header = f"{'agent':<10} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'relay':>12}  output"
+def format_table(relay: list[AgentResult], standard: list[AgentResult]) -> str:
+    """Relay on vs off, agent by agent."""
+    header = (
+        f"{'agent':<10} {'prompt':>6} {'relayed':>7} {'reuse':>6} "
+        f"{'TTFT relay':>10} {'TTFT std':>9} {'speedup':>7}  same output"
+    )
     lines = [header, "-" * len(header)]
-    for r in results:
-        g = r.generation
-        first_line = g.text.strip().splitlines()[0] if g.text.strip() else ""
+    for on, off in zip(relay, standard, strict=True):
+        info = on.generation.relay or {}
+        speedup = off.generation.ttft_s / on.generation.ttft_s if on.generation.ttft_s else 0.0
+        same = "yes" if on.generation.text == off.generation.text else "no"
         lines.append(
-            f"{r.name:<10} {g.prompt_tokens:>7} {g.cached_tokens:>7} {g.ttft_s * 1e3:>9.1f} "
-            f"{_relay_cell(g):>12}  {first_line[:60]}"
+            f"{on.name:<10} {on.generation.prompt_tokens:>6} {info.get('reused_tokens', 0):>7} "
+            f"{info.get('reuse_rate', 0.0):>6.2f} {on.generation.ttft_s * 1e3:>8.0f}ms "
+            f"{off.generation.ttft_s * 1e3:>7.0f}ms {speedup:>6.1f}x  {same}"
         )
     return "\n".join(lines)
 
@@ -77,6 +85,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model-path", help="model directory (default: the embedded model)")
     parser.add_argument("--workload", help="chain JSON (default: the packaged demo chain)")
     parser.add_argument("--full-output", action="store_true", help="print whole outputs")
+    parser.add_argument("--method", help="relay method for the relay pipeline (default: server's)")
     args, server_flags = parser.parse_known_args(argv)
 
     from transformers import AutoTokenizer
@@ -96,15 +105,20 @@ def main(argv: list[str]) -> int:
         server = ServerProcess(["--model-path", model_path, *server_flags]).start()
         url = server.url
     try:
+        # Each pipeline starts from an empty cache, so neither profits from the other.
         flush_cache(url)
-        results = run_chain(url, chain, tokenizer)
+        relayed = run_chain(url, chain, tokenizer, method=args.method)
+        flush_cache(url)
+        standard = run_chain(url, chain, tokenizer, method="standard")
     finally:
         if server is not None:
             server.stop()
-    print(format_table(results))
+    print(f"[demo] relay method: {args.method or 'server default'}; standard = plain SGLang")
+    print(format_table(relayed, standard))
     if args.full_output:
-        for r in results:
-            print(f"\n=== {r.name} ===\n{r.generation.text.strip()}")
+        for on, off in zip(relayed, standard, strict=True):
+            print(f"\n=== {on.name} (relay) ===\n{on.generation.text.strip()}")
+            print(f"\n=== {off.name} (standard) ===\n{off.generation.text.strip()}")
     return 0
 
 
