@@ -23,7 +23,7 @@ commands:
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
-  --relay-allow-approx-prefix
+  --relay-allow-approx-prefix, --no-relay (plain SGLang, same defaults)
 """
 
 
@@ -59,6 +59,7 @@ def _cmd_profile(argv: list[str]) -> int:
 BENCHES = {
     "fidelity": "sglang_relay.bench.fidelity",
     "ttft": "sglang_relay.bench.ttft",
+    "decode": "sglang_relay.bench.decode",
 }
 
 

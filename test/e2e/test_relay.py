@@ -7,6 +7,7 @@ import time
 
 import pytest
 import requests
+from relay_helpers import chat, first_logprobs, generate, relay_info
 
 pytestmark = pytest.mark.e2e
 
@@ -20,35 +21,6 @@ def tok(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def chat(tok, system: str, user: str) -> str:
-    return tok.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-
-
-def generate(url, text, n=16, relay=None, logprobs=False, **extra):
-    # long generations are upstream outputs: make their length deterministic
-    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": n >= 100}
-    if relay is not None:
-        params["custom_params"] = {"relay": relay}
-    body = {"text": text, "sampling_params": params, **extra}
-    if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=5)
-    resp = requests.post(url + "/generate", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def relay_info(url):
-    return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["relay"]
-
-
-def first_logprobs(out) -> dict[int, float]:
-    return {tid: lp for lp, tid, _ in out["meta_info"]["output_top_logprobs"][0]}
 
 
 @pytest.fixture()

@@ -42,7 +42,9 @@ def has_flag(argv: list[str], flag: str) -> bool:
     return any(item == n or item.startswith(n + "=") for item in argv for n in names)
 
 
-def build_server_argv(argv: list[str], *, cpu: bool, model_path: str | None = None) -> list[str]:
+def build_server_argv(
+    argv: list[str], *, cpu: bool, model_path: str | None = None, relay: bool = True
+) -> list[str]:
     """Return SGLang server argv with relay's defaults added where the user set nothing.
 
     Adds ``--model-path`` (the embedded model, given as ``model_path``), ``--host
@@ -58,7 +60,7 @@ def build_server_argv(argv: list[str], *, cpu: bool, model_path: str | None = No
         out += ["--model-path", model_path]
     if not has_flag(out, "--host"):
         out += ["--host", DEFAULT_HOST]
-    if not has_flag(out, "--radix-cache-backend"):
+    if relay and not has_flag(out, "--radix-cache-backend"):
         out += ["--radix-cache-backend", "relay"]
     if cpu:
         defaults = {
@@ -180,6 +182,8 @@ def prepare(argv: list[str]) -> list[str]:
     """Everything ``sglang-relay serve`` checks before handing argv to SGLang."""
     from sglang_relay.runtime import cpu
 
+    plain = "--no-relay" in argv  # plain SGLang with the same defaults, for comparisons
+    argv = [a for a in argv if a != "--no-relay"]
     argv, relay_env = split_relay_flags(argv)
     cpu_mode = cpu.activate()
     default_model = None
@@ -187,7 +191,7 @@ def prepare(argv: list[str]) -> list[str]:
         from sglang_relay.embedded_model import ensure_model
 
         default_model = str(ensure_model())
-    out = build_server_argv(argv, cpu=cpu_mode, model_path=default_model)
+    out = build_server_argv(argv, cpu=cpu_mode, model_path=default_model, relay=not plain)
     relay = flag_value(out, "--radix-cache-backend") == "relay"
     model_path = flag_value(out, "--model-path") or ""
     check_model_path(model_path, relay=relay)

@@ -129,7 +129,7 @@ def splice(fb, model, plan: BatchPlan) -> None:
         vbuf[dst] = vbuf[plan.span_src]
 
 
-def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r) -> None:
+def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence=None) -> None:
     """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select."""
     cfg, rows = group.cfg, group.rows
     n = rows.numel()
@@ -150,26 +150,27 @@ def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r) -> None:
         _write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     keep, counts = [], []
     for lo, hi, _ in group.segments:
-        mask = select_tokens(cfg, hi - lo, None if deviation is None else deviation[lo:hi])
+        scores = None if influence is None else influence[group.src[lo:hi]]
+        dev = None if deviation is None else deviation[lo:hi]
+        mask = select_tokens(cfg, hi - lo, dev, scores)
         keep.append(rows[lo:hi][mask.to(rows.device)])
         counts.append(int(keep[-1].numel()))
     group.selected = torch.cat(keep) if keep else rows[:0]
     group.seg_selected = counts
 
 
-def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store):
+def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store, influence=None):
     """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``."""
     splice(fb, model, plan)
     h = model.embed_tokens(input_ids)
     r = None
-    num_layers = len(model.layers)
     for lid, layer in enumerate(model.layers):
         for g in plan.groups:
-            if lid == g.sched.l_start and 0 < lid < num_layers and g.rows.numel():
+            if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden() and g.rows.numel():
                 h[g.rows] = hidden_store[g.src].to(h.dtype)
                 r[g.rows] = 0
             if lid == g.sched.l_det and lid <= g.sched.l_end and g.rows.numel():
-                _detect_and_select(fb, plan.kv_pool, layer, g, h, r)
+                _detect_and_select(fb, plan.kv_pool, layer, g, h, r, influence)
         parts = [plan.normal_rows]
         for g in plan.groups:
             if g.sched.l_start <= lid < g.sched.l_det:
@@ -193,19 +194,66 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store)
     return out
 
 
-def capture_decode(model, input_ids, positions, fb, capture_layer: int, hidden_store):
-    """Stock-equivalent decode that also stores the residual stream entering
-    ``capture_layer`` of every decoded token at its KV slot."""
+def capture_decode(
+    model,
+    input_ids,
+    positions,
+    fb,
+    capture_layer: int | None,
+    hidden_store: torch.Tensor | None,
+    influence: torch.Tensor | None = None,
+    influence_layer: int | None = None,
+    req_to_token: torch.Tensor | None = None,
+):
+    """Stock-equivalent decode that also stores, per decoded token at its KV slot, the
+    residual stream entering ``capture_layer`` and (if ``influence`` is given) accumulates
+    the attention mass each context token receives at ``influence_layer``."""
     h = model.embed_tokens(input_ids)
     r = None
+    if influence is not None:
+        influence[fb.out_cache_loc] = 0.0  # fresh slots start with no influence
     for lid, layer in enumerate(model.layers):
-        if lid == capture_layer:
+        if lid == capture_layer and hidden_store is not None:
             stream = h if r is None else h + r
             hidden_store[fb.out_cache_loc] = stream.to(hidden_store.dtype)
+        track = influence is not None and lid == influence_layer
 
-        def attend(q, k, v, radix_attn=layer.self_attn.attn):
-            return radix_attn(q, k, v, fb)
+        def attend(q, k, v, radix_attn=layer.self_attn.attn, track=track):
+            out = radix_attn(q, k, v, fb)
+            if track:
+                accumulate_influence(fb, radix_attn, q, influence, req_to_token)
+            return out
 
         h, r = _layer(layer, positions, h, r, fb, attend)
     out, _ = model.norm(h, r)
     return out
+
+
+def accumulate_influence(fb, radix_attn, q, influence: torch.Tensor, req_to_token) -> None:
+    """``influence[slot] += sum over heads of the attention probability`` that each decode
+    query puts on each context token (after the query's own KV was written)."""
+    hq, d = radix_attn.tp_q_head_num, radix_attn.qk_head_dim
+    group = hq // radix_attn.tp_k_head_num
+    pool = radix_attn_pool(radix_attn)
+    keys = pool.get_key_buffer(radix_attn.layer_id)
+    q3 = q.reshape(-1, hq, d).float()
+    seq_lens = fb.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        slots = req_to_token[fb.req_pool_indices[i], :seq_len].long()
+        k = keys[slots].float().repeat_interleave(group, dim=1)  # [T, Hq, D]
+        logits = torch.einsum("hd,thd->ht", q3[i], k) * radix_attn.scaling
+        influence.index_add_(0, slots, logits.softmax(dim=-1).sum(dim=0))
+
+
+_POOLS: dict[int, object] = {}
+
+
+def radix_attn_pool(radix_attn):
+    """The KV pool registered for this attention layer (see :func:`bind_pool`)."""
+    return _POOLS[id(radix_attn)]
+
+
+def bind_pool(model, pool) -> None:
+    """Remember the KV pool for the model's attention layers (decode reads keys from it)."""
+    for layer in model.layers:
+        _POOLS[id(layer.self_attn.attn)] = pool

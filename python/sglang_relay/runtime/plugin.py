@@ -62,10 +62,18 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
 
     mode = forward_batch.forward_mode
     if mode.is_decode():
-        if rt.capture_layer is None:
+        if not rt.captures:
             return original(model, input_ids, positions, forward_batch, *args, **kwargs)
         return model_loop.capture_decode(
-            model, input_ids, positions, forward_batch, rt.capture_layer, rt.hidden
+            model,
+            input_ids,
+            positions,
+            forward_batch,
+            rt.capture_layer,
+            rt.hidden,
+            rt.influence,
+            rt.influence_layer,
+            rt.req_to_token,
         )
     if mode.name != "EXTEND":  # mixed, draft and verify batches keep the stock path
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
@@ -73,7 +81,9 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
     if plan is None:
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     try:
-        out = model_loop.relay_extend(model, input_ids, positions, forward_batch, plan, rt.hidden)
+        out = model_loop.relay_extend(
+            model, input_ids, positions, forward_batch, plan, rt.hidden, rt.influence
+        )
     except Exception as exc:  # fall back: the stock forward rewrites every extend row's KV
         rt.fail_plan(plan, exc)
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)

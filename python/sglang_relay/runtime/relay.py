@@ -108,6 +108,18 @@ class RelayRuntime:
             if self.capture_layer is not None
             else None
         )
+        # [pool_slots] float32 attention mass received, by KV slot (only when tau_inf is set)
+        self.influence_layer = relay_sched.l_det if self.cfg.tau_inf is not None else None
+        self.influence = (
+            torch.zeros(self.pool_slots, dtype=torch.float32, device=self.device)
+            if self.influence_layer is not None and self.influence_layer < self.num_layers
+            else None
+        )
+        if self.influence is None:
+            self.influence_layer = None
+        from sglang_relay.runtime.model_loop import bind_pool
+
+        bind_pool(self.model, pool)
         self.store = SpanStore(
             self.pool_slots, self.device, min_match=self.cfg.min_span, max_tokens=span_budget
         )
@@ -117,8 +129,16 @@ class RelayRuntime:
 
     # ---- memory --------------------------------------------------------------------
     def side_bytes(self) -> int:
-        hidden = self.hidden.numel() * self.hidden.element_size() if self.hidden is not None else 0
-        return hidden + self.store.owner.numel() * self.store.owner.element_size()
+        total = self.store.owner.numel() * self.store.owner.element_size()
+        for t in (self.hidden, self.influence):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    @property
+    def captures(self) -> bool:
+        """Whether decode must run the relay loop (to store hidden states or influence)."""
+        return self.capture_layer is not None or self.influence is not None
 
     # ---- scheduler side --------------------------------------------------------------
     def request_config(self, req: Any) -> RelayConfig | None:
