@@ -80,7 +80,9 @@ class RelayConfig:
             raise ValueError(f"min_span must be >= 2; got {self.min_span}")
 
     def for_method(self, method: str) -> RelayConfig:
-        """This config with ``method`` switched and the method's fixed settings applied."""
+        """This config with ``method`` switched and the method's fixed settings applied
+        (CacheBlend: top 15 % by key deviation at layer 1; EPIC: first 16 tokens). Apply
+        user overrides after this call."""
         if method == "cacheblend":
             return replace(
                 self,
@@ -89,7 +91,7 @@ class RelayConfig:
                 l_det=1,
                 l_end=-1,
                 signal="key",
-                top_ratio=self.top_ratio or 0.15,
+                top_ratio=0.15,
                 first_k=0,
                 l_suf=0,
                 tau_inf=None,
@@ -102,7 +104,7 @@ class RelayConfig:
                 l_start=0,
                 l_det=0,
                 l_end=-1,
-                first_k=self.first_k or 16,
+                first_k=16,
                 l_suf=0,
                 top_ratio=None,
                 tau_inf=None,

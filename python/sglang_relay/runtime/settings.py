@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -52,6 +52,12 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     config = RelayConfig()
     if profile:
         config, _ = load_profile(profile)
+    method = env.get(ENV_METHOD)
+    if method:
+        if method in ("cacheblend", "epic"):
+            config = config.for_method(method)
+        else:
+            config = RelayConfig.from_dict({**config.to_dict(), "method": method})
     raw = env.get(ENV_CONFIG)
     if raw:
         try:
@@ -61,13 +67,6 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         if not isinstance(overrides, dict):
             raise ValueError(f"{ENV_CONFIG} must be a JSON object")
         config = RelayConfig.from_dict({**config.to_dict(), **overrides})
-    method = env.get(ENV_METHOD)
-    if method:
-        config = (
-            config.for_method(method)
-            if method in ("cacheblend", "epic")
-            else replace(RelayConfig.from_dict(config.to_dict()), method=method)
-        )
     span_tokens = env.get(ENV_SPAN_TOKENS)
     try:
         budget = int(span_tokens) if span_tokens else None

@@ -1,0 +1,64 @@
+"""Server relay settings from the environment (what `sglang-relay serve --relay-*` sets)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_relay.runtime.launch import split_relay_flags
+from sglang_relay.runtime.settings import settings_from_env, shipped_profile
+
+EMBEDDED = "/somewhere/SmolLM2-135M-Instruct"
+
+
+def test_shipped_profile_is_the_default_for_the_embedded_model():
+    assert shipped_profile(EMBEDDED) is not None
+    cfg = settings_from_env(EMBEDDED, {}).config
+    data = json.loads(shipped_profile(EMBEDDED).read_text())
+    assert cfg.to_dict() == data["config"]
+    assert settings_from_env("/models/other", {}).profile_path is None
+
+
+def test_method_then_overrides():
+    env = {"SGLANG_RELAY_METHOD": "epic", "SGLANG_RELAY_CONFIG": '{"first_k": 8}'}
+    cfg = settings_from_env(EMBEDDED, env).config
+    assert (cfg.method, cfg.first_k, cfg.l_start, cfg.l_det) == ("epic", 8, 0, 0)
+    cb = settings_from_env(EMBEDDED, {"SGLANG_RELAY_METHOD": "cacheblend"}).config
+    assert (cb.top_ratio, cb.signal, cb.first_k) == (0.15, "key", 0)
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"SGLANG_RELAY_CONFIG": "{nope"}, "not valid JSON"),
+        ({"SGLANG_RELAY_CONFIG": "[1]"}, "JSON object"),
+        ({"SGLANG_RELAY_METHOD": "magic"}, "method must be one of"),
+        ({"SGLANG_RELAY_SPAN_TOKENS": "-5"}, "must be > 0"),
+        ({"SGLANG_RELAY_PROFILE": "/nonexistent.json"}, "cannot read relay profile"),
+    ],
+)
+def test_bad_settings_are_clear_errors(env, needle):
+    with pytest.raises(ValueError, match=needle):
+        settings_from_env(EMBEDDED, env)
+
+
+def test_relay_flags_are_split_from_sglang_flags():
+    rest, env = split_relay_flags(
+        [
+            "--port",
+            "1",
+            "--relay-method=naive",
+            "--relay-span-tokens",
+            "99",
+            "--relay-allow-approx-prefix",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert rest == ["--port", "1", "--dtype", "float32"]
+    assert env == {
+        "SGLANG_RELAY_METHOD": "naive",
+        "SGLANG_RELAY_SPAN_TOKENS": "99",
+        "SGLANG_RELAY_ALLOW_APPROX_PREFIX": "1",
+    }
