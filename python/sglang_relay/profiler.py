@@ -50,6 +50,7 @@ from sglang_relay.core.selection import kv_deviation
 TOP_SHARE = 0.15
 FIRST = 16
 KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
+NOISE = 1e-5  # mean deviation below this is float noise (no curve value)
 
 
 # ----------------------------------------------------------------------------- curves
@@ -97,8 +98,8 @@ def relay_curves(ref: RefModel, relay: Any, exact: RelayResult) -> dict[str, lis
     }
     dev_v, dev_k = [], []
     for lid in range(num_l):
-        dk = kv_deviation(k_ex[lid], k_re[lid])  # [S]
-        dv = kv_deviation(v_ex[lid], v_re[lid])
+        dk = kv_deviation(k_ex[lid], k_re[lid]).clamp_min(0)  # [S]
+        dv = kv_deviation(v_ex[lid], v_re[lid]).clamp_min(0)
         dev_k.append(dk)
         dev_v.append(dv)
         out["key_cos"].append(float(1 - dk.mean()))
@@ -107,10 +108,13 @@ def relay_curves(ref: RefModel, relay: Any, exact: RelayResult) -> dict[str, lis
         out["stream_rel_dev"].append(float(rel.mean()))
         top = max(1, round(TOP_SHARE * dv.numel()))
         total = float(dv.sum())
-        out["top15_share"].append(float(dv.topk(top).values.sum()) / total if total else 0.0)
-        first = [dv[lo : lo + FIRST] for lo in _span_bounds(relay)]
-        first_mean = float(torch.cat(first).mean())
-        out["first16_ratio"].append(first_mean / max(float(dv.mean()), 1e-12))
+        noise = float(dv.mean()) < NOISE  # e.g. layer 0: context free, only float noise
+        out["top15_share"].append(0.0 if noise else float(dv.topk(top).values.sum()) / total)
+        first = torch.zeros_like(dv, dtype=torch.bool)
+        for lo in _span_bounds(relay):
+            first[lo : lo + FIRST] = True
+        ratio = float(dv[first].mean()) / max(float(dv[~first].mean()), 1e-12)
+        out["first16_ratio"].append(0.0 if noise else ratio)
     for lid in range(num_l - 1):
         out["spearman_value"].append(_spearman(spearmanr, dev_v[lid], dev_v[lid + 1]))
         out["spearman_key"].append(_spearman(spearmanr, dev_k[lid], dev_k[lid + 1]))
@@ -132,7 +136,10 @@ def _spearman(fn: Any, a: torch.Tensor, b: torch.Tensor) -> float:
 
 def mean_curves(per_relay: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     return {
-        key: [round(statistics.fmean(vals), 5) for vals in zip(*(c[key] for c in per_relay))]
+        key: [
+            round(statistics.fmean(vals), 5)
+            for vals in zip(*(c[key] for c in per_relay), strict=True)
+        ]
         for key in per_relay[0]
     }
 
@@ -243,38 +250,45 @@ def _describe(cfg: RelayConfig) -> str:
 
 
 def layer_ranges(num_layers: int, quick: bool) -> list[tuple[int, int, int]]:
+    """Stage 1 candidates ``(l_start, l_det, l_end)``: detection after one or two dense
+    layers at several depths, rectification through the last layer (and two shorter ends)."""
     last = num_layers - 1
     if quick:
         pairs = [(0, 1), (1, 2), (3, 4), (6, 7)]
-        return [(s, d, last) for s, d in pairs]
+        return [(s, d, last) for s, d in pairs if d < num_layers]
     pairs = [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (2, 4), (4, 5), (6, 7), (9, 10)]
     ranges = [(s, d, last) for s, d in pairs if d < num_layers]
     ranges += [(3, 4, last - 2), (3, 4, last - 4)]
     return ranges
 
 
+# the rule stage 1 uses: METHOD.md's deviation threshold plus the first tokens of each span
+# (they deviate most behind a new prefix)
+STAGE1_RULE = RelayConfig(tau_dev=1.5, l_suf=0, first_k=16, signal="value")
+AXES: list[tuple[str, list[Any]]] = [
+    ("first_k", [0, 8, 16, 24, 32, 40]),
+    ("tau_dev", [1.0, 1.5, 2.0, 3.0]),
+    ("l_suf", [0, 4, 10]),
+    ("signal", ["value", "key"]),
+    ("tau_inf", [None, 1.0, 1.45, 2.0]),
+]
+QUICK_AXES: list[tuple[str, list[Any]]] = [("first_k", [0, 16, 32]), ("tau_dev", [1.0, 1.5])]
+
+
 def run_search(search: Search, num_layers: int, quick: bool) -> dict[str, Any] | None:
-    """Stage 1: layer ranges with a fixed rule; stage 2: coordinate descent over the rule
-    for the best two ranges."""
+    """Stage 1: layer ranges with :data:`STAGE1_RULE`; stage 2: coordinate descent over
+    the selection rule (:data:`AXES`, two rounds) from the best two ranges, then a tighter
+    cap. Returns the candidate :func:`choose` picks among everything evaluated."""
     min_reuse = search.min_reuse
-    base = RelayConfig(tau_dev=1.5, l_suf=10, first_k=0, signal="value")
     stage1 = []
     for s, d, e in layer_ranges(num_layers, quick):
-        cfg = replace(base, l_start=s, l_det=d, l_end=e)
+        cfg = replace(STAGE1_RULE, l_start=s, l_det=d, l_end=e)
         stage1.append(search.run(with_cap(cfg, num_layers, min_reuse), "layer range"))
     ranked = sorted(
         (x for x in stage1 if x is not None),
         key=lambda x: x["metrics"]["first_token_kl"],
     )
-    axes: list[tuple[str, list[Any]]] = [
-        ("first_k", [0, 4, 8, 16]),
-        ("tau_dev", [1.0, 1.5, 2.0, 3.0]),
-        ("l_suf", [0, 10]),
-        ("signal", ["value", "key"]),
-    ]
-    if quick:
-        axes = [("first_k", [0, 8, 16]), ("tau_dev", [1.0, 1.5, 2.0])]
-    finalists = []
+    axes = QUICK_AXES if quick else AXES
     for start in ranked[: 1 if quick else 2]:
         current = start
         for _round in range(1 if quick else 2):
@@ -284,11 +298,9 @@ def run_search(search: Search, num_layers: int, quick: bool) -> dict[str, Any] |
                     cfg = replace(RelayConfig.from_dict(current["config"]), **{name: value})
                     trial.append(search.run(with_cap(cfg, num_layers, min_reuse), f"rule:{name}"))
                 current = search.best(trial) or current
-        # a tighter cap than the reuse budget allows (fewer tokens can be better)
         cfg = RelayConfig.from_dict(current["config"])
-        trial = [current, search.run(with_cap(cfg, num_layers, min_reuse, 0.75), "rule:cap")]
-        finalists.append(search.best(trial) or current)
-    return search.best(finalists + search.log)
+        search.run(with_cap(cfg, num_layers, min_reuse, 0.8), "rule:cap")
+    return search.best(search.log)
 
 
 # ----------------------------------------------------------------------------- output
@@ -354,7 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-relays", type=int, default=None, help="calibration relays to use")
     p.add_argument("--min-reuse", type=float, default=0.80, help="reuse constraint")
     p.add_argument("--cache-dir", default=None, help="generation cache folder")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
+        "a busy core slow small matmuls down many times)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -434,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.min_reuse} on every relay (max_ratio cap); candidates within "
             f"{KL_TIE:.0%} of the best KL ranked by teacher-forced top-1, then reuse"
         ),
+        "min_reuse": args.min_reuse,
         "chosen": chosen,
         "calibration": {
             "relays": [r.case.id for r in relays],

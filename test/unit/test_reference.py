@@ -5,6 +5,8 @@ Runs the first 6 layers of the embedded model (fp32) so that it takes seconds.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -277,3 +279,84 @@ def test_relay_kv_follows_the_schedule(ref, tok, upstream):
     for lid in range(4, NUM_LAYERS):
         torch.testing.assert_close(v[lid, ~want], upstream.v[lid, ~want], atol=0, rtol=0)
         assert (v[lid, want] - upstream.v[lid, want]).abs().amax(dim=(1, 2)).min() > 1e-6
+
+
+def test_packaged_workloads_and_profile():
+    """The bench and profiler inputs: valid cases, disjoint calibration, a loadable profile
+    whose cap guarantees the reuse it was chosen for."""
+    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.workload import load_workload
+    from sglang_relay.core.config import load_profile
+    from sglang_relay.profiler import reuse_cap
+
+    evaluation = load_workload()
+    calibration = load_workload(name="calibration_workload.jsonl")
+    assert len(evaluation) >= 40 and len(calibration) >= 12
+    assert not {c.task for c in evaluation} & {c.task for c in calibration}
+    assert {c.kind for c in evaluation[:8]} == {"code", "math", "know", "plan"}
+    for case in evaluation + calibration:
+        names = {"task": case.task} | {a.name: "x" for a in case.upstream}
+        for agent in (*case.upstream, case.downstream):
+            agent.template.format(**names)  # every field is known
+        assert all("{" + a.name + "}" in case.downstream.template for a in case.upstream)
+
+    path = shipped_profile_path("/somewhere/SmolLM2-135M-Instruct")
+    cfg, data = load_profile(path)
+    sched = cfg.schedule(30)
+    for n in (32, 128, 255, 511):
+        chosen = min(n, max(1, int(cfg.max_ratio * n)))
+        assert sched.reuse_rate(n, chosen) >= data["min_reuse"]
+    assert len(data["curves"]["value_cos"]) == 30 and data["search"]
+    cap = reuse_cap(RelayConfig(l_start=0, l_det=1, l_end=-1), 30, 0.8)
+    assert cap == pytest.approx(5 / 29, abs=1e-3) and cap <= 5 / 29
+    assert reuse_cap(RelayConfig(l_start=0, l_det=7, l_end=-1), 30, 0.8) is None
+
+
+def test_influence_is_the_attention_mass_from_decode_queries(ref, upstream):
+    """``influence[j, l]`` = sum over the fed tokens t >= j and the query heads of the
+    attention probability of t on j at layer l (recomputed here from a prefill)."""
+    prompt_len, n = len(upstream.prompt), len(upstream.span_tokens)
+    exact = exact_prefill(ref, upstream.prompt + upstream.span_tokens + [upstream.output[-1]])
+    pos = prompt_len + torch.arange(n)
+    for lid in (0, 3, NUM_LAYERS - 1):
+        layer = ref.layers[lid]
+        with torch.no_grad():
+            q, _, _ = ref.qkv(layer, layer.input_layernorm(upstream.hidden[:, lid]), pos)
+        keys = exact.cache.k[lid, : prompt_len + n].repeat_interleave(
+            ref.num_heads // ref.num_kv_heads, dim=1
+        )  # [T, Hq, D]
+        scores = torch.einsum("nhd,thd->nht", q, keys) * ref.scale
+        causal = torch.arange(prompt_len + n)[None, None, :] <= pos[:, None, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        want = probs.sum(dim=(0, 1))[prompt_len:]
+        torch.testing.assert_close(upstream.influence[:, lid], want, atol=1e-4, rtol=1e-4)
+    assert upstream.influence.shape == (n, NUM_LAYERS)
+    # every fed query spreads mass 1 per head; the span keeps what is not on the prompt
+    total = n * ref.num_heads
+    assert 0 < float(upstream.influence[:, 3].sum()) < total
+
+
+def test_influence_threshold_selects_like_the_runtime(ref, tok, upstream):
+    from sglang_relay.core.selection import select_tokens
+
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    cfg = RelayConfig(l_start=2, l_det=3, l_end=-1, tau_dev=50.0, tau_inf=1.45, l_suf=0)
+    res = relay_prefill(ref, prompt, [span], cfg)
+    want = select_tokens(cfg, span.length, res.deviation, upstream.influence[:, 3])
+    assert torch.equal(res.selected_mask, want)
+    by_dev = select_tokens(replace(cfg, tau_inf=None), span.length, res.deviation)
+    assert int(want.sum()) > int(by_dev.sum())  # influence adds tokens
+    without = relay_prefill(ref, prompt, [span], replace(cfg, tau_inf=None))
+    assert torch.equal(without.selected_mask, by_dev)
+
+
+def test_batched_decode_equals_single(ref, upstream):
+    """A request that finishes early in a batch keeps exactly what it would get alone."""
+    short = upstream.output[:20]
+    alone = generate(ref, [upstream.prompt], 0, force=[short])[0]
+    both = generate(ref, [upstream.prompt, upstream.prompt[:-3]], 0, force=[short, upstream.output])
+    assert both[0].output == short and len(both[1].output) == len(upstream.output)
+    for name in ("k", "v", "hidden", "influence"):
+        torch.testing.assert_close(
+            getattr(both[0], name), getattr(alone, name), atol=1e-4, rtol=1e-5
+        )

@@ -65,14 +65,23 @@ def shipped_profile_path(model_dir: str | Path) -> Path | None:
     return Path(str(candidate)) if candidate.is_file() else None
 
 
-def method_configs(relay: RelayConfig, methods: list[str]) -> dict[str, RelayConfig | None]:
+def method_configs(
+    relay: RelayConfig,
+    methods: list[str],
+    *,
+    cacheblend_top_ratio: float = 0.15,
+    epic_first_k: int = 16,
+) -> dict[str, RelayConfig | None]:
     """The config each method runs with (``None``: exact prefill). CacheBlend and EPIC use
-    their fixed settings from the default config; relay uses the profile."""
+    their fixed settings (``RelayConfig().for_method``), then the given top ratio / first k;
+    relay uses the profile."""
     table: dict[str, RelayConfig | None] = {
         "standard": None,
         "naive": RelayConfig(method="naive"),
-        "cacheblend": RelayConfig().for_method("cacheblend"),
-        "epic": RelayConfig().for_method("epic"),
+        "cacheblend": replace(
+            RelayConfig().for_method("cacheblend"), top_ratio=cacheblend_top_ratio
+        ),
+        "epic": replace(RelayConfig().for_method("epic"), first_k=epic_first_k),
         "relay": replace(relay, method="relay"),
     }
     return {m: table[m] for m in methods}
@@ -179,8 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}"
     )
+    p.add_argument(
+        "--cacheblend-top-ratio", type=float, default=0.15, help="CacheBlend's selected share"
+    )
+    p.add_argument("--epic-first-k", type=int, default=16, help="EPIC's first tokens per span")
     p.add_argument("--cache-dir", default=None, help="generation cache folder")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
+        "a busy core slow small matmuls down many times)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -212,7 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    configs = method_configs(relay_cfg, methods)
+    try:
+        configs = method_configs(
+            relay_cfg,
+            methods,
+            cacheblend_top_ratio=args.cacheblend_top_ratio,
+            epic_first_k=args.epic_first_k,
+        )
+    except ValueError as exc:
+        print(f"bad method settings: {exc}", file=sys.stderr)
+        return 2
     for cfg in configs.values():
         if cfg is not None:
             cfg.schedule(ref.num_layers)  # fail early on a layer range this model lacks

@@ -12,7 +12,8 @@ strings over ``task`` and the agent names; prompts go through the model's chat t
 
 :func:`prepare_relays` runs everything the methods share, once per case, and caches it on
 disk per (case, model, generation settings): the upstream generations with their
-decode-phase KV and residual streams (:func:`~sglang_relay.core.reference.generate`), the
+decode-phase KV, residual streams and influence scores
+(:func:`~sglang_relay.core.reference.generate`), the
 downstream prompt, the span occurrences found in it with :class:`SpanIndex` (as the
 runtime finds them), and the exact greedy continuation of the downstream request.
 """
@@ -32,7 +33,7 @@ import torch
 from sglang_relay.core.reference import RefModel, SpanOccurrence, UpstreamRecord, generate
 from sglang_relay.core.span_index import SpanIndex
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class RelayCase:
         return sum(s.length for s in self.spans)
 
 
-def load_workload(path: str | Path | None = None, name: str = "fidelity_workload.jsonl") -> list:
+def load_workload(
+    path: str | Path | None = None, name: str = "fidelity_workload.jsonl"
+) -> list[Case]:
     """Cases of a JSONL workload (default: the packaged file ``name``)."""
     if path is None:
         text = resources.files("sglang_relay.data").joinpath(name).read_text()
@@ -183,6 +186,7 @@ def _record_dict(rec: UpstreamRecord) -> dict[str, Any]:
         "k": rec.k,
         "v": rec.v,
         "hidden": rec.hidden,
+        "influence": rec.influence,
     }
 
 

@@ -13,7 +13,8 @@ Pieces:
 * :func:`generate` runs requests greedily (batched decode) and returns, per request, an
   :class:`UpstreamRecord`: the output tokens, and for the span tokens (the outputs that
   were fed back, i.e. all but the last sampled token) the decode-phase KV of every layer
-  (post-RoPE keys) and the residual stream entering every layer.
+  (post-RoPE keys), the residual stream entering every layer and the influence score
+  (attention mass received from decode queries) at every layer.
 * :func:`relay_prefill` computes a downstream prompt whose span occurrences
   (:class:`SpanOccurrence`) reuse upstream KV under a :class:`RelayConfig` (any of the
   five methods; ``standard`` is the exact full prefill, also :func:`exact_prefill`).
@@ -24,12 +25,14 @@ Pieces:
   top-1, teacher-forced top-1, free-running greedy prefix and first divergence).
 
 Semantics (identical to the runtime): span rows first get the upstream KV in all layers,
-keys re-rotated by ``new_pos - old_pos``. At ``l_start`` (if ``0 < l_start < L``) their
-stream is replaced by the stored one; at ``l_det`` (if ``l_det <= l_end``) their fresh K/V
-are compared with the stored K/V (value or key deviation), written into that layer, and
-tokens are selected per span occurrence. Active rows per layer: normal rows, all span rows
-in ``[l_start, l_det)``, the selected span rows in ``[l_det, l_end]``. Active rows write
-their K/V, then attend over all positions, causal by position.
+keys re-rotated by ``new_pos - old_pos``. At ``l_start`` (if ``0 < l_start < L`` and the
+schedule recomputes anything) their stream is replaced by the stored one; at ``l_det`` (if
+``l_det <= l_end``) their fresh K/V are compared with the stored K/V (value or key
+deviation), written into that layer, and tokens are selected per span occurrence
+(deviation, influence at ``l_det`` if ``tau_inf`` is set, first/last tokens, cap). Active
+rows per layer: normal rows, all span rows in ``[l_start, l_det)``, the selected span rows
+in ``[l_det, l_end]``. Active rows write their K/V, then attend over all positions, causal
+by position. The last prompt token is always a normal row.
 """
 
 from __future__ import annotations
@@ -222,6 +225,9 @@ class UpstreamRecord:
             (keys post-RoPE at their upstream positions), ``n = len(output) - 1``.
         hidden: ``[n, L, hidden]`` residual stream entering each layer during decode
             (layer 0: the embedding), or ``None`` when not captured.
+        influence: ``[n, L]`` float32 attention mass each span token received at each
+            layer from the decode queries (its own and every later fed token), summed over
+            query heads: METHOD.md's ``s_inf``, as the runtime accumulates it at ``l_det``.
     """
 
     prompt: list[int]
@@ -229,6 +235,7 @@ class UpstreamRecord:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    influence: torch.Tensor | None = None
 
     @property
     def span_tokens(self) -> list[int]:
@@ -261,8 +268,10 @@ def generate(
     ``force`` (one token list per prompt) replaces sampling by those tokens: a
     teacher-forced decode that records the decode-phase KV of a given text.
 
-    Returns one :class:`UpstreamRecord` per prompt; with ``capture`` it holds the decode KV
-    and the stream entering every layer of each fed (span) token.
+    Returns one :class:`UpstreamRecord` per prompt; with ``capture`` it holds the decode KV,
+    the stream entering every layer and the influence score of each fed (span) token.
+    Attention is eager (explicit softmax) so that the influence comes from the same
+    probabilities the outputs use.
     """
     bsz = len(prompts)
     if bsz == 0:
@@ -308,6 +317,9 @@ def generate(
         if capture
         else None
     )
+    # [L, B, T] float32 attention mass received from later decode queries, per layer
+    influence = torch.zeros(num_l, bsz, tmax, device=dev) if capture else None
+    group = ref.num_heads // hkv
     base = torch.tensor(lens, device=dev)
     arange_b = torch.arange(bsz, device=dev)
     t_idx = torch.arange(tmax, device=dev)
@@ -319,7 +331,8 @@ def generate(
         if all(done):
             break
         pos = base + step  # [B] position of the token fed now (output index ``step``)
-        mask = (t_idx[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        visible = (t_idx[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        live = torch.tensor([not d for d in done], dtype=torch.float32, device=dev)  # [B]
         hs = ref.embed(tok)  # [B, hidden]
         for lid, layer in enumerate(ref.layers):
             if hidden is not None:
@@ -328,14 +341,13 @@ def generate(
             q, k, v = ref.qkv(layer, x, pos)  # q [B, Hq, D], k/v [B, Hkv, D]
             kb[lid, arange_b, :, pos] = k
             vb[lid, arange_b, :, pos] = v
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2),
-                kb[lid],
-                vb[lid],
-                attn_mask=mask,
-                scale=ref.scale,
-                enable_gqa=ref.num_heads != hkv,
-            )  # [B, Hq, 1, D]
+            # eager attention with explicit probabilities: [B, H_kv, group, T]
+            qg = q.view(bsz, hkv, group, d)
+            scores = torch.einsum("bgrd,bgtd->bgrt", qg, kb[lid]) * ref.scale
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            if influence is not None:  # attention mass each position receives (all heads)
+                influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
+            o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])
             hs = hs + layer.self_attn.o_proj(o.reshape(bsz, -1))
             hs = hs + layer.mlp(layer.post_attention_layernorm(hs))
         tok = choose(ref.logits(hs), outputs)
@@ -352,6 +364,7 @@ def generate(
             rec.k = kb[:, b, :, span].transpose(1, 2).contiguous()  # [L, n, Hkv, D]
             rec.v = vb[:, b, :, span].transpose(1, 2).contiguous()
             rec.hidden = hidden[b, :n].clone() if hidden is not None else None
+            rec.influence = influence[:, b, span].T.contiguous()  # [n, L]
         records.append(rec)
     return records
 
@@ -493,7 +506,7 @@ def relay_prefill(
     selected_rows = span_rows[:0]
     counts = [0] * len(spans)
     for lid in range(num_l):
-        if lid == sched.l_start and 0 < lid < num_l:
+        if lid == sched.l_start and lid > 0 and sched.needs_hidden():
             stored = [s.record.hidden for s in spans]
             if any(h is None for h in stored):
                 raise ValueError("this schedule needs the upstream hidden states")
@@ -501,7 +514,10 @@ def relay_prefill(
                 [s.record.hidden[s.span_start : s.span_start + s.length, lid] for s in spans]
             ).to(hs.dtype)
         if lid == sched.l_det and sched.l_det <= sched.l_end:
-            mask, counts, result.deviation = _detect(ref, cfg, lid, hs, span_rows, bounds, cache)
+            infl = _influence(spans, lid) if cfg.tau_inf is not None else None
+            mask, counts, result.deviation = _detect(
+                ref, cfg, lid, hs, span_rows, bounds, cache, infl
+            )
             selected_rows = span_rows[mask]
             result.selected_mask = mask
         if hidden is not None:
@@ -527,6 +543,16 @@ def relay_prefill(
     return result
 
 
+def _influence(spans: Sequence[SpanOccurrence], lid: int) -> torch.Tensor | None:
+    """``[S]`` influence at layer ``lid`` of the span tokens (``None`` if any span has none;
+    then selection ignores influence, as the runtime does without scores)."""
+    if any(s.record.influence is None for s in spans):
+        return None
+    return torch.cat(
+        [s.record.influence[s.span_start : s.span_start + s.length, lid] for s in spans]
+    )
+
+
 def _detect(
     ref: RefModel,
     cfg: RelayConfig,
@@ -535,11 +561,12 @@ def _detect(
     span_rows: torch.Tensor,
     bounds: list[int],
     cache: KVCache,
+    influence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Detection at ``l_det``: deviation of fresh vs stored K/V of the span rows (``[S]``),
     fresh K/V written into layer ``lid``, selection per span occurrence (``bounds``: segment
-    offsets into ``span_rows``). Returns the ``[S]`` selection mask, counts per span and
-    the deviation."""
+    offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). Returns the
+    ``[S]`` selection mask, counts per span and the deviation."""
     deviation = None
     if cfg.method != "epic":
         x = ref.layers[lid].input_layernorm(hs[span_rows])
@@ -552,7 +579,12 @@ def _detect(
         cache.v[lid, span_rows] = v
     keep, counts = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        mask = select_tokens(cfg, hi - lo, None if deviation is None else deviation[lo:hi])
+        mask = select_tokens(
+            cfg,
+            hi - lo,
+            None if deviation is None else deviation[lo:hi],
+            None if influence is None else influence[lo:hi],
+        )
         keep.append(mask.to(span_rows.device))
         counts.append(int(mask.sum()))
     return torch.cat(keep), counts, deviation
