@@ -12,7 +12,15 @@ E2E_KV_TOKENS = 16384
 
 @pytest.fixture(scope="session")
 def server(model_dir):
-    proc = ServerProcess(["--model-path", str(model_dir), "--max-total-tokens", str(E2E_KV_TOKENS)])
+    proc = ServerProcess(
+        [
+            "--model-path",
+            str(model_dir),
+            "--max-total-tokens",
+            str(E2E_KV_TOKENS),
+            "--enable-metrics",
+        ]
+    )
     proc.start(timeout=600)
     group = [proc.proc.pid] + [c.pid for c in psutil.Process(proc.proc.pid).children(True)]
     yield proc

@@ -205,3 +205,12 @@ def test_no_leaked_slots_when_idle(server):
     time.sleep(1.0)
     pool = relay_info(server.url)["pool"]
     assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"], pool
+
+
+def test_prometheus_counters(server, upstream):
+    _, prompt = upstream
+    assert generate(server.url, prompt)["meta_info"]["relay"]["spans_matched"] >= 1
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    lines = [line for line in text.splitlines() if line.startswith("sglang_relay:events_total")]
+    counts = {line.split('event="')[1].split('"')[0]: float(line.split()[-1]) for line in lines}
+    assert counts.get("relay_extends", 0) >= 1 and counts.get("relayed_tokens", 0) >= 80, lines

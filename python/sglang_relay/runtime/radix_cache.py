@@ -189,7 +189,12 @@ def build_relay_cache(ctx: Any) -> Any:
     model_runner = ctx.tp_worker.model_runner
     pool_tokens = int(ctx.params.token_to_kv_pool_allocator.size)
     budget = settings.span_tokens or max(1024, pool_tokens // 4)
-    runtime = RelayRuntime(settings, model_runner, span_budget=budget)
+    runtime = RelayRuntime(
+        settings,
+        model_runner,
+        span_budget=budget,
+        prometheus=bool(getattr(ctx.params, "enable_metrics", False)),
+    )
     cache.attach_runtime(runtime)
     _set_current(runtime)
     logger.info(

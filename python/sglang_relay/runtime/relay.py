@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import METHODS, RelayConfig
+from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.model_loop import BatchPlan, SpanGroup
 from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.span_store import SpanSource, SpanStore
@@ -74,7 +75,14 @@ def new_stats(method: str) -> dict[str, Any]:
 class RelayRuntime:
     """Owns the relay state of one scheduler process (tensor parallel size 1)."""
 
-    def __init__(self, settings: RelaySettings, model_runner: Any, *, span_budget: int) -> None:
+    def __init__(
+        self,
+        settings: RelaySettings,
+        model_runner: Any,
+        *,
+        span_budget: int,
+        prometheus: bool = False,
+    ) -> None:
         self.settings = settings
         self.cfg = settings.config
         outer = model_runner.model
@@ -125,7 +133,7 @@ class RelayRuntime:
         )
         self.pending: dict[str, RequestPlan] = {}
         self.relayed_from: dict[str, int] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
 
     # ---- memory --------------------------------------------------------------------
     def side_bytes(self) -> int:
@@ -253,6 +261,7 @@ class RelayRuntime:
                 g["seg"].append((lo, lo + n, plan.stats))
                 plan.stats["spans_matched"] += 1
                 plan.stats["reused_tokens"] += n
+                self.counters["spans_matched"] += 1
                 pos0 = plan.prefix_len + s.prompt_start
                 first = pos0 if first is None else min(first, pos0)
             if first is not None:
