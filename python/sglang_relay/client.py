@@ -27,7 +27,11 @@ class Generation:
 
     @property
     def relay(self) -> dict[str, Any] | None:
-        return self.meta.get("relay")
+        info = self.meta.get("relay")
+        # streamed responses may carry the request-level value as a one-element list
+        if isinstance(info, list):
+            info = info[-1] if info else None
+        return info
 
 
 def generate(

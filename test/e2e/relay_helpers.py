@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import requests
 
+# relay config that recomputes every span token in every layer: must equal standard
+ALL_SELECTED = {
+    "l_start": 0,
+    "l_det": 0,
+    "l_end": -1,
+    "top_ratio": 1.0,
+    "max_ratio": None,
+    "first_k": 0,
+    "l_suf": 0,
+}
+
 
 def chat(tok, system: str, user: str) -> str:
     return tok.apply_chat_template(

@@ -7,12 +7,11 @@ import time
 
 import pytest
 import requests
-from relay_helpers import chat, first_logprobs, generate, relay_info
+from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, relay_info
 
 pytestmark = pytest.mark.e2e
 
 _unique = itertools.count()
-ALL_SELECTED = {"l_start": 0, "l_det": 0, "l_end": -1, "top_ratio": 1.0, "l_suf": 0}
 NOTHING_RECOMPUTED = {"l_start": 30, "l_det": 30, "l_end": 29}
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import requests
-from relay_helpers import chat, generate, relay_info
+from relay_helpers import ALL_SELECTED, chat, generate, relay_info
 
 from sglang_relay.runtime.launch import ServerProcess
 
@@ -58,10 +58,7 @@ def test_span_across_chunk_boundaries_matches_standard_when_fully_recomputed(sma
     full = generate(
         small_server.url,
         prompt,
-        relay={
-            "method": "relay",
-            "config": {"l_start": 0, "l_det": 0, "l_end": -1, "top_ratio": 1.0, "l_suf": 0},
-        },
+        relay={"method": "relay", "config": ALL_SELECTED},
     )
     relay = full["meta_info"]["relay"]
     assert relay["spans_matched"] >= 2  # one span, cut by the 64-token chunks
