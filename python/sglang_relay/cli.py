@@ -7,6 +7,7 @@ and exit code 1 (:class:`~sglang_relay.errors.RelayError`).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from sglang_relay.errors import RelayError
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("demo", "bench"):
+        # SIGTERM unwinds like Ctrl-C, so the server they started is stopped (finally)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = COMMANDS.get(argv[0])
     if command is None:
         print(f"sglang-relay: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
