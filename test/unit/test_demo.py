@@ -1,0 +1,34 @@
+"""The demo's side-by-side table and the client's reading of streamed relay info."""
+
+from __future__ import annotations
+
+from sglang_relay.client import Generation
+from sglang_relay.demo import AgentResult, format_table, load_chain
+
+
+def test_streamed_relay_info_is_unwrapped():
+    info = {"reused_tokens": 80, "reuse_rate": 0.8}
+    assert Generation("x", 0.1, 1.0, {"relay": [info]}).relay == info
+    assert Generation("x", 0.1, 1.0, {"relay": info}).relay == info
+    assert Generation("x", 0.1, 1.0, {}).relay is None
+
+
+def test_table_compares_relay_and_standard():
+    on = Generation(
+        "same",
+        0.2,
+        1.0,
+        {"prompt_tokens": 100, "relay": [{"reused_tokens": 80, "reuse_rate": 0.8}]},
+    )
+    off = Generation("other", 0.5, 1.0, {"prompt_tokens": 100})
+    table = format_table([AgentResult("Dev", on)], [AgentResult("Dev", off)])
+    row = table.splitlines()[-1].split()
+    assert row[:4] == ["Dev", "100", "80", "0.80"]
+    assert "2.5x" in row and row[-1] == "no"
+
+
+def test_packaged_chain_references_earlier_agents():
+    chain = load_chain(None)
+    names = [a["name"] for a in chain["agents"]]
+    assert names == ["Architect", "Developer", "Reviewer"]
+    assert "{Architect}" in chain["agents"][2]["template"]
