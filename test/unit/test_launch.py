@@ -23,6 +23,7 @@ def test_defaults_fill_only_what_is_missing():
     assert flag_value(argv, "--attention-backend") == "torch_native"
     assert flag_value(argv, "--max-total-tokens") is not None
     assert argv.count("--dtype") + argv.count("--dtype=bfloat16") == 1
+    assert argv.count("--sleep-on-idle") == 1
 
 
 def test_user_choices_win():
@@ -40,6 +41,7 @@ def test_gpu_machine_gets_no_cpu_flags():
     argv = build_server_argv([], cpu=False, model_path="/m")
     assert flag_value(argv, "--device") is None
     assert "--disable-cuda-graph" not in argv
+    assert "--sleep-on-idle" not in argv
 
 
 def test_model_path_checks(tmp_path):

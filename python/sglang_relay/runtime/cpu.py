@@ -9,8 +9,8 @@ arguments alone. What it does on a CPU-only machine:
   the spawned scheduler and detokenizer processes import it too. The PyPI ``sgl_kernel``
   needs libcuda; the stand-in raises a clear error if a kernel is ever called;
 * fills server defaults the CPU needs unless the user set them: ``device=cpu``,
-  ``attention_backend=torch_native``, ``disable_cuda_graph``, ``dtype=float32`` and a
-  bounded KV pool (SGLang's default pool would take ~15 GB of RAM).
+  ``attention_backend=torch_native``, ``disable_cuda_graph``, ``dtype=float32``,
+  ``sleep_on_idle`` (an idle scheduler busy-polls a core otherwise) and a bounded KV pool (SGLang's default pool would take ~15 GB of RAM).
 """
 
 from __future__ import annotations

@@ -73,6 +73,9 @@ def build_server_argv(
                 out += [flag_name, value]
         if not has_flag(out, "--disable-cuda-graph"):
             out.append("--disable-cuda-graph")
+        # An idle scheduler otherwise busy-polls a core that the model needs.
+        if not has_flag(out, "--sleep-on-idle"):
+            out.append("--sleep-on-idle")
         if not (has_flag(out, "--max-total-tokens") or has_flag(out, "--mem-fraction-static")):
             out += ["--max-total-tokens", str(DEFAULT_CPU_MAX_TOTAL_TOKENS)]
     return out
