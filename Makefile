@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.sglang-relay-setup
 ARGS ?=
 
-.PHONY: setup demo serve test test-unit test-e2e lint clean
+.PHONY: setup demo serve test test-unit test-e2e lint bench clean
 
 setup: $(STAMP)
 	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
@@ -41,3 +41,7 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info
+
+# Quick benchmark (~10 min on 2 cores): every workload kind, all methods, report + plots.
+bench: setup
+	$(PY) -m sglang_relay.cli bench run --quick --out bench-results $(ARGS)

@@ -20,7 +20,8 @@ commands:
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
   profile                offline layer-range profiler (writes a profile JSON and a plot)
-  bench fidelity|ttft    benchmarks (see docs/)
+  bench run|ttft|fidelity|decode
+                         benchmarks (`bench run --quick` = make bench; benchmark/README.md)
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
@@ -58,6 +59,7 @@ def _cmd_profile(argv: list[str]) -> int:
 
 
 BENCHES = {
+    "run": "sglang_relay.bench.run",
     "fidelity": "sglang_relay.bench.fidelity",
     "ttft": "sglang_relay.bench.ttft",
     "decode": "sglang_relay.bench.decode",

@@ -171,6 +171,18 @@ def test_frontend_program_gets_relay_hits(server):
     relay = state.get_meta_info("code")["relay"]
     assert relay["spans_matched"] >= 1 and relay["reused_tokens"] >= 80
 
+    # the method chosen on the client side, per program
+    from sglang_relay.frontend import RelayEndpoint
+
+    full = {"method": "relay", "config": ALL_SELECTED}
+    exact = developer.run(spec=spec, backend=RelayEndpoint(server.url, relay=full))
+    assert exact.get_meta_info("code")["relay"]["spans_matched"] >= 1
+    # standard last: it inserts the whole prompt into the radix tree
+    std = developer.run(spec=spec, backend=RelayEndpoint(server.url, relay="standard"))
+    assert std.get_meta_info("code")["relay"]["method"] == "standard"
+    assert std.get_meta_info("code")["relay"]["reused_tokens"] == 0
+    assert exact["code"] == std["code"]
+
 
 def test_openai_chain_gets_relay_hits(server):
     from openai import OpenAI

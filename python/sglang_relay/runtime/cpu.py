@@ -10,7 +10,8 @@ arguments alone. What it does on a CPU-only machine:
   needs libcuda; the stand-in raises a clear error if a kernel is ever called;
 * fills server defaults the CPU needs unless the user set them: ``device=cpu``,
   ``attention_backend=torch_native``, ``disable_cuda_graph``, ``dtype=float32``,
-  ``sleep_on_idle`` (an idle scheduler busy-polls a core otherwise) and a bounded KV pool (SGLang's default pool would take ~15 GB of RAM).
+  ``sleep_on_idle`` (an idle scheduler busy-polls a core otherwise) and a bounded KV pool
+  (SGLang's default pool would take ~15 GB of RAM).
 """
 
 from __future__ import annotations
