@@ -20,7 +20,7 @@ commands:
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
   profile                offline layer-range profiler (writes a profile JSON and a plot)
-  bench run|ttft|fidelity|decode
+  bench run|ttft|fidelity|decode|load
                          benchmarks (`bench run --quick` = make bench; benchmark/README.md)
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
@@ -63,6 +63,7 @@ BENCHES = {
     "fidelity": "sglang_relay.bench.fidelity",
     "ttft": "sglang_relay.bench.ttft",
     "decode": "sglang_relay.bench.decode",
+    "load": "sglang_relay.bench.load",
 }
 
 

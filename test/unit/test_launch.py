@@ -98,3 +98,19 @@ def test_cli_port_in_use(model_dir):
 def test_cli_unknown_command():
     proc = _run_cli("frobnicate")
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        ({"l_start": 3, "l_det": 4, "l_end": 500}, "l_end + 1 <= 30"),
+        ({"l_start": "x"}, "l_start must be an integer"),
+        ({"tau_dev": -2}, "tau_dev must be a finite number"),
+        ({"top_ratio": 7}, "top_ratio must be in (0, 1]"),
+    ],
+)
+def test_cli_absurd_profile_is_one_error_line(model_dir, tmp_path, config, needle):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"config": config}))
+    proc = _run_cli("serve", "--model-path", str(model_dir), "--relay-profile", str(profile))
+    _assert_one_line_error(proc, needle)

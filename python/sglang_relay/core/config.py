@@ -61,6 +61,22 @@ class RelayConfig:
     min_span: int = 32
 
     def __post_init__(self) -> None:
+        for name in ("l_start", "l_det", "l_end", "l_suf", "first_k", "min_span"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer; got {value!r}")
+        for name in ("tau_dev", "tau_inf", "top_ratio", "max_ratio"):
+            value = getattr(self, name)
+            optional = name != "tau_dev"
+            if (value is None and not optional) or (
+                value is not None
+                and (isinstance(value, bool) or not isinstance(value, int | float))
+            ):
+                raise ValueError(f"{name} must be a number{' or null' * optional}; got {value!r}")
+        if not isinstance(self.method, str) or not isinstance(self.signal, str):
+            raise ValueError(
+                f"method and signal must be strings; got {self.method!r}, {self.signal!r}"
+            )
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.signal not in SIGNALS:
