@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.sglang-relay-setup
 ARGS ?=
+BENCH_OUT ?= bench-results
 
 .PHONY: setup demo serve test test-unit test-e2e lint bench clean
 
@@ -44,4 +45,4 @@ clean:
 
 # Quick benchmark (~10 min on 2 cores): every workload kind, all methods, report + plots.
 bench: setup
-	$(PY) -m sglang_relay.cli bench run --quick --out bench-results $(ARGS)
+	$(PY) -m sglang_relay.cli bench run --quick --out $(BENCH_OUT) $(ARGS)

@@ -20,7 +20,7 @@ commands:
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
   profile                offline layer-range profiler (writes a profile JSON and a plot)
-  bench run|ttft|fidelity|decode|load
+  bench run|ttft|fidelity|decode|load|report
                          benchmarks (`bench run --quick` = make bench; benchmark/README.md)
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
@@ -64,6 +64,7 @@ BENCHES = {
     "ttft": "sglang_relay.bench.ttft",
     "decode": "sglang_relay.bench.decode",
     "load": "sglang_relay.bench.load",
+    "report": "sglang_relay.bench.run:main_report",
 }
 
 
@@ -72,7 +73,8 @@ def _cmd_bench(argv: list[str]) -> int:
 
     if not argv or argv[0] not in BENCHES:
         raise RelayError(f"bench needs one of: {', '.join(BENCHES)}")
-    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    module, _, func = BENCHES[argv[0]].partition(":")
+    return getattr(importlib.import_module(module), func or "main")(argv[1:])
 
 
 COMMANDS = {

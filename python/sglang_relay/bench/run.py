@@ -138,6 +138,8 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
         cells = []
         for _, key in columns:
             v = r.get(key)
+            if isinstance(v, float) and v.is_integer() and key in ("prompt_tokens", "n"):
+                v = int(v)
             cells.append("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -229,14 +231,40 @@ def report(result: dict[str, Any], plots: list[str]) -> str:
         f"model {meta['model']}; {meta['elapsed_s']:.0f} s.",
         "",
     ]
-    if result["ttft"]:
-        parts += ["## TTFT of relayed prompts (synthetic)", "", ttft.markdown(result["ttft"]), ""]
+    for kind, title in (
+        ("sweep", "TTFT vs relayed span length (one upstream output, synthetic)"),
+        ("agents", "TTFT vs number of agents (agent N reads agents 1..N-1)"),
+    ):
+        rows = [r for r in result["ttft"] if r["case"] == kind]
+        if rows:
+            parts += [f"## {title}", "", ttft.markdown(rows), ""]
     if result["chains"]:
         cols = [c for c in CHAIN_COLUMNS if any(c[1] in r for r in result["chains"])]
         parts += ["## Agent chains (every method on the same upstream outputs)", ""]
         parts += [_table(result["chains"], cols), ""]
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
+
+
+def write_report(out: Path, result: dict[str, Any]) -> str:
+    """Plots and ``report.md`` into ``out`` from a run's ``results.json`` content."""
+    plots = plot(result, out)
+    text = report(result, plots)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def main_report(argv: list[str]) -> int:
+    """``sglang-relay bench report DIR``: redraw plots and report.md from DIR/results.json."""
+    if len(argv) != 1:
+        raise RelayError("usage: sglang-relay bench report DIR (a folder with results.json)")
+    out = Path(argv[0])
+    try:
+        result = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise RelayError(f"{out}/results.json: {exc}") from exc
+    print(write_report(out, result))
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -318,8 +346,6 @@ def main(argv: list[str]) -> int:
         "records": records,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    plots = plot(result, out)
-    (out / "report.md").write_text(report(result, plots))
-    print(report(result, plots))
-    print(f"[bench] wrote {out}/results.json, report.md and {len(plots)} plots", file=sys.stderr)
+    print(write_report(out, result))
+    print(f"[bench] wrote {out}/results.json, report.md and plots", file=sys.stderr)
     return 0

@@ -55,6 +55,12 @@ def hook_registry():
     return HookRegistry, HookType
 
 
+def attention_backend_name(model_runner) -> str | None:
+    """The server's attention backend (``ServerArgs.attention_backend``; None if unset)."""
+    args = getattr(model_runner, "server_args", None)
+    return getattr(args, "attention_backend", None)
+
+
 def kv_write_loc(loc):
     """A KV write target for ``set_kv_buffer`` on SGLang's token-major pools."""
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc

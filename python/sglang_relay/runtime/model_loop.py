@@ -26,8 +26,9 @@ import torch
 
 from sglang_relay.core.attention import positional_causal_attention
 from sglang_relay.core.config import LayerSchedule, RelayConfig
-from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_tokens
+from sglang_relay.kernels import splice_rerotate
 
 
 @dataclass
@@ -58,6 +59,8 @@ class BatchPlan:
     num_rows: int
     kv_pool: Any  # SGLang's token_to_kv_pool (get_key_buffer / set_kv_buffer)
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32 slots by position
+    flashinfer: Any = None  # FlashInferExtend on CUDA with the flashinfer backend, else None
+    planned: dict = field(default_factory=dict)  # FlashInfer plans of this batch, by row set
 
 
 def qkv(attn_mod, positions: torch.Tensor, x: torch.Tensor):
@@ -88,6 +91,8 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
     bounds = torch.searchsorted(rows_cpu, torch.tensor(plan.row_starts + [plan.num_rows]))
     req_to_token = plan.req_to_token
     positions = fb.positions[rows]
+    if plan.flashinfer is not None:  # pragma: no cover - CUDA only
+        return _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf)
     for i in range(len(plan.row_starts)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if lo == hi:
@@ -98,6 +103,35 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
             q3[lo:hi], kbuf[slots], vbuf[slots], positions[lo:hi], radix_attn.scaling
         )
     return out.reshape(q3.shape[0], hq * dv)
+
+
+def _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf):
+    """The same attention as the torch loop above, as one FlashInfer paged prefill with a
+    custom mask (layout: :mod:`sglang_relay.kernels.flashinfer_extend`). One plan per
+    active-row set, reused by every layer of its group."""
+    from sglang_relay.kernels.flashinfer_extend import build_extend_plan
+
+    key = hash(rows_cpu.numpy().tobytes())
+    known = plan.planned.get(key)
+    if known is None or not torch.equal(known, rows_cpu):
+        if not plan.planned:
+            plan.flashinfer.reset()
+        counts = [int(bounds[i + 1] - bounds[i]) for i in range(len(plan.row_starts))]
+        slots = [
+            plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]]
+            for i in range(len(plan.row_starts))
+        ]
+        layout = build_extend_plan(counts, positions, plan.seq_lens, slots)
+        heads = (
+            radix_attn.tp_q_head_num,
+            radix_attn.tp_k_head_num,
+            radix_attn.qk_head_dim,
+            radix_attn.v_head_dim,
+        )
+        plan.flashinfer.plan(key, layout, heads, radix_attn.scaling, q3.dtype)
+        plan.planned[key] = rows_cpu
+    out = plan.flashinfer.run(key, q3, kbuf, vbuf)
+    return out.reshape(q3.shape[0], -1)
 
 
 def _layer(layer, positions, h, r, fb, attend):
@@ -122,11 +156,17 @@ def splice(fb, model, plan: BatchPlan) -> None:
     cos, sin = delta_cos_sin(rope.cos_sin_cache, plan.span_delta)
     dst = fb.out_cache_loc[plan.span_rows]
     pool = plan.kv_pool
-    for layer in model.layers:
-        lid = layer.self_attn.attn.layer_id
-        kbuf, vbuf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
-        kbuf[dst] = apply_rotation(kbuf[plan.span_src], cos, sin, is_neox=rope.is_neox_style)
-        vbuf[dst] = vbuf[plan.span_src]
+    ids = [layer.self_attn.attn.layer_id for layer in model.layers]
+    # Triton on CUDA (one launch per layer), the torch reference elsewhere
+    splice_rerotate(
+        [pool.get_key_buffer(i) for i in ids],
+        [pool.get_value_buffer(i) for i in ids],
+        plan.span_src,
+        dst,
+        cos,
+        sin,
+        is_neox=rope.is_neox_style,
+    )
 
 
 def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence=None) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import METHODS, RelayConfig
+from sglang_relay.kernels import pick_extend_attention
+from sglang_relay.runtime import compat
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.model_loop import BatchPlan, SpanGroup
 from sglang_relay.runtime.settings import RelaySettings
@@ -125,6 +127,14 @@ class RelayRuntime:
         )
         if self.influence is None:
             self.influence_layer = None
+        self.extend_attention = pick_extend_attention(
+            compat.attention_backend_name(model_runner), self.device
+        )
+        self.flashinfer = None
+        if self.extend_attention == "flashinfer":  # pragma: no cover - CUDA only
+            from sglang_relay.kernels.flashinfer_extend import FlashInferExtend
+
+            self.flashinfer = FlashInferExtend(self.device)
         from sglang_relay.runtime.model_loop import bind_pool
 
         bind_pool(self.model, pool)
@@ -299,6 +309,7 @@ class RelayRuntime:
             num_rows=acc,
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
+            flashinfer=self.flashinfer,
         )
 
     def finish_plan(self, plan: BatchPlan) -> None:

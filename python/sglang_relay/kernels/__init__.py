@@ -1,0 +1,55 @@
+"""GPU kernels of the relay extend, each beside its pure-torch reference.
+
+The public functions pick the Triton kernel for CUDA tensors and the torch reference
+otherwise; ``SGLANG_RELAY_KERNELS=torch`` forces the reference everywhere and
+``SGLANG_RELAY_KERNELS=triton`` forces Triton (on CPU tensors that needs
+``TRITON_INTERPRET=1``: how the tests run the kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sglang_relay.kernels import rows, splice
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    choice = os.environ.get("SGLANG_RELAY_KERNELS", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"SGLANG_RELAY_KERNELS must be auto, torch or triton; got {choice!r}")
+    if choice == "torch" or splice.triton is None:
+        return False
+    return choice == "triton" or x.is_cuda
+
+
+def pick_extend_attention(server_backend: str | None, device: torch.device) -> str:
+    """Which attention the relay extend uses: ``"flashinfer"`` when the server's backend is
+    FlashInfer on a CUDA device (and the package imports), else ``"torch"`` (the pure-torch
+    positional attention, also the semantics the FlashInfer plan is tested against)."""
+    if device.type != "cuda" or server_backend != "flashinfer":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "flashinfer"
+
+
+def splice_rerotate(k_buffers, v_buffers, src, dst, cos, sin, *, is_neox: bool = True) -> None:
+    """Copy span KV ``src -> dst`` in every layer, keys rotated (see :mod:`.splice`)."""
+    first = k_buffers if isinstance(k_buffers, torch.Tensor) else k_buffers[0]
+    impl = splice.splice_rerotate_triton if use_triton(first) else splice.splice_rerotate_ref
+    impl(k_buffers, v_buffers, src, dst, cos, sin, is_neox=is_neox)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return rows.gather_rows_triton(x, idx) if use_triton(x) else rows.gather_rows_ref(x, idx)
+
+
+def scatter_rows(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    if use_triton(out):
+        rows.scatter_rows_triton(out, idx, values)
+    else:
+        rows.scatter_rows_ref(out, idx, values)
