@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
+from relay_helpers import EXTRA_ARGS
 
 from sglang_relay.runtime.launch import ServerProcess
 
@@ -19,6 +20,7 @@ def server(model_dir):
             "--max-total-tokens",
             str(E2E_KV_TOKENS),
             "--enable-metrics",
+            *EXTRA_ARGS,
         ]
     )
     proc.start(timeout=600)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+
 import requests
+
+# extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
+EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))
 
 # relay config that recomputes every span token in every layer: must equal standard
 ALL_SELECTED = {

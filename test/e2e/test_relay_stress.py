@@ -8,7 +8,7 @@ import time
 
 import pytest
 import requests
-from relay_helpers import ALL_SELECTED, chat, generate, relay_info
+from relay_helpers import ALL_SELECTED, EXTRA_ARGS, chat, generate, relay_info
 
 from sglang_relay.runtime.launch import ServerProcess
 
@@ -30,6 +30,7 @@ def small_server(model_dir):
             "64",
             "--relay-span-tokens",
             "1200",
+            *EXTRA_ARGS,
         ]
     )
     proc.start(timeout=600)

@@ -14,11 +14,14 @@ from sglang_relay.core.rope import build_cos_sin_cache, delta_cos_sin, rerotate_
 pytest.importorskip("triton")
 
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture(scope="module")
 def kern():
-    """The kernel modules with ``@triton.jit`` resolved in interpreter mode."""
+    """The kernel modules, ``@triton.jit`` compiled on a GPU, interpreted on the CPU."""
     old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "0" if DEV.type == "cuda" else "1"
     from sglang_relay.kernels import rows, splice
 
     mods = (importlib.reload(splice), importlib.reload(rows))
@@ -57,7 +60,10 @@ def test_splice_rerotate_matches_reference(kern, heads, dim, rot_dim, is_neox, d
 
     k_ref, v_ref = [t.clone() for t in k], [t.clone() for t in v]
     splice.splice_rerotate_ref(k_ref, v_ref, src, dst, cos, sin, is_neox=is_neox)
-    splice.splice_rerotate_triton(k, v, src, dst, cos, sin, is_neox=is_neox)
+    kd, vd = [t.to(DEV) for t in k], [t.to(DEV) for t in v]
+    on = [x.to(DEV) for x in (src, dst, cos, sin)]
+    splice.splice_rerotate_triton(kd, vd, *on, is_neox=is_neox)
+    k, v = [t.cpu() for t in kd], [t.cpu() for t in vd]
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     for layer in range(layers):
         torch.testing.assert_close(k[layer], k_ref[layer], atol=tol, rtol=tol)
@@ -76,7 +82,9 @@ def test_splice_rerotate_stacked_pool_is_one_launch(kern):
     cos, sin = delta_cos_sin(build_cos_sin_cache(64, 256), torch.arange(10) * 7 - 30)
     k_ref, v_ref = k.clone(), v.clone()
     splice.splice_rerotate_ref(list(k_ref), list(v_ref), src, dst, cos, sin)
-    splice.splice_rerotate_triton(k, v, src, dst, cos, sin)
+    kd, vd = k.to(DEV), v.to(DEV)
+    splice.splice_rerotate_triton(kd, vd, *[x.to(DEV) for x in (src, dst, cos, sin)])
+    k, v = kd.cpu(), vd.cpu()
     torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(v, v_ref)
     untouched = torch.ones(40, dtype=torch.bool)
@@ -90,14 +98,15 @@ def test_gather_and_scatter_rows(kern, width, n, dtype):
     gen = torch.Generator().manual_seed(width + n)
     x = torch.randn(50, width, generator=gen).to(dtype)
     idx = torch.randperm(50, generator=gen)[:n]
-    assert torch.equal(rows.gather_rows_triton(x, idx), x[idx])
-    out, out_ref = x.clone(), x.clone()
+    assert torch.equal(rows.gather_rows_triton(x.to(DEV), idx.to(DEV)).cpu(), x[idx])
+    out, out_ref = x.clone().to(DEV), x.clone()
     vals = torch.randn(n, width, generator=gen).to(dtype)
-    rows.scatter_rows_triton(out, idx, vals)
+    rows.scatter_rows_triton(out, idx.to(DEV), vals.to(DEV))
     out_ref[idx] = vals
-    assert torch.equal(out, out_ref)
+    assert torch.equal(out.cpu(), out_ref)
     # a [slots, H, D] KV buffer goes through as a 2-D view
-    kv = torch.randn(30, 3, 64, generator=gen)
+    kv = torch.randn(30, 3, 64, generator=gen).to(DEV)
+    idx = idx.to(DEV)
     assert torch.equal(
         rows.gather_rows_triton(kv.view(30, -1), idx[:3] % 30), kv[idx[:3] % 30].view(3, -1)
     )

@@ -144,14 +144,19 @@ class RefModel:
         return self.lm_head(self.norm(h)).float()
 
 
-def load_model(model_dir: str, num_layers: int | None = None) -> RefModel:
-    """Load a checkpoint in fp32 with eager attention (optionally only its first layers)."""
+def load_model(
+    model_dir: str, num_layers: int | None = None, device: str | None = None
+) -> RefModel:
+    """Load a checkpoint in fp32 with eager attention (optionally only its first layers),
+    on ``device`` (default: the GPU when there is one: an 8B model in fp32 needs 32 GB)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
     if num_layers is not None:
         kwargs["num_hidden_layers"] = num_layers
-    return RefModel(AutoModelForCausalLM.from_pretrained(model_dir, **kwargs))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return RefModel(model.to(device))
 
 
 @dataclass
