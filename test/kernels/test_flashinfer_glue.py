@@ -1,5 +1,6 @@
-"""The runtime's FlashInfer glue (plan per active-row set, run per layer) gives the torch
-path's attention, with FlashInfer's own computation replaced by the plan's CPU oracle."""
+"""The runtime's GPU attention glue gives the torch path's attention: FlashInfer (plan per
+active-row set, run per layer; its computation replaced by the plan's CPU oracle) and the
+Triton kernel (under the interpreter without a GPU)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class OracleFlashInfer:
         return attend_with_plan_ref(layout, q, kbuf, vbuf, scale)
 
 
-def _batch(monkeypatch, flashinfer):
+def _batch(monkeypatch, flashinfer, attention="torch"):
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, slots = 4, 2, 16, 200
     kbuf, vbuf = (
@@ -61,6 +62,7 @@ def _batch(monkeypatch, flashinfer):
         span_delta=torch.zeros(0), normal_rows=torch.zeros(0), row_starts=[0, 6],
         seq_lens=[p + n for p, n in zip(prefix, ext, strict=True)], num_rows=15,
         kv_pool=pool, req_to_token=req_to_token, flashinfer=flashinfer,
+        attention="flashinfer" if flashinfer is not None else attention,
     )  # fmt: skip
     ra = SimpleNamespace(
         layer_id=0, tp_q_head_num=hq, tp_k_head_num=hkv, qk_head_dim=d, v_head_dim=d, scaling=0.3
@@ -92,3 +94,20 @@ def test_one_plan_per_row_set_per_batch(monkeypatch):
         q, k, v = torch.randn(n, 64), torch.randn(n, 32), torch.randn(n, 32)
         attend_rows(fb, plan, ra, q, k, v, rows)
     assert oracle.plans == 2 and oracle.resets == 1
+
+
+def test_triton_glue_equals_torch_path(monkeypatch):
+    import os
+
+    import pytest
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    rows = torch.tensor([0, 2, 5, 7, 8, 14])
+    results = []
+    for attention in ("torch", "triton"):
+        fb, plan, ra, gen = _batch(monkeypatch, None, attention)
+        q = torch.randn(6, 64, generator=gen)
+        k, v = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
+        results.append(attend_rows(fb, plan, ra, q, k, v, rows))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)

@@ -3,7 +3,6 @@ random inputs of several shapes and dtypes."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -19,17 +18,12 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 @pytest.fixture(scope="module")
 def kern():
-    """The kernel modules, ``@triton.jit`` compiled on a GPU, interpreted on the CPU."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0" if DEV.type == "cuda" else "1"
+    """The kernel modules: compiled on a GPU, interpreted on the CPU (test/conftest.py)."""
+    if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     from sglang_relay.kernels import rows, splice
 
-    mods = (importlib.reload(splice), importlib.reload(rows))
-    yield mods
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    return splice, rows
 
 
 def _pool(layers, slots, heads, dim, dtype, gen):
@@ -130,5 +124,42 @@ def test_extend_attention_choice():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert pick_extend_attention("flashinfer", cpu) == "torch"
     assert pick_extend_attention("torch_native", cuda) == "torch"
-    assert pick_extend_attention("triton", cuda) == "torch"
+    assert pick_extend_attention("triton", cuda) == "triton"
+    assert pick_extend_attention("fa3", cuda) == "torch"
     assert pick_extend_attention(None, cuda) == "torch"
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, dim, dtype", [(4, 4, 64, torch.float32), (6, 2, 80, torch.bfloat16)]
+)
+def test_positional_attention_matches_reference(kern, hq, hkv, dim, dtype):
+    """Active rows of two requests (non-contiguous positions) over their pooled contexts."""
+    from sglang_relay.core.attention import positional_causal_attention
+    from sglang_relay.kernels import attention
+
+    gen = torch.Generator().manual_seed(hq + dim)
+    slots = 400
+    kbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
+    vbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
+    perm = torch.randperm(slots, generator=gen)
+    ctx = [perm[:150], perm[150:220]]  # two requests' slots by position
+    pos = [torch.tensor([0, 1, 63, 64, 65, 149]), torch.tensor([5, 69])]
+    q = torch.randn(8, hq, dim, generator=gen).to(dtype)
+    kv_indices = torch.cat(ctx)
+    kv_start = torch.tensor([0] * 6 + [150] * 2)
+    got = attention.positional_attention_triton(
+        *[x.to(DEV) for x in (q, kbuf, vbuf, torch.cat(pos), kv_start, kv_indices)],
+        scale=dim**-0.5,
+    ).cpu()
+    want = torch.cat(
+        [
+            positional_causal_attention(
+                q[:6].float(), kbuf[ctx[0]].float(), vbuf[ctx[0]].float(), pos[0], dim**-0.5
+            ),
+            positional_causal_attention(
+                q[6:].float(), kbuf[ctx[1]].float(), vbuf[ctx[1]].float(), pos[1], dim**-0.5
+            ),
+        ]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

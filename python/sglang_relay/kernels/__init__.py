@@ -25,10 +25,15 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def pick_extend_attention(server_backend: str | None, device: torch.device) -> str:
-    """Which attention the relay extend uses: ``"flashinfer"`` when the server's backend is
-    FlashInfer on a CUDA device (and the package imports), else ``"torch"`` (the pure-torch
-    positional attention, also the semantics the FlashInfer plan is tested against)."""
-    if device.type != "cuda" or server_backend != "flashinfer":
+    """Which attention the relay extend uses on ``device``: ``"flashinfer"`` when the
+    server's backend is FlashInfer (and the package imports), ``"triton"`` when it is
+    Triton, else ``"torch"`` (the pure-torch positional attention: the CPU path and the
+    semantics the others are tested against)."""
+    if device.type != "cuda":
+        return "torch"
+    if server_backend == "triton" and splice.triton is not None:
+        return "triton"
+    if server_backend != "flashinfer":
         return "torch"
     try:
         import flashinfer  # noqa: F401

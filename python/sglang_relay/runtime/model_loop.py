@@ -59,6 +59,7 @@ class BatchPlan:
     num_rows: int
     kv_pool: Any  # SGLang's token_to_kv_pool (get_key_buffer / set_kv_buffer)
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32 slots by position
+    attention: str = "torch"  # extend attention: torch | triton | flashinfer (kernels/)
     flashinfer: Any = None  # FlashInferExtend on CUDA with the flashinfer backend, else None
     planned: dict = field(default_factory=dict)  # FlashInfer plans of this batch, by row set
 
@@ -91,8 +92,10 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
     bounds = torch.searchsorted(rows_cpu, torch.tensor(plan.row_starts + [plan.num_rows]))
     req_to_token = plan.req_to_token
     positions = fb.positions[rows]
-    if plan.flashinfer is not None:  # pragma: no cover - CUDA only
+    if plan.attention == "flashinfer":  # pragma: no cover - CUDA only
         return _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf)
+    if plan.attention == "triton":
+        return _attend_triton(fb, plan, radix_attn, q3, positions, bounds, kbuf, vbuf)
     for i in range(len(plan.row_starts)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if lo == hi:
@@ -103,6 +106,23 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
             q3[lo:hi], kbuf[slots], vbuf[slots], positions[lo:hi], radix_attn.scaling
         )
     return out.reshape(q3.shape[0], hq * dv)
+
+
+def _attend_triton(fb, plan, radix_attn, q3, positions, bounds, kbuf, vbuf):
+    """The same attention as the torch loop, as one Triton launch over all active rows."""
+    from sglang_relay.kernels.attention import positional_attention_triton
+
+    n_req = len(plan.row_starts)
+    counts = torch.tensor([int(bounds[i + 1] - bounds[i]) for i in range(n_req)])
+    offsets = torch.tensor([0, *plan.seq_lens[:-1]]).cumsum(0)
+    kv_indices = torch.cat(
+        [plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]] for i in range(n_req)]
+    )
+    kv_start = offsets.repeat_interleave(counts).to(q3.device)
+    out = positional_attention_triton(
+        q3, kbuf, vbuf, positions, kv_start, kv_indices, radix_attn.scaling
+    )
+    return out.reshape(q3.shape[0], -1)
 
 
 def _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf):

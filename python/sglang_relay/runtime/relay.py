@@ -309,6 +309,7 @@ class RelayRuntime:
             num_rows=acc,
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
+            attention=self.extend_attention,
             flashinfer=self.flashinfer,
         )
 
