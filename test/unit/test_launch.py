@@ -42,6 +42,11 @@ def test_gpu_machine_gets_no_cpu_flags():
     assert flag_value(argv, "--device") is None
     assert "--disable-cuda-graph" not in argv
     assert "--sleep-on-idle" not in argv
+    assert argv.count("--disable-prefill-cuda-graph") == 1  # relay extends run eager
+    plain = build_server_argv([], cpu=False, model_path="/m", relay=False)
+    assert "--disable-prefill-cuda-graph" not in plain
+    mine = build_server_argv(["--cuda-graph-backend-prefill", "full"], cpu=False, model_path="/m")
+    assert "--disable-prefill-cuda-graph" not in mine
 
 
 def test_model_path_checks(tmp_path):

@@ -48,8 +48,9 @@ def build_server_argv(
     """Return SGLang server argv with relay's defaults added where the user set nothing.
 
     Adds ``--model-path`` (the embedded model, given as ``model_path``), ``--host
-    127.0.0.1``, ``--radix-cache-backend relay`` and, on a CPU-only machine, the flags the
-    CPU needs (see :mod:`sglang_relay.runtime.cpu`). User flags always win.
+    127.0.0.1``, ``--radix-cache-backend relay``, on a GPU ``--disable-prefill-cuda-graph``
+    (relay extends run eager) and, on a CPU-only machine, the flags the CPU needs (see
+    :mod:`sglang_relay.runtime.cpu`). User flags always win.
     """
     from sglang_relay.runtime.cpu import DEFAULT_CPU_MAX_TOTAL_TOKENS
 
@@ -62,6 +63,17 @@ def build_server_argv(
         out += ["--host", DEFAULT_HOST]
     if relay and not has_flag(out, "--radix-cache-backend"):
         out += ["--radix-cache-backend", "relay"]
+    if (
+        relay
+        and not cpu
+        and not any(
+            has_flag(out, f)
+            for f in ("--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill")
+        )
+    ):
+        # relay extends run their own layer loop, eager: a captured prefill graph would
+        # replay the stock forward instead. Decode graphs stay on.
+        out.append("--disable-prefill-cuda-graph")
     if cpu:
         defaults = {
             "--device": "cpu",
