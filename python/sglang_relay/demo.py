@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -60,17 +61,33 @@ def run_chain(
     return results
 
 
-def format_table(relay: list[AgentResult], standard: list[AgentResult]) -> str:
-    """Relay on vs off, agent by agent."""
+def output_agreement(a: str, b: str, encode: Callable[[str], list[int]] | None) -> str:
+    """``identical``, or how many leading tokens two outputs share (``same 37/160 tok``)."""
+    if a == b:
+        return "identical"
+    if encode is None:
+        return "differs"
+    from sglang_relay.bench.chains import first_divergence
+
+    ta, tb = encode(a), encode(b)
+    return f"same {first_divergence(ta, tb)}/{len(tb)} tok"
+
+
+def format_table(
+    relay: list[AgentResult],
+    standard: list[AgentResult],
+    encode: Callable[[str], list[int]] | None = None,
+) -> str:
+    """Relay on vs off, agent by agent (``encode``: text -> token ids, for the agreement)."""
     header = (
         f"{'agent':<10} {'prompt':>6} {'relayed':>7} {'reuse':>6} "
-        f"{'TTFT relay':>10} {'TTFT std':>9} {'speedup':>7}  same output"
+        f"{'TTFT relay':>10} {'TTFT std':>9} {'speedup':>7}  output vs standard"
     )
     lines = [header, "-" * len(header)]
     for on, off in zip(relay, standard, strict=True):
         info = on.generation.relay or {}
         speedup = off.generation.ttft_s / on.generation.ttft_s if on.generation.ttft_s else 0.0
-        same = "yes" if on.generation.text == off.generation.text else "no"
+        same = output_agreement(on.generation.text, off.generation.text, encode)
         lines.append(
             f"{on.name:<10} {on.generation.prompt_tokens:>6} {info.get('reused_tokens', 0):>7} "
             f"{info.get('reuse_rate', 0.0):>6.2f} {on.generation.ttft_s * 1e3:>8.0f}ms "
@@ -114,7 +131,13 @@ def main(argv: list[str]) -> int:
         if server is not None:
             server.stop()
     print(f"[demo] relay method: {args.method or 'server default'}; standard = plain SGLang")
-    print(format_table(relayed, standard))
+    print(
+        format_table(relayed, standard, lambda t: tokenizer(t, add_special_tokens=False).input_ids)
+    )
+    print(
+        "[demo] outputs are greedy; relay reuses approximate KV, so a downstream agent's text\n"
+        "       can drift from standard after its first tokens (see docs/fidelity.md)"
+    )
     if args.full_output:
         for on, off in zip(relayed, standard, strict=True):
             print(f"\n=== {on.name} (relay) ===\n{on.generation.text.strip()}")

@@ -24,7 +24,12 @@ def test_table_compares_relay_and_standard():
     table = format_table([AgentResult("Dev", on)], [AgentResult("Dev", off)])
     row = table.splitlines()[-1].split()
     assert row[:4] == ["Dev", "100", "80", "0.80"]
-    assert "2.5x" in row and row[-1] == "no"
+    assert "2.5x" in row and row[-1] == "differs"
+    # with token ids (here: bytes), how far the outputs agree
+    by_bytes = format_table([AgentResult("Dev", on)], [AgentResult("Dev", off)], str.encode)
+    assert by_bytes.splitlines()[-1].endswith("same 0/5 tok")
+    same = format_table([AgentResult("Dev", on)], [AgentResult("Dev", on)], str.encode)
+    assert same.splitlines()[-1].endswith("identical")
 
 
 def test_packaged_chain_references_earlier_agents():
