@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_relay.client import generate
+from sglang_relay.demo import chat_prompt
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 DEFAULT_WORKLOAD = "ttft_workload.jsonl"
@@ -49,14 +50,10 @@ def load_workload(path: str | None) -> list[dict[str, Any]]:
     return cases
 
 
-def _chat(tok: Any, system: str, user: str) -> str:
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-
-
 def _upstream(url: str, tok: Any, topic: str, n: int) -> str:
     """An upstream agent output of exactly ``n`` decoded tokens (its KV is what relays)."""
-    prompt = _chat(tok, "You are a thorough technical writer.", f"Write at length about {topic}.")
+    system = "You are a thorough technical writer."
+    prompt = chat_prompt(tok, system, f"Write at length about {topic}.")
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     return generate(url, prompt, params).text
 
@@ -89,7 +86,7 @@ def _downstream(tok: Any, case: dict[str, Any], rep: int, relayed: list[str]) ->
     body = "\n\n".join(f"Output of agent {i + 1}:\n{t}" for i, t in enumerate(relayed))
     template = case.get("template", "{outputs}\n\nSummarize the outputs above in one line.")
     user = template.format(outputs=body)
-    return _chat(tok, system, user), _chat(tok, system, user + " Be brief.")
+    return chat_prompt(tok, system, user), chat_prompt(tok, system, user + " Be brief.")
 
 
 def run(
