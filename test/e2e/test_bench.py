@@ -1,0 +1,48 @@
+"""The benchmark driver end to end on a tiny workload (every kind, two methods): it must
+produce results.json, report.md and the plots, with the figures users read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_relay.bench import run
+
+pytestmark = pytest.mark.e2e
+
+AGENTS = [
+    {"name": "Architect", "max_new_tokens": 40, "system": "You are an architect.",
+     "template": "Plan `{entry_point}`:\n{task}"},
+    {"name": "Developer", "max_new_tokens": 48, "system": "You are a developer.",
+     "template": "Plan:\n{Architect}\n\nWrite `{entry_point}`:\n```python\n{task}\n```"},
+]  # fmt: skip
+TINY = [
+    {"kind": "sweep", "span_tokens": [64], "template": "{outputs}\n\nSummarize."},
+    {"kind": "agents", "n_agents": [3], "output_tokens": 48},
+    {"kind": "humaneval", "limit": 1, "agents": AGENTS},
+    {"kind": "frontend", "tasks": ["Write `add(a, b)`."], "max_new_tokens": 48},
+]
+
+
+def test_bench_run_writes_results_report_and_plots(server, tmp_path, capsys):
+    workload = tmp_path / "tiny.jsonl"
+    workload.write_text("\n".join(json.dumps(c) for c in TINY))
+    out = tmp_path / "out"
+    argv = ["--url", server.url, "--workload", str(workload), "--reps", "1",
+            "--methods", "standard,relay", "--out", str(out)]  # fmt: skip
+    assert run.main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert {r["case"] for r in result["ttft"]} == {"sweep", "agents"}
+    assert {r["method"] for r in result["ttft"]} == {"standard", "relay", "stock_prefix_hit"}
+    relay_sweep = next(r for r in result["ttft"] if r["method"] == "relay" and r["case"] == "sweep")
+    assert relay_sweep["reuse_rate"] > 0.5 and relay_sweep["speedup_vs_standard"] > 0
+    dev = {r["method"]: r for r in result["chains"] if r["agent"] == "Developer"}
+    assert set(dev) == {"standard", "relay"}
+    assert dev["relay"]["reuse_rate"] > 0.5 and "pass_at_1" in dev["relay"]
+    assert dev["standard"]["same_output"] == 1.0
+    fronts = [r for r in result["chains"] if r["kind"] == "frontend" and r["method"] == "relay"]
+    assert fronts and all(r["reuse_rate"] > 0 for r in fronts if r["agent"].startswith("review"))
+    report = (out / "report.md").read_text()
+    for png in ("ttft_vs_span.png", "ttft_vs_agents.png", "fidelity_vs_reuse.png"):
+        assert (out / png).stat().st_size > 1000 and png in report
