@@ -84,7 +84,7 @@ def test_unicode_around_span_boundaries(server, upstream_text):
 
 
 def _random_options(rng: random.Random):
-    leaves = [None, True, -1, 0, 10**9, 1e308, -0.5, 2**70, "", "relay", "κ", [1], {}]
+    leaves = [None, True, -1, 0, 10**9, 1e308, -0.5, 2**70, 2**63, "", "relay", "κ", [1], {}]
     fields = ["method", "config", "l_start", "tau_dev", "top_ratio", "first_k", "zzz"]
     kind = rng.randrange(4)
     if kind == 0:
@@ -100,6 +100,7 @@ def test_fuzzed_options_never_disturb_other_requests(server, tok, upstream_text)
     prompt = chat(tok, "Editor.", f"Draft:\n\n{upstream_text}\n\nShorten it.")
     probe = chat(tok, "Helper.", "Name three colours.")
     alone = generate(server.url, probe, relay="standard")
+    errors_before = relay_info(server.url).get("fallback_error", 0)
     options = [_random_options(rng) for _ in range(16)]
 
     def send(opt):
@@ -114,4 +115,5 @@ def test_fuzzed_options_never_disturb_other_requests(server, tok, upstream_text)
     for p in probes:
         assert p.result()["output_ids"] == alone["output_ids"]
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert relay_info(server.url).get("fallback_error", 0) == errors_before  # no crash inside
     _pool_balanced(server.url)

@@ -23,7 +23,7 @@ class OracleFlashInfer:
         self.layouts.clear()
         self.resets += 1
 
-    def plan(self, key, layout, heads, scale, dtype):
+    def plan(self, key, layout, heads, scale, dtype, kv_dtype):
         self.layouts[key] = (layout, scale)
         self.plans += 1
 
@@ -32,7 +32,11 @@ class OracleFlashInfer:
         return attend_with_plan_ref(layout, q, kbuf, vbuf, scale)
 
 
-def _batch(monkeypatch, flashinfer, attention="torch"):
+CPU = torch.device("cpu")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _batch(monkeypatch, flashinfer, attention="torch", dev=CPU):
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, slots = 4, 2, 16, 200
     kbuf, vbuf = (
@@ -47,8 +51,11 @@ def _batch(monkeypatch, flashinfer, attention="torch"):
     req_to_token[1, :9] = perm[16:25].int()
     positions = torch.cat([torch.arange(10, 16), torch.arange(0, 9)])
     out_cache_loc = torch.cat([req_to_token[0, 10:16], req_to_token[1, :9]]).long()
+    kbuf, vbuf, req_to_token = kbuf.to(dev), vbuf.to(dev), req_to_token.to(dev)
     fb = SimpleNamespace(
-        out_cache_loc=out_cache_loc, positions=positions, req_pool_indices=torch.tensor([0, 1])
+        out_cache_loc=out_cache_loc.to(dev),
+        positions=positions.to(dev),
+        req_pool_indices=torch.tensor([0, 1], device=dev),
     )
     pool = SimpleNamespace(get_key_buffer=lambda _: kbuf, get_value_buffer=lambda _: vbuf)
 
@@ -106,8 +113,31 @@ def test_triton_glue_equals_torch_path(monkeypatch):
     rows = torch.tensor([0, 2, 5, 7, 8, 14])
     results = []
     for attention in ("torch", "triton"):
-        fb, plan, ra, gen = _batch(monkeypatch, None, attention)
+        fb, plan, ra, gen = _batch(monkeypatch, None, attention, DEV)
         q = torch.randn(6, 64, generator=gen)
         k, v = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
-        results.append(attend_rows(fb, plan, ra, q, k, v, rows))
+        args = [x.to(DEV) for x in (q, k, v, rows)]
+        results.append(attend_rows(fb, plan, ra, *args).cpu())
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def test_flashinfer_extend_on_a_gpu_equals_the_plan_oracle():
+    """The real FlashInfer call (CUDA only) computes what the plan's CPU oracle computes."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_relay.kernels.flashinfer_extend import FlashInferExtend, build_extend_plan
+
+    gen = torch.Generator().manual_seed(11)
+    kbuf = torch.randn(100, 2, 64, generator=gen, dtype=torch.float32).half()
+    vbuf = torch.randn(100, 2, 64, generator=gen, dtype=torch.float32).half()
+    slots = [torch.randperm(100, generator=gen)[:40], torch.randperm(100, generator=gen)[:9]]
+    pos = torch.tensor([0, 3, 17, 39, 2, 8])
+    q = torch.randn(6, 4, 64, generator=gen).half()
+    layout = build_extend_plan([4, 2], pos, [40, 9], slots)
+    want = attend_with_plan_ref(layout, q, kbuf, vbuf, 0.125)
+    fi = FlashInferExtend(torch.device("cuda"))
+    fi.plan("k", layout, (4, 2, 64, 64), 0.125, torch.float16, torch.float16)
+    got = fi.run("k", q.cuda(), kbuf.cuda(), vbuf.cuda()).float().cpu()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -50,11 +50,19 @@ def test_canonical_solution_passes_and_wrong_code_fails(problem):
 
 
 def test_checker_blocks_network_exit_and_runaway_code(problem):
-    name = problem["entry_point"]
-    net = (
-        f"def {name}(*a, **k):\n    import socket\n    socket.create_connection(('127.0.0.1', 9))\n"
-    )
-    assert not chains.passes_tests(problem, net)
+    import socket
+
+    with socket.socket() as listener:  # a port that accepts: only the block can refuse it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        reach = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        canonical = problem["canonical_solution"]
+        assert chains.passes_tests(problem, canonical)
+        assert not chains.passes_tests(problem, canonical + "\n" + reach)
+        # the same program passes once the connection is allowed: the block made it fail
+        sneaky = "import socket as _s\n_s.socket = _s.socket.__mro__[1]\n" + reach
+        assert chains.passes_tests(problem, canonical + "\n" + sneaky)
     # leaving early with status 0 is not a pass
     assert not chains.passes_tests(problem, "import sys\nsys.exit(0)\n")
     assert not chains.passes_tests(problem, "while True:\n    pass\n", timeout=2.0)

@@ -16,6 +16,7 @@ values = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(10**12), 10**12),
+    st.sampled_from([10**400, -(10**400), 2**63]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
     st.sampled_from(["relay", "epic", "naive", "cacheblend", "standard", "value", "key"]),

@@ -43,10 +43,13 @@ def test_gpu_machine_gets_no_cpu_flags():
     assert "--disable-cuda-graph" not in argv
     assert "--sleep-on-idle" not in argv
     assert argv.count("--disable-prefill-cuda-graph") == 1  # relay extends run eager
+    assert flag_value(argv, "--attention-backend") == "flashinfer"
     plain = build_server_argv([], cpu=False, model_path="/m", relay=False)
     assert "--disable-prefill-cuda-graph" not in plain
     mine = build_server_argv(["--cuda-graph-backend-prefill", "full"], cpu=False, model_path="/m")
     assert "--disable-prefill-cuda-graph" not in mine
+    triton = build_server_argv(["--attention-backend", "triton"], cpu=False, model_path="/m")
+    assert flag_value(triton, "--attention-backend") == "triton"
 
 
 def test_model_path_checks(tmp_path):

@@ -57,10 +57,17 @@ def relay_state(url: str) -> dict[str, Any]:
     return info["internal_states"][0]["relay"]
 
 
-def leaked_slots(url: str, settle_s: float = 2.0) -> tuple[int, dict[str, int]]:
-    time.sleep(settle_s)
-    pool = relay_state(url)["pool"]
-    return pool["total"] - pool["available"] - pool["evictable"] - pool["protected"], pool
+def leaked_slots(url: str, settle_s: float = 30.0) -> tuple[int, dict[str, int]]:
+    """Slots neither free, evictable nor protected once the server is idle. Aborted
+    requests are noticed by SGLang only every few seconds, so poll until the balance holds
+    (or ``settle_s`` passes, and report what is still missing)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        time.sleep(1.0)
+        pool = relay_state(url)["pool"]
+        leaked = pool["total"] - pool["available"] - pool["evictable"] - pool["protected"]
+        if leaked == 0 or time.monotonic() > deadline:
+            return leaked, pool
 
 
 class LoadStats:

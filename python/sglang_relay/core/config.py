@@ -83,11 +83,15 @@ class RelayConfig:
             raise ValueError(f"signal must be one of {', '.join(SIGNALS)}; got {self.signal!r}")
         for name in ("tau_dev", "tau_inf"):
             value = getattr(self, name)
-            if value is not None and (not math.isfinite(value) or value < 0):
+            try:
+                finite = value is None or math.isfinite(value)
+            except OverflowError:  # an int too large for a float
+                finite = False
+            if value is not None and (not finite or value < 0):
                 raise ValueError(f"{name} must be a finite number >= 0; got {value}")
         for name in ("top_ratio", "max_ratio"):
             value = getattr(self, name)
-            if value is not None and not (0.0 < value <= 1.0):
+            if value is not None and not (0 < value <= 1):
                 raise ValueError(f"{name} must be in (0, 1]; got {value}")
         for name in ("l_suf", "first_k"):
             if getattr(self, name) < 0:

@@ -29,7 +29,7 @@ def pick_extend_attention(server_backend: str | None, device: torch.device) -> s
     server's backend is FlashInfer (and the package imports), ``"triton"`` when it is
     Triton, else ``"torch"`` (the pure-torch positional attention: the CPU path and the
     semantics the others are tested against)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or os.environ.get("SGLANG_RELAY_KERNELS") == "torch":
         return "torch"
     if server_backend == "triton" and splice.triton is not None:
         return "triton"

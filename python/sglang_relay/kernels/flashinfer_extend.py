@@ -102,20 +102,28 @@ def attend_with_plan_ref(
 
 
 class FlashInferExtend:  # pragma: no cover - needs a CUDA device
-    """GPU path: one ``BatchPrefillWithPagedKVCacheWrapper`` per active-row set."""
+    """GPU path: one ``BatchPrefillWithPagedKVCacheWrapper`` per active-row set of a batch.
+    Wrappers are kept and reused across batches (each owns device and pinned host buffers)."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = 128 << 20) -> None:
         import flashinfer
 
         self._flashinfer = flashinfer
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self._wrappers: dict[object, object] = {}
+        self._pool: list[object] = []  # wrappers, reused batch after batch
+        self._wrappers: dict[object, object] = {}  # this batch: row-set key -> wrapper
 
-    def plan(self, key, plan: ExtendPlan, heads: tuple[int, int, int, int], scale: float, dtype):
+    def plan(
+        self, key, plan: ExtendPlan, heads: tuple[int, int, int, int], scale: float, dtype, kv_dtype
+    ):
         """``heads``: (q heads, kv heads, qk head dim, vo head dim); ``scale``: softmax scale
-        of the model's attention layers."""
+        of the model's attention layers; ``dtype`` / ``kv_dtype``: of queries / KV pool."""
         hq, hkv, d, dv = heads
-        w = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        if len(self._wrappers) == len(self._pool):
+            self._pool.append(
+                self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            )
+        w = self._pool[len(self._wrappers)]
         dev = self._workspace.device
         w.plan(
             plan.qo_indptr.to(dev),
@@ -130,7 +138,7 @@ class FlashInferExtend:  # pragma: no cover - needs a CUDA device
             custom_mask=plan.custom_mask.to(dev),
             sm_scale=scale,
             q_data_type=dtype,
-            kv_data_type=dtype,
+            kv_data_type=kv_dtype,
         )
         self._wrappers[key] = w
 

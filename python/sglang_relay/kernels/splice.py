@@ -75,7 +75,7 @@ if triton is not None:
         # one program per (token, head, layer)
         i = tl.program_id(0)
         h = tl.program_id(1)
-        layer = tl.program_id(2)
+        layer = tl.program_id(2).to(tl.int64)  # layer * stride overflows int32 on big pools
         s = tl.load(src_ptr + i).to(tl.int64)
         d = tl.load(dst_ptr + i).to(tl.int64)
         k_src = k_ptr + layer * stride_kl + s * stride_ks + h * stride_kh

@@ -49,8 +49,9 @@ def build_server_argv(
 
     Adds ``--model-path`` (the embedded model, given as ``model_path``), ``--host
     127.0.0.1``, ``--radix-cache-backend relay``, on a GPU ``--disable-prefill-cuda-graph``
-    (relay extends run eager) and, on a CPU-only machine, the flags the CPU needs (see
-    :mod:`sglang_relay.runtime.cpu`). User flags always win.
+    (relay extends run eager) and ``--attention-backend flashinfer``, and, on a CPU-only
+    machine, the flags the CPU needs (see :mod:`sglang_relay.runtime.cpu`). User flags always
+    win.
     """
     from sglang_relay.runtime.cpu import DEFAULT_CPU_MAX_TOTAL_TOKENS
 
@@ -74,6 +75,10 @@ def build_server_argv(
         # relay extends run their own layer loop, eager: a captured prefill graph would
         # replay the stock forward instead. Decode graphs stay on.
         out.append("--disable-prefill-cuda-graph")
+    if relay and not cpu and not has_flag(out, "--attention-backend"):
+        # the relay extend has fused paths for flashinfer and triton only; SGLang's own
+        # default on Hopper/Blackwell (fa3, trtllm_mha) would leave it on pure torch
+        out += ["--attention-backend", "flashinfer"]
     if cpu:
         defaults = {
             "--device": "cpu",

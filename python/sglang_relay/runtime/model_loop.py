@@ -95,7 +95,7 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
     if plan.attention == "flashinfer":  # pragma: no cover - CUDA only
         return _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf)
     if plan.attention == "triton":
-        return _attend_triton(fb, plan, radix_attn, q3, positions, bounds, kbuf, vbuf)
+        return _attend_triton(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf)
     for i in range(len(plan.row_starts)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if lo == hi:
@@ -108,17 +108,29 @@ def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) ->
     return out.reshape(q3.shape[0], hq * dv)
 
 
-def _attend_triton(fb, plan, radix_attn, q3, positions, bounds, kbuf, vbuf):
+def _cached(plan: BatchPlan, rows_cpu: torch.Tensor, build):
+    """``build()`` once per active-row set of this batch (the layers of a group share it)."""
+    key = hash(rows_cpu.numpy().tobytes())
+    known = plan.planned.get(key)
+    if known is None or not torch.equal(known[0], rows_cpu):
+        known = plan.planned[key] = (rows_cpu, build(key))
+    return known[1]
+
+
+def _attend_triton(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf):
     """The same attention as the torch loop, as one Triton launch over all active rows."""
     from sglang_relay.kernels.attention import positional_attention_triton
 
-    n_req = len(plan.row_starts)
-    counts = torch.tensor([int(bounds[i + 1] - bounds[i]) for i in range(n_req)])
-    offsets = torch.tensor([0, *plan.seq_lens[:-1]]).cumsum(0)
-    kv_indices = torch.cat(
-        [plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]] for i in range(n_req)]
-    )
-    kv_start = offsets.repeat_interleave(counts).to(q3.device)
+    def build(_key):
+        n_req = len(plan.row_starts)
+        counts = torch.tensor([int(bounds[i + 1] - bounds[i]) for i in range(n_req)])
+        offsets = torch.tensor([0, *plan.seq_lens[:-1]]).cumsum(0)
+        kv_indices = torch.cat(
+            [plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]] for i in range(n_req)]
+        )
+        return kv_indices, offsets.repeat_interleave(counts).to(q3.device)
+
+    kv_indices, kv_start = _cached(plan, rows_cpu, build)
     out = positional_attention_triton(
         q3, kbuf, vbuf, positions, kv_start, kv_indices, radix_attn.scaling
     )
@@ -131,9 +143,7 @@ def _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kb
     active-row set, reused by every layer of its group."""
     from sglang_relay.kernels.flashinfer_extend import build_extend_plan
 
-    key = hash(rows_cpu.numpy().tobytes())
-    known = plan.planned.get(key)
-    if known is None or not torch.equal(known, rows_cpu):
+    def build(key):
         if not plan.planned:
             plan.flashinfer.reset()
         counts = [int(bounds[i + 1] - bounds[i]) for i in range(len(plan.row_starts))]
@@ -148,8 +158,10 @@ def _attend_flashinfer(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kb
             radix_attn.qk_head_dim,
             radix_attn.v_head_dim,
         )
-        plan.flashinfer.plan(key, layout, heads, radix_attn.scaling, q3.dtype)
-        plan.planned[key] = rows_cpu
+        plan.flashinfer.plan(key, layout, heads, radix_attn.scaling, q3.dtype, kbuf.dtype)
+        return key
+
+    key = _cached(plan, rows_cpu, build)
     out = plan.flashinfer.run(key, q3, kbuf, vbuf)
     return out.reshape(q3.shape[0], -1)
 

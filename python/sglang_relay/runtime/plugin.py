@@ -109,8 +109,7 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
         except Exception:  # planning must never break scheduling
             logger.exception("relay planning failed for %s; standard prefill", req.rid)
             rt.pending.pop(req.rid, None)
-            rt.counters["fallbacks"] += 1
-            rt.counters["fallback_error"] += 1
+            rt.planning_failed(req)
     return result
 
 

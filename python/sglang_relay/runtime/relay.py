@@ -103,6 +103,13 @@ class RelayRuntime:
         kbuf = pool.get_key_buffer(layers[0].self_attn.attn.layer_id)
         self.pool_slots = kbuf.shape[0]
         self.device = kbuf.device
+        model_dtype = self.model.embed_tokens.weight.dtype
+        if kbuf.dtype != model_dtype:
+            raise ValueError(
+                f"sglang-relay does not support a {kbuf.dtype} KV cache with a {model_dtype} "
+                "model yet (re-rotation and the relay attention ignore KV scales); drop "
+                "--kv-cache-dtype"
+            )
         relay_sched = RelayConfig.from_dict({**self.cfg.to_dict(), "method": "relay"}).schedule(
             self.num_layers
         )
@@ -228,6 +235,12 @@ class RelayRuntime:
         sources = self.store.find(tokens, namespace)
         if sources:
             self.pending[req.rid] = RequestPlan(cfg, start, sources, stats)
+
+    def planning_failed(self, req: Any) -> None:
+        """Planning raised: the request runs standard prefill and says so."""
+        info = req.customized_info if isinstance(req.customized_info, dict) else {}
+        stats = (info.get("relay") or [new_stats(self.cfg.method)])[0]
+        self._fallback(stats, "error")
 
     def _fallback(self, stats: dict[str, Any], reason: str) -> None:
         stats["fallback"] = reason
