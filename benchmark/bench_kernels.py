@@ -8,7 +8,10 @@ For each relayed span length it times (CUDA events, median of --iters):
 * splice + re-rotate, Triton (one launch per layer, as the runtime calls it) and the torch
   reference;
 * gather of selected tokens' hidden states (``[tokens, hidden]``), Triton vs ``x[idx]``;
-* the roofline: a device-to-device ``copy_`` of the same number of bytes.
+* the roofline: a device-to-device ``copy_`` of the same number of bytes;
+* the relay-extend attention (Triton, tiled) for the dense layers (every span row active)
+  and a selective layer (20 % of the rows), in TFLOP/s, beside SDPA's causal attention over
+  the same context (the stock prefill's attention, contiguous, no paging).
 
 Bytes moved = what the kernel must read plus write (span K and V of every layer, read once
 and written once). A well-behaved kernel reaches 70-90 % of the copy bandwidth; the splice
@@ -19,13 +22,14 @@ Needs a CUDA device (the CPU tests run the same kernels under TRITON_INTERPRET=1
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 
 import torch
 
 from sglang_relay.core.rope import build_cos_sin_cache, delta_cos_sin
-from sglang_relay.kernels import rows, splice
+from sglang_relay.kernels import attention, rows, splice
 
 
 def _time(fn, iters: int) -> float:
@@ -43,9 +47,47 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def _attention(n: int, args, dev, dtype) -> None:
+    """Relay-extend attention over an ``n``-token context, dense and selective rows."""
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    kbuf = torch.randn(n, hkv, d, device=dev, dtype=dtype)
+    vbuf = torch.randn(n, hkv, d, device=dev, dtype=dtype)
+    slots = torch.randperm(n, device=dev)  # the request's slots, by position
+    for label, pos in (
+        ("dense", torch.arange(n, device=dev)),
+        ("20% rows", torch.randperm(n, device=dev)[: n // 5].sort().values),
+    ):
+        q = torch.randn(pos.numel(), hq, d, device=dev, dtype=dtype)
+        kv_start = torch.zeros_like(pos)
+        tiles = attention.make_tiles(kv_start)
+        ms = _time(
+            functools.partial(
+                attention.positional_attention_triton,
+                *(q, kbuf, vbuf, pos, kv_start, slots, d**-0.5),
+                tiles=tiles,
+            ),
+            args.iters,
+        )
+        flops = 4 * hq * d * float((pos + 1).sum())
+        line = f"{n:>6} {'attention ' + label:<22} {ms:>8.3f} {flops / ms / 1e9:>7.1f}T"
+        if label == "dense":
+            qs = q.transpose(0, 1)[None]
+            ks = kbuf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
+            vs = vbuf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
+            sdpa = _time(
+                functools.partial(
+                    torch.nn.functional.scaled_dot_product_attention, qs, ks, vs, is_causal=True
+                ),
+                args.iters,
+            )
+            line += f"   SDPA causal {sdpa:.3f} ms ({flops / sdpa / 1e9:.1f}T)"
+        print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=4096)
@@ -92,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             ms = _time(fn, args.iters)
             gbs, roof = nbytes / ms / 1e6, nbytes / copy_ms / 1e6
             print(f"{n:>6} {name:<22} {ms:>8.3f} {gbs:>8.0f} {roof:>10.0f} {gbs / roof:>7.0%}")
+        if n <= 16384:
+            _attention(n, args, dev, dtype)
     return 0
 
 

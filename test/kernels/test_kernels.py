@@ -118,15 +118,47 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
         kernels.use_triton(x)
 
 
-def test_extend_attention_choice():
+def test_extend_attention_choice(monkeypatch):
     from sglang_relay.kernels import pick_extend_attention
 
+    monkeypatch.delenv("SGLANG_RELAY_KERNELS", raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert pick_extend_attention("flashinfer", cpu) == "torch"
     assert pick_extend_attention("torch_native", cuda) == "torch"
     assert pick_extend_attention("triton", cuda) == "triton"
     assert pick_extend_attention("fa3", cuda) == "torch"
     assert pick_extend_attention(None, cuda) == "torch"
+    monkeypatch.setenv("SGLANG_RELAY_KERNELS", "triton")  # interpreted on a CPU
+    assert pick_extend_attention("torch_native", cpu) == "triton"
+    monkeypatch.setenv("SGLANG_RELAY_KERNELS", "torch")
+    assert pick_extend_attention("triton", cuda) == "torch"
+
+
+def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol):
+    """Run the Triton attention on requests whose contexts are ``ctx_lens`` random pool slots
+    and whose active rows sit at ``pos``; compare with the pure-torch specification."""
+    from sglang_relay.core.attention import positional_causal_attention
+    from sglang_relay.kernels import attention
+
+    gen = torch.Generator().manual_seed(seed)
+    kbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
+    vbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
+    ctx = torch.randperm(slots, generator=gen)[: sum(ctx_lens)].split(ctx_lens)
+    n = sum(p.numel() for p in pos)
+    q = torch.randn(n, hq, dim, generator=gen).to(dtype)
+    offsets = torch.tensor([0, *ctx_lens[:-1]]).cumsum(0)
+    kv_start = torch.cat([offsets[i].repeat(p.numel()) for i, p in enumerate(pos)])
+    got = attention.positional_attention_triton(
+        *[x.to(DEV) for x in (q, kbuf, vbuf, torch.cat(pos), kv_start, torch.cat(ctx))],
+        scale=dim**-0.5,
+    ).cpu()
+    want = torch.cat(
+        [
+            positional_causal_attention(qr.float(), kbuf[c].float(), vbuf[c].float(), p, dim**-0.5)
+            for qr, c, p in zip(q.split([p.numel() for p in pos]), ctx, pos, strict=True)
+        ]
+    )
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -134,32 +166,26 @@ def test_extend_attention_choice():
 )
 def test_positional_attention_matches_reference(kern, hq, hkv, dim, dtype):
     """Active rows of two requests (non-contiguous positions) over their pooled contexts."""
-    from sglang_relay.core.attention import positional_causal_attention
-    from sglang_relay.kernels import attention
-
-    gen = torch.Generator().manual_seed(hq + dim)
-    slots = 400
-    kbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
-    vbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
-    perm = torch.randperm(slots, generator=gen)
-    ctx = [perm[:150], perm[150:220]]  # two requests' slots by position
     pos = [torch.tensor([0, 1, 63, 64, 65, 149]), torch.tensor([5, 69])]
-    q = torch.randn(8, hq, dim, generator=gen).to(dtype)
-    kv_indices = torch.cat(ctx)
-    kv_start = torch.tensor([0] * 6 + [150] * 2)
-    got = attention.positional_attention_triton(
-        *[x.to(DEV) for x in (q, kbuf, vbuf, torch.cat(pos), kv_start, kv_indices)],
-        scale=dim**-0.5,
-    ).cpu()
-    want = torch.cat(
-        [
-            positional_causal_attention(
-                q[:6].float(), kbuf[ctx[0]].float(), vbuf[ctx[0]].float(), pos[0], dim**-0.5
-            ),
-            positional_causal_attention(
-                q[6:].float(), kbuf[ctx[1]].float(), vbuf[ctx[1]].float(), pos[1], dim**-0.5
-            ),
-        ]
-    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    _attention_vs_reference(hq, hkv, dim, dtype, 400, [150, 70], pos, hq + dim, tol)
+
+
+def test_tiles_split_requests_and_long_runs():
+    from sglang_relay.kernels.attention import make_tiles
+
+    kv_start = torch.tensor([0] * 5 + [300] * 1 + [301] * 9)
+    first, count, start = make_tiles(kv_start, block_m=4)
+    assert first.tolist() == [0, 4, 5, 6, 10, 14]
+    assert count.tolist() == [4, 1, 1, 4, 4, 1]
+    assert start.tolist() == [0, 0, 300, 301, 301, 301]
+    assert [x.numel() for x in make_tiles(torch.zeros(0, dtype=torch.int64))] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_positional_attention_dense_and_sparse_tiles(kern, dtype):
+    """A dense run of 70 rows (three tiles, the last one partly empty) beside sparse rows
+    spread over a long context, grouped-query heads, odd head size."""
+    pos = [torch.arange(10, 80), torch.tensor([0, 3, 130, 131, 260, 409])]
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    _attention_vs_reference(4, 2, 24, dtype, 600, [90, 410], pos, 7, tol)

@@ -15,21 +15,33 @@ import torch
 from sglang_relay.kernels import rows, splice
 
 
-def use_triton(x: torch.Tensor) -> bool:
+def kernel_family(device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``: which implementation the functions below use on ``device``."""
     choice = os.environ.get("SGLANG_RELAY_KERNELS", "auto")
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"SGLANG_RELAY_KERNELS must be auto, torch or triton; got {choice!r}")
     if choice == "torch" or splice.triton is None:
-        return False
-    return choice == "triton" or x.is_cuda
+        return "torch"
+    return "triton" if choice == "triton" or device.type == "cuda" else "torch"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return kernel_family(x.device) == "triton"
 
 
 def pick_extend_attention(server_backend: str | None, device: torch.device) -> str:
     """Which attention the relay extend uses on ``device``: ``"flashinfer"`` when the
     server's backend is FlashInfer (and the package imports), ``"triton"`` when it is
     Triton, else ``"torch"`` (the pure-torch positional attention: the CPU path and the
-    semantics the others are tested against)."""
-    if device.type != "cuda" or os.environ.get("SGLANG_RELAY_KERNELS") == "torch":
+    semantics the others are tested against). ``SGLANG_RELAY_KERNELS`` forces either
+    kernel family; forced ``triton`` on a CPU runs the kernels in Triton's interpreter
+    (``TRITON_INTERPRET=1``), which is how the tests run them inside a real server."""
+    forced = os.environ.get("SGLANG_RELAY_KERNELS")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton" and splice.triton is not None:
+        return "triton"
+    if device.type != "cuda":
         return "torch"
     if server_backend == "triton" and splice.triton is not None:
         return "triton"

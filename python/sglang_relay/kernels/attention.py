@@ -5,14 +5,17 @@ Row ``i`` (absolute position ``q_pos[i]``) attends to the positions ``0..q_pos[i
 request, whose slots are ``kv_indices[kv_start[i] : kv_start[i] + q_pos[i] + 1]``. The
 specification is :func:`sglang_relay.core.attention.positional_causal_attention`.
 
-One program per (row, query head) streams the row's keys in blocks with an online softmax
-(fp32 accumulators), so causal rows near the start of a context do little work. Rows do
-not share key loads: this is the simple kernel, right for the selective layers (few rows).
-A tiled version that shares key blocks across the rows of a request is the next step for
-the dense layers ``[l_start, l_det)``.
+Rows are cut into tiles of up to ``BLOCK_M`` consecutive rows of one request
+(:func:`make_tiles`, once per active-row set). One program per (tile, query head) loads
+the tile's queries once and streams the request's keys up to the tile's last position in
+blocks of ``BLOCK_N`` shared by all its rows (two ``tl.dot`` per block, online softmax,
+fp32 accumulators, per-row causal mask by position). Dense layers (every span row active)
+get full tiles; the selective layers' sparse rows still share each key block of a tile.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,7 +36,9 @@ if triton is not None:
         v_ptr,
         o_ptr,
         q_pos_ptr,
-        kv_start_ptr,
+        tile_row_ptr,
+        tile_len_ptr,
+        tile_kv_ptr,
         kv_indices_ptr,
         scale,
         stride_qn,
@@ -47,50 +52,89 @@ if triton is not None:
         GROUP: tl.constexpr,
         D: tl.constexpr,
         DV: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        i = tl.program_id(0)
+        t = tl.program_id(0)
         h = tl.program_id(1)
         hk = h // GROUP
-        pos = tl.load(q_pos_ptr + i).to(tl.int64)
-        start = tl.load(kv_start_ptr + i).to(tl.int64)
+        row0 = tl.load(tile_row_ptr + t).to(tl.int64)
+        n_rows = tl.load(tile_len_ptr + t)
+        start = tl.load(tile_kv_ptr + t).to(tl.int64)
+        mi = tl.arange(0, BLOCK_M)
+        live = mi < n_rows
+        rows = row0 + mi
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
-        q = tl.load(q_ptr + i * stride_qn + h * stride_qh + d, mask=d < D, other=0.0)
-        q = q.to(tl.float32) * scale
-        m = tl.full((), float("-inf"), tl.float32)
-        denom = tl.full((), 0.0, tl.float32)
-        acc = tl.full((BLOCK_DV,), 0.0, tl.float32)
-        for j0 in range(0, pos + 1, BLOCK_N):
+        pos = tl.load(q_pos_ptr + rows, mask=live, other=-1).to(tl.int64)  # -1: no keys
+        last = tl.max(pos, axis=0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qn + h * stride_qh + d[None, :],
+            mask=live[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32)
+        for j0 in range(0, last + 1, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
-            valid = j <= pos
+            valid = j <= last
             slot = tl.load(kv_indices_ptr + start + j, mask=valid, other=0).to(tl.int64)
             k = tl.load(
                 k_ptr + slot[:, None] * stride_ks + hk * stride_kh + d[None, :],
                 mask=valid[:, None] & (d[None, :] < D),
                 other=0.0,
-            ).to(tl.float32)
-            s = tl.sum(k * q[None, :], axis=1)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
+            )
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] fp32
+            s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             v = tl.load(
                 v_ptr + slot[:, None] * stride_vs + hk * stride_vh + dv[None, :],
                 mask=valid[:, None] & (dv[None, :] < DV),
                 other=0.0,
-            ).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            denom = denom * alpha + tl.sum(p, axis=0)
-            m = m_new
-        out = acc / denom
+            )
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            o_ptr + i * stride_on + h * stride_oh + dv,
+            o_ptr + rows[:, None] * stride_on + h * stride_oh + dv[None, :],
             out.to(o_ptr.dtype.element_ty),
-            mask=dv < DV,
+            mask=live[:, None] & (dv[None, :] < DV),
         )
+
+
+def make_tiles(kv_start: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, ...]:
+    """Cut rows into tiles of at most ``block_m`` consecutive rows with the same
+    ``kv_start`` (one request). Returns int64 ``(first_row, n_rows, kv_start)`` per tile,
+    on ``kv_start``'s device (computed on the host: call once per active-row set)."""
+    starts = kv_start.cpu().to(torch.int64)
+    n = starts.numel()
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=kv_start.device)
+        return empty, empty, empty
+    cut = torch.ones(n, dtype=torch.bool)
+    cut[1:] = starts[1:] != starts[:-1]
+    run_lo = cut.nonzero().flatten()
+    run_hi = torch.cat([run_lo[1:], torch.tensor([n])])
+    first = torch.cat(
+        [torch.arange(int(lo), int(hi), block_m) for lo, hi in zip(run_lo, run_hi, strict=True)]
+    )
+    ends = torch.minimum(first + block_m, run_hi[torch.bucketize(first, run_lo, right=True) - 1])
+    return tuple(x.to(kv_start.device) for x in (first, ends - first, starts[first]))
 
 
 def positional_attention_triton(
@@ -101,11 +145,14 @@ def positional_attention_triton(
     kv_start: torch.Tensor,
     kv_indices: torch.Tensor,
     scale: float,
+    tiles: tuple[torch.Tensor, ...] | None = None,
+    block_m: int = 32,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """``q``: ``[n, Hq, D]``; buffers ``[slots, Hkv, D]``; ``q_pos``/``kv_start``: ``[n]``;
-    ``kv_indices``: the slots of every request's context, by position. Returns
-    ``[n, Hq, DV]`` in ``q``'s dtype."""
+    """``q``: ``[n, Hq, D]``; buffers ``[slots, Hkv, D]``; ``q_pos``/``kv_start``: ``[n]``
+    (rows of a request consecutive); ``kv_indices``: the slots of every request's context,
+    by position; ``tiles``: :func:`make_tiles` of ``kv_start`` with the same ``block_m``
+    (computed here if not given). Returns ``[n, Hq, DV]`` in ``q``'s dtype."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, hq, dim = q.shape
@@ -114,14 +161,23 @@ def positional_attention_triton(
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     if q.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
         raise ValueError("q and the KV buffers must be contiguous in the head dimension")
+    if k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV buffers are {k_buffer.dtype}")
     out = torch.empty((n, hq, dv), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    _positional_attention_kernel[(n, hq)](
-        q, k_buffer, v_buffer, out, q_pos, kv_start, kv_indices, float(scale),
+    first, count, start = make_tiles(kv_start, block_m) if tiles is None else tiles
+    # Triton's interpreter (3.8) computes tl.dot of bf16/fp16 operands wrongly: it gets fp32
+    # operands instead (the compiled kernel keeps 16-bit operands with fp32 accumulation).
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _positional_attention_kernel[(first.numel(), hq)](
+        q, k_buffer, v_buffer, out, q_pos, first, count, start, kv_indices, float(scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=dim, DV=dv, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_DV=triton.next_power_of_2(dv),
+        GROUP=hq // hkv, D=dim, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        UPCAST=interpreted,
     )  # fmt: skip
     return out

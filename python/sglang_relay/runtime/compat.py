@@ -61,6 +61,12 @@ def attention_backend_name(model_runner) -> str | None:
     return getattr(args, "attention_backend", None)
 
 
+def decode_cuda_graphs(model_runner) -> bool:
+    """Whether decode batches may replay captured CUDA graphs (``--disable-cuda-graph`` unset)."""
+    args = getattr(model_runner, "server_args", None)
+    return not getattr(args, "disable_cuda_graph", True)
+
+
 def kv_write_loc(loc):
     """A KV write target for ``set_kv_buffer`` on SGLang's token-major pools."""
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc

@@ -251,6 +251,7 @@ class ServerProcess:
     host: str = DEFAULT_HOST
     port: int = 0
     log_path: str = ""
+    env: dict[str, str] | None = None  # added to this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -269,7 +270,11 @@ class ServerProcess:
         cmd += ["--host", self.host, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=None if self.env is None else {**os.environ, **self.env},
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -28,7 +28,7 @@ from sglang_relay.core.attention import positional_causal_attention
 from sglang_relay.core.config import LayerSchedule, RelayConfig
 from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_tokens
-from sglang_relay.kernels import splice_rerotate
+from sglang_relay.kernels import gather_rows, scatter_rows, splice_rerotate
 
 
 @dataclass
@@ -119,7 +119,7 @@ def _cached(plan: BatchPlan, rows_cpu: torch.Tensor, build):
 
 def _attend_triton(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, vbuf):
     """The same attention as the torch loop, as one Triton launch over all active rows."""
-    from sglang_relay.kernels.attention import positional_attention_triton
+    from sglang_relay.kernels.attention import make_tiles, positional_attention_triton
 
     def build(_key):
         n_req = len(plan.row_starts)
@@ -128,11 +128,12 @@ def _attend_triton(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, 
         kv_indices = torch.cat(
             [plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]] for i in range(n_req)]
         )
-        return kv_indices, offsets.repeat_interleave(counts).to(q3.device)
+        kv_start = offsets.repeat_interleave(counts)
+        return kv_indices, kv_start.to(q3.device), make_tiles(kv_start.to(q3.device))
 
-    kv_indices, kv_start = _cached(plan, rows_cpu, build)
+    kv_indices, kv_start, tiles = _cached(plan, rows_cpu, build)
     out = positional_attention_triton(
-        q3, kbuf, vbuf, positions, kv_start, kv_indices, radix_attn.scaling
+        q3, kbuf, vbuf, positions, kv_start, kv_indices, radix_attn.scaling, tiles=tiles
     )
     return out.reshape(q3.shape[0], -1)
 
@@ -207,17 +208,21 @@ def _detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence=None) 
     n = rows.numel()
     deviation = None
     if cfg.method != "epic":
-        hs = h[rows]
-        x = layer.input_layernorm(hs) if r is None else layer.input_layernorm(hs, r[rows])[0]
+        hs = gather_rows(h, rows)
+        if r is None:
+            x = layer.input_layernorm(hs)
+        else:
+            x = layer.input_layernorm(hs, gather_rows(r, rows))[0]
         _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
         ra = layer.self_attn.attn
         loc = fb.out_cache_loc[rows]
         if cfg.signal == "key":
-            old = pool.get_key_buffer(ra.layer_id)[loc]
+            buf = pool.get_key_buffer(ra.layer_id)
             new = k.reshape(n, ra.tp_k_head_num, ra.qk_head_dim)
         else:
-            old = pool.get_value_buffer(ra.layer_id)[loc]
+            buf = pool.get_value_buffer(ra.layer_id)
             new = v.reshape(n, ra.tp_v_head_num, ra.v_head_dim)
+        old = gather_rows(buf.view(buf.shape[0], -1), loc).view(new.shape)
         deviation = kv_deviation(new, old)
         _write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     keep, counts = [], []
@@ -239,7 +244,7 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store,
     for lid, layer in enumerate(model.layers):
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden() and g.rows.numel():
-                h[g.rows] = hidden_store[g.src].to(h.dtype)
+                scatter_rows(h, g.rows, gather_rows(hidden_store, g.src))
                 r[g.rows] = 0
             if lid == g.sched.l_det and lid <= g.sched.l_end and g.rows.numel():
                 _detect_and_select(fb, plan.kv_pool, layer, g, h, r, influence)
@@ -256,12 +261,13 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store,
         def attend(q, k, v, rows=rows, layer=layer):
             return attend_rows(fb, plan, layer.self_attn.attn, q, k, v, rows)
 
-        r_in = None if r is None else r[rows]
-        h_out, r_out = _layer(layer, positions[rows], h[rows], r_in, fb, attend)
+        # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
+        r_in = None if r is None else gather_rows(r, rows)
+        h_out, r_out = _layer(layer, positions[rows], gather_rows(h, rows), r_in, fb, attend)
         if r is None:
             r = torch.zeros_like(h)
-        h[rows] = h_out
-        r[rows] = r_out
+        scatter_rows(h, rows, h_out)
+        scatter_rows(r, rows, r_out)
     out, _ = model.norm(h, r)
     return out
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import METHODS, RelayConfig
-from sglang_relay.kernels import pick_extend_attention
+from sglang_relay.kernels import kernel_family, pick_extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.model_loop import BatchPlan, SpanGroup
@@ -134,6 +134,12 @@ class RelayRuntime:
         )
         if self.influence is None:
             self.influence_layer = None
+        elif self.device.type == "cuda" and compat.decode_cuda_graphs(model_runner):
+            # the influence accumulation syncs with the host per request: not capturable
+            raise ValueError(
+                "sglang-relay's tau_inf (influence scores) needs eager decode; add "
+                "--disable-cuda-graph or drop tau_inf from the relay profile"
+            )
         self.extend_attention = pick_extend_attention(
             compat.attention_backend_name(model_runner), self.device
         )
@@ -359,6 +365,8 @@ class RelayRuntime:
             "method": self.cfg.method,
             "config": self.cfg.to_dict(),
             "capture_layer": self.capture_layer,
+            "extend_attention": self.extend_attention,
+            "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             **self.store.stats(),
             **dict(self.counters),
