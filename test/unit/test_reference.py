@@ -14,6 +14,7 @@ from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.reference import (
     RefModel,
     SpanOccurrence,
+    exact_kv_prefill,
     exact_prefill,
     fidelity,
     first_token_kl,
@@ -22,6 +23,7 @@ from sglang_relay.core.reference import (
     load_model,
     relay_prefill,
     teacher_forced,
+    true_value_deviation,
 )
 from sglang_relay.core.rope import apply_rotation, delta_cos_sin
 
@@ -196,6 +198,41 @@ def test_selection_counts_and_reuse_accounting(ref, tok, upstream):
     # two spans, everything recomputed: still the exact prefill
     full = relay_prefill(ref, prompt, [half, rest], FULL)
     torch.testing.assert_close(full.logits, exact_prefill(ref, prompt).logits, atol=1e-4, rtol=0)
+
+
+def test_oracle_studies_exact_kv_and_forced_selection(ref, tok, upstream):
+    """The headroom oracles: exact KV for every span token = exact prefill, for none =
+    naive; a forced selection equal to the rule's own reproduces the rule's relay."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    exact = exact_prefill(ref, prompt)
+    naive = relay_prefill(ref, prompt, [span], RelayConfig(method="naive"))
+    n = span.length
+    every = exact_kv_prefill(ref, prompt, [span], exact, torch.ones(n, dtype=torch.bool))
+    torch.testing.assert_close(every.logits, exact.logits, atol=1e-4, rtol=0)
+    assert every.reuse_rate == 0.0 and every.selected == [n]
+    none = exact_kv_prefill(ref, prompt, [span], exact, torch.zeros(n, dtype=torch.bool))
+    torch.testing.assert_close(none.logits, naive.logits, atol=1e-5, rtol=0)
+
+    dev = true_value_deviation(ref, [span], exact)
+    assert dev.shape == (n,) and float(dev.min()) >= 0
+    assert float(dev[:4].mean()) > float(dev.mean())  # the span's first tokens deviate most
+    worst = torch.zeros(n, dtype=torch.bool)
+    worst[dev.topk(n // 5).indices] = True
+    some = exact_kv_prefill(ref, prompt, [span], exact, worst)
+    assert some.reuse_rate == pytest.approx(1 - (n // 5) / n)
+    kl = first_token_kl(exact.logits[0], some.logits[0])
+    assert 0 < kl < first_token_kl(exact.logits[0], naive.logits[0])
+
+    cfg = RelayConfig(l_start=1, l_det=2, l_end=-1)
+    rule = relay_prefill(ref, prompt, [span], cfg)
+    again = relay_prefill(ref, prompt, [span], cfg, selection=rule.selected_mask)
+    torch.testing.assert_close(again.logits, rule.logits, atol=0, rtol=0)
+    assert again.selected == rule.selected
+    other = relay_prefill(ref, prompt, [span], cfg, selection=worst)
+    assert other.selected == [n // 5]
+    assert (other.logits - rule.logits).abs().max() > 0
+    with pytest.raises(ValueError, match="selection must be a bool tensor"):
+        relay_prefill(ref, prompt, [span], cfg, selection=torch.ones(n - 1, dtype=torch.bool))
 
 
 def test_span_tokens_are_checked(ref, tok, upstream):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -450,13 +451,16 @@ def relay_prefill(
     *,
     forced: Sequence[int] = (),
     capture_hidden: bool = False,
+    selection: torch.Tensor | None = None,
 ) -> RelayResult:
     """Prefill ``prompt`` (``T`` tokens) reusing upstream KV for ``spans`` under ``cfg``.
 
     ``cfg`` ``None`` or method ``standard``: exact full prefill (spans ignored). ``forced``
     tokens (``m``) follow the prompt as normal rows, all layers, in the same pass; that
     equals a prefill followed by an extend with them (the cache at each layer is final
-    once that layer ran). See the module docstring for the semantics.
+    once that layer ran). ``selection`` (``[S]`` bool over the span tokens in prompt
+    order) replaces the rule's choice at ``l_det`` (oracle studies); the detection still
+    runs and writes its fresh K/V. See the module docstring for the semantics.
     """
     spans = sorted(spans, key=lambda s: s.prompt_start)
     use_spans = cfg is not None and cfg.method != "standard" and len(spans) > 0
@@ -483,9 +487,7 @@ def relay_prefill(
 
     assert cfg is not None
     sched = cfg.schedule(num_l)
-    span_rows = torch.cat(
-        [torch.arange(s.prompt_start, s.prompt_start + s.length, device=dev) for s in spans]
-    )  # [S] ascending
+    span_rows = _span_rows(spans, dev)  # [S] ascending
     bounds = [0]
     for s in spans:
         bounds.append(bounds[-1] + s.length)
@@ -493,20 +495,7 @@ def relay_prefill(
     normal[span_rows] = False
     normal_rows = all_rows[normal]
 
-    # splice: upstream KV in every layer, keys re-rotated by new - old position
-    src_k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    old_pos = torch.cat(
-        [
-            s.record.span_start_pos + torch.arange(s.span_start, s.span_start + s.length)
-            for s in spans
-        ]
-    ).to(dev)
-    delta = span_rows - old_pos
-    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
-    for lid in range(num_l):
-        cache.k[lid, span_rows] = apply_rotation(src_k[lid], cos, sin, is_neox=True)
-        cache.v[lid, span_rows] = src_v[lid]
+    _splice(ref, cache, spans, span_rows)
 
     selected_rows = span_rows[:0]
     counts = [0] * len(spans)
@@ -523,6 +512,10 @@ def relay_prefill(
             mask, counts, result.deviation = _detect(
                 ref, cfg, lid, hs, span_rows, bounds, cache, infl
             )
+            if selection is not None:
+                _check_selection(selection, span_rows.numel())
+                mask = selection.to(mask.device)
+                counts = [int(mask[lo:hi].sum()) for lo, hi in pairwise(bounds)]
             selected_rows = span_rows[mask]
             result.selected_mask = mask
         if hidden is not None:
@@ -545,6 +538,93 @@ def relay_prefill(
     result.selected = counts
     result.reuse_rate = 1.0 - recomputed / (span_total * num_l)
     result.hidden = hidden
+    return result
+
+
+def _check_selection(selection: torch.Tensor, n: int) -> None:
+    if selection.dtype != torch.bool or selection.shape != (n,):
+        raise ValueError(f"selection must be a bool tensor of shape [{n}] (the span tokens)")
+
+
+def _span_rows(spans: Sequence[SpanOccurrence], device: torch.device) -> torch.Tensor:
+    return torch.cat(
+        [torch.arange(s.prompt_start, s.prompt_start + s.length, device=device) for s in spans]
+    )
+
+
+def _splice(
+    ref: RefModel, cache: KVCache, spans: Sequence[SpanOccurrence], span_rows: torch.Tensor
+) -> None:
+    """Upstream KV of ``spans`` (prompt order) into ``cache`` at ``span_rows`` in every
+    layer, keys re-rotated by new - old position."""
+    src_k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    old_pos = torch.cat(
+        [
+            s.record.span_start_pos + torch.arange(s.span_start, s.span_start + s.length)
+            for s in spans
+        ]
+    ).to(span_rows.device)
+    delta = span_rows - old_pos
+    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
+    for lid in range(ref.num_layers):
+        cache.k[lid, span_rows] = apply_rotation(src_k[lid], cos, sin, is_neox=True)
+        cache.v[lid, span_rows] = src_v[lid]
+
+
+def true_value_deviation(
+    ref: RefModel, spans: Sequence[SpanOccurrence], exact: RelayResult
+) -> torch.Tensor:
+    """``[S]`` per span token (prompt order): value deviation of the reused upstream KV from
+    the exact prefill's, averaged over layers. The ground truth a detector approximates."""
+    spans = sorted(spans, key=lambda s: s.prompt_start)
+    rows = _span_rows(spans, ref.device)
+    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    return torch.stack(
+        [kv_deviation(src_v[lid], exact.cache.v[lid, rows]) for lid in range(ref.num_layers)]
+    ).mean(0)
+
+
+def exact_kv_prefill(
+    ref: RefModel,
+    prompt: Sequence[int],
+    spans: Sequence[SpanOccurrence],
+    exact: RelayResult,
+    selection: torch.Tensor,
+    *,
+    forced: Sequence[int] = (),
+) -> RelayResult:
+    """Oracle: the spliced upstream KV, except the ``selection`` (``[S]`` bool, span tokens
+    in prompt order) whose KV is the exact prefill's in every layer; only the non-span rows
+    are computed. ``exact``: :func:`exact_prefill` of the same prompt and ``forced``.
+    Reports the reuse of recomputing the selected tokens in every layer."""
+    spans = sorted(spans, key=lambda s: s.prompt_start)
+    _check_spans(prompt, spans)
+    ids = list(prompt) + list(forced)
+    total = len(ids)
+    if exact.cache.length != total:
+        raise ValueError("exact must be the exact prefill of the same prompt and forced tokens")
+    cache = KVCache.empty(ref, total)
+    hs = ref.embed(torch.tensor(ids, dtype=torch.long, device=ref.device))
+    span_rows = _span_rows(spans, ref.device)
+    _check_selection(selection, span_rows.numel())
+    _splice(ref, cache, spans, span_rows)
+    rows = span_rows[selection.to(span_rows.device)]
+    cache.k[:, rows] = exact.cache.k[:, rows]
+    cache.v[:, rows] = exact.cache.v[:, rows]
+    normal = torch.ones(total, dtype=torch.bool, device=ref.device)
+    normal[span_rows] = False
+    normal_rows = torch.arange(total, device=ref.device)[normal]
+    for lid in range(ref.num_layers):
+        _run_layer(ref, lid, hs, normal_rows, cache, total)
+    result = RelayResult(
+        logits=ref.logits(hs[len(prompt) - 1 :]), cache=cache, prompt_len=len(prompt)
+    )
+    result.span_lengths = [s.length for s in spans]
+    result.selected_mask = selection
+    bounds = torch.tensor([0, *result.span_lengths]).cumsum(0).tolist()
+    result.selected = [int(selection[lo:hi].sum()) for lo, hi in pairwise(bounds)]
+    result.reuse_rate = 1.0 - float(selection.sum()) / span_rows.numel()
     return result
 
 
