@@ -177,7 +177,9 @@ def positional_attention_triton(
         GROUP=hq // hkv, D=dim, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        # fp32 (and the interpreter's upcast operands): exact products, not TF32; 16-bit
+        # operands: the backend's default (precision names differ between NVIDIA and AMD)
+        PRECISION="ieee" if q.dtype == torch.float32 or interpreted else None,
         UPCAST=interpreted,
     )  # fmt: skip
     return out
