@@ -26,6 +26,9 @@ def test_relay_backend_is_the_schedulers_tree_cache(server):
     assert relay["enabled"] is True
     assert relay["backend"] == "RelayRadixCache"
     assert relay["architecture"] == "LlamaForCausalLM"
+    # read from SGLang's published graph config (the CPU server runs without graphs)
+    assert relay["cuda_graphs"] == {"decode": False, "prefill": False}
+    assert relay["extend_attention"] == "torch"
 
 
 def test_generate_and_output_spans_are_recorded(server):

@@ -44,10 +44,18 @@ def test_gpu_machine_gets_no_cpu_flags():
     assert "--sleep-on-idle" not in argv
     assert argv.count("--disable-prefill-cuda-graph") == 1  # relay extends run eager
     assert flag_value(argv, "--attention-backend") == "flashinfer"
+    # decode graphs would skip the hidden-state capture (the runtime refuses them)
+    assert flag_value(argv, "--cuda-graph-backend-decode") == "disabled"
     plain = build_server_argv([], cpu=False, model_path="/m", relay=False)
     assert "--disable-prefill-cuda-graph" not in plain
-    mine = build_server_argv(["--cuda-graph-backend-prefill", "full"], cpu=False, model_path="/m")
+    assert "--cuda-graph-backend-decode" not in plain
+    mine = build_server_argv(
+        ["--cuda-graph-backend-prefill", "full", "--cuda-graph-backend-decode", "full"],
+        cpu=False,
+        model_path="/m",
+    )
     assert "--disable-prefill-cuda-graph" not in mine
+    assert flag_value(mine, "--cuda-graph-backend-decode") == "full"
     triton = build_server_argv(["--attention-backend", "triton"], cpu=False, model_path="/m")
     assert flag_value(triton, "--attention-backend") == "triton"
 
@@ -122,3 +130,45 @@ def test_cli_absurd_profile_is_one_error_line(model_dir, tmp_path, config, needl
     profile.write_text(json.dumps({"config": config}))
     proc = _run_cli("serve", "--model-path", str(model_dir), "--relay-profile", str(profile))
     _assert_one_line_error(proc, needle)
+
+
+def test_cuda_graph_settings_that_would_skip_relay_are_refused():
+    """SGLang captures graphs before the relay runtime exists: a replayed decode would skip
+    the hidden-state capture, a replayed prefill the relay extend. Both are refused."""
+    from types import SimpleNamespace
+
+    from sglang_relay.runtime.relay import RelayRuntime
+
+    graphs = {"decode": True, "prefill": False}
+    check = RelayRuntime._check_cuda_graphs
+
+    def runtime(layer, influence):
+        captures = layer is not None or influence is not None
+        return SimpleNamespace(
+            capture_layer=layer, influence=influence, captures=captures, cuda_graphs=graphs
+        )
+
+    storing = runtime(3, None)
+    with pytest.raises(ValueError, match=r"hidden states at layer 3 .*decode disabled"):
+        check(storing)
+    with pytest.raises(ValueError, match="layer 3 and influence scores"):
+        check(runtime(3, object()))
+    check(runtime(None, None))  # nothing to capture: decode graphs are fine
+    graphs.update(decode=False, prefill=True)
+    with pytest.raises(ValueError, match="--disable-prefill-cuda-graph"):
+        check(storing)
+    graphs.update(prefill=False)
+    check(storing)
+
+
+def test_cuda_graph_config_falls_back_to_the_legacy_flag():
+    from types import SimpleNamespace
+
+    from sglang_relay.runtime.compat import cuda_graphs_enabled
+
+    off = SimpleNamespace(server_args=SimpleNamespace(disable_cuda_graph=True))
+    on = SimpleNamespace(server_args=SimpleNamespace(disable_cuda_graph=False))
+    assert cuda_graphs_enabled(off, "decode") is False  # no published config in this process
+    assert cuda_graphs_enabled(on, "prefill") is True
+    with pytest.raises(ValueError, match="unknown CUDA graph phase"):
+        cuda_graphs_enabled(on, "verify")

@@ -56,15 +56,32 @@ def hook_registry():
 
 
 def attention_backend_name(model_runner) -> str | None:
-    """The server's attention backend (``ServerArgs.attention_backend``; None if unset)."""
+    """The attention backend the runner resolved for prefill (``--attention-backend`` or
+    SGLang's platform default); the raw ``ServerArgs`` value when the runner has none."""
+    resolved = getattr(model_runner, "prefill_attention_backend_str", None)
+    if resolved:
+        return resolved
     args = getattr(model_runner, "server_args", None)
     return getattr(args, "attention_backend", None)
 
 
-def decode_cuda_graphs(model_runner) -> bool:
-    """Whether decode batches may replay captured CUDA graphs (``--disable-cuda-graph`` unset)."""
-    args = getattr(model_runner, "server_args", None)
-    return not getattr(args, "disable_cuda_graph", True)
+def cuda_graphs_enabled(model_runner, phase: str) -> bool:
+    """Whether ``phase`` (``"decode"`` or ``"prefill"``) batches may replay captured CUDA
+    graphs: the published per-phase graph config (``--cuda-graph-backend-decode``,
+    ``--disable-prefill-cuda-graph``, ``--disable-cuda-graph``, ...), else the legacy flag."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+    from sglang.srt.runtime_context import get_exec
+
+    if phase not in Phase.ALL:
+        raise ValueError(f"unknown CUDA graph phase {phase!r}")
+    try:
+        cfg = get_exec().graph.cuda_graph_config
+    except (ValueError, AttributeError):  # not published (e.g. outside a scheduler)
+        cfg = None
+    if cfg is None:
+        args = getattr(model_runner, "server_args", None)
+        return not getattr(args, "disable_cuda_graph", True)
+    return getattr(cfg, phase).backend != Backend.DISABLED
 
 
 def kv_write_loc(loc):

@@ -73,8 +73,20 @@ def build_server_argv(
         )
     ):
         # relay extends run their own layer loop, eager: a captured prefill graph would
-        # replay the stock forward instead. Decode graphs stay on.
+        # replay the stock forward instead
         out.append("--disable-prefill-cuda-graph")
+    if (
+        relay
+        and not cpu
+        and not any(
+            has_flag(out, f)
+            for f in ("--cuda-graph-backend-decode", "--disable-cuda-graph", "--cuda-graph-config")
+        )
+    ):
+        # decode stores each token's hidden state at l_start in the relay's own loop; SGLang
+        # captures its graphs before the plug-in's runtime exists, so a replayed graph would
+        # skip that capture (the runtime refuses such a server rather than serve stale KV)
+        out += ["--cuda-graph-backend-decode", "disabled"]
     if relay and not cpu and not has_flag(out, "--attention-backend"):
         # the relay extend has fused paths for flashinfer and triton only; SGLang's own
         # default on Hopper/Blackwell (fa3, trtllm_mha) would leave it on pure torch

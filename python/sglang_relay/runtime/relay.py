@@ -134,12 +134,12 @@ class RelayRuntime:
         )
         if self.influence is None:
             self.influence_layer = None
-        elif self.device.type == "cuda" and compat.decode_cuda_graphs(model_runner):
-            # the influence accumulation syncs with the host per request: not capturable
-            raise ValueError(
-                "sglang-relay's tau_inf (influence scores) needs eager decode; add "
-                "--disable-cuda-graph or drop tau_inf from the relay profile"
-            )
+        self.cuda_graphs = {
+            phase: compat.cuda_graphs_enabled(model_runner, phase)
+            for phase in ("decode", "prefill")
+        }
+        if self.device.type == "cuda":
+            self._check_cuda_graphs()
         self.extend_attention = pick_extend_attention(
             compat.attention_backend_name(model_runner), self.device
         )
@@ -157,6 +157,28 @@ class RelayRuntime:
         self.pending: dict[str, RequestPlan] = {}
         self.relayed_from: dict[str, int] = {}
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
+
+    def _check_cuda_graphs(self) -> None:
+        """Refuse CUDA graph settings under which relay would serve wrong KV silently.
+        SGLang captures its graphs before the tree cache (and this runtime) exists, so a
+        captured decode replays the stock forward and never stores the hidden states at
+        ``l_start`` (nor influence): relayed spans would be rebuilt from stale side data.
+        A captured prefill would replay the stock forward instead of the relay extend."""
+        if self.captures and self.cuda_graphs["decode"]:
+            what = f"hidden states at layer {self.capture_layer}" if self.capture_layer else ""
+            what += (" and " if what else "") + (
+                "influence scores" if self.influence is not None else ""
+            )
+            raise ValueError(
+                f"sglang-relay stores {what} in its own eager decode loop, which decode CUDA "
+                "graphs would skip; add --cuda-graph-backend-decode disabled (sglang-relay "
+                "serve does on a GPU) or use a relay profile with l_start 0 and no tau_inf"
+            )
+        if self.cuda_graphs["prefill"]:
+            raise ValueError(
+                "sglang-relay runs relay extends in its own eager layer loop, which prefill "
+                "CUDA graphs would skip; add --disable-prefill-cuda-graph"
+            )
 
     # ---- memory --------------------------------------------------------------------
     def side_bytes(self) -> int:
@@ -366,6 +388,7 @@ class RelayRuntime:
             "config": self.cfg.to_dict(),
             "capture_layer": self.capture_layer,
             "extend_attention": self.extend_attention,
+            "cuda_graphs": self.cuda_graphs,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             **self.store.stats(),
