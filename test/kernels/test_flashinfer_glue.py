@@ -87,7 +87,7 @@ def test_flashinfer_glue_equals_torch_path(monkeypatch):
             q = torch.randn(n, 4 * 16, generator=gen)
             k = torch.randn(n, 2 * 16, generator=gen)
             v = torch.randn(n, 2 * 16, generator=gen)
-            results.append(attend_rows(fb, plan, ra, q, k, v, rows))
+            results.append(attend_rows(fb, plan, ra, q, k, v, rows, rows))
         torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
 
 
@@ -99,7 +99,7 @@ def test_one_plan_per_row_set_per_batch(monkeypatch):
     for rows in sets:  # e.g. the layers of a forward
         n = rows.numel()
         q, k, v = torch.randn(n, 64), torch.randn(n, 32), torch.randn(n, 32)
-        attend_rows(fb, plan, ra, q, k, v, rows)
+        attend_rows(fb, plan, ra, q, k, v, rows, rows)
     assert oracle.plans == 2 and oracle.resets == 1
 
 
@@ -117,7 +117,7 @@ def test_triton_glue_equals_torch_path(monkeypatch):
         q = torch.randn(6, 64, generator=gen)
         k, v = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
         args = [x.to(DEV) for x in (q, k, v, rows)]
-        results.append(attend_rows(fb, plan, ra, *args).cpu())
+        results.append(attend_rows(fb, plan, ra, *args, rows).cpu())
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
 
 

@@ -80,15 +80,26 @@ def _write_kv(pool, radix_attn, loc: torch.Tensor, k: torch.Tensor, v: torch.Ten
     pool.set_kv_buffer(radix_attn, kv_write_loc(loc), k, v)
 
 
-def attend_rows(fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor) -> torch.Tensor:
-    """Write the active rows' K/V, then attend them over their requests' contexts."""
+def _phase(g: SpanGroup, lid: int) -> str:
+    """What a group's span rows do at layer ``lid``: ``dense``, ``selected`` or ``idle``."""
+    if g.sched.l_start <= lid < g.sched.l_det:
+        return "dense"
+    if g.sched.l_det <= lid <= g.sched.l_end and g.selected is not None:
+        return "selected"
+    return "idle"
+
+
+def attend_rows(
+    fb, plan: BatchPlan, radix_attn, q, k, v, rows: torch.Tensor, rows_cpu: torch.Tensor
+) -> torch.Tensor:
+    """Write the active rows' K/V, then attend them over their requests' contexts
+    (``rows_cpu``: the same rows on the host)."""
     _write_kv(plan.kv_pool, radix_attn, fb.out_cache_loc[rows], k, v)
     hq, d, dv = radix_attn.tp_q_head_num, radix_attn.qk_head_dim, radix_attn.v_head_dim
     kbuf = plan.kv_pool.get_key_buffer(radix_attn.layer_id)
     vbuf = plan.kv_pool.get_value_buffer(radix_attn.layer_id)
     q3 = q.reshape(-1, hq, d)
     out = q.new_empty((q3.shape[0], hq, dv))
-    rows_cpu = rows.cpu()
     bounds = torch.searchsorted(rows_cpu, torch.tensor(plan.row_starts + [plan.num_rows]))
     req_to_token = plan.req_to_token
     positions = fb.positions[rows]
@@ -241,6 +252,7 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store,
     splice(fb, model, plan)
     h = model.embed_tokens(input_ids)
     r = None
+    last_phase = rows = rows_cpu = row_pos = None
     for lid, layer in enumerate(model.layers):
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden() and g.rows.numel():
@@ -248,22 +260,27 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, hidden_store,
                 r[g.rows] = 0
             if lid == g.sched.l_det and lid <= g.sched.l_end and g.rows.numel():
                 _detect_and_select(fb, plan.kv_pool, layer, g, h, r, influence)
-        parts = [plan.normal_rows]
-        for g in plan.groups:
-            if g.sched.l_start <= lid < g.sched.l_det:
-                parts.append(g.rows)
-            elif g.sched.l_det <= lid <= g.sched.l_end and g.selected is not None:
-                parts.append(g.selected)
-        rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
+        phase = tuple(_phase(g, lid) for g in plan.groups)
+        if phase != last_phase:  # the active rows change at group boundaries only
+            last_phase = phase
+            parts = [plan.normal_rows]
+            for g, ph in zip(plan.groups, phase, strict=True):
+                if ph == "dense":
+                    parts.append(g.rows)
+                elif ph == "selected":
+                    parts.append(g.selected)
+            rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
+            rows_cpu = rows.cpu()  # one host sync per row set, not per layer
+            row_pos = positions[rows]
         if rows.numel() == 0:
             continue
 
-        def attend(q, k, v, rows=rows, layer=layer):
-            return attend_rows(fb, plan, layer.self_attn.attn, q, k, v, rows)
+        def attend(q, k, v, rows=rows, rows_cpu=rows_cpu, layer=layer):
+            return attend_rows(fb, plan, layer.self_attn.attn, q, k, v, rows, rows_cpu)
 
         # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
         r_in = None if r is None else gather_rows(r, rows)
-        h_out, r_out = _layer(layer, positions[rows], gather_rows(h, rows), r_in, fb, attend)
+        h_out, r_out = _layer(layer, row_pos, gather_rows(h, rows), r_in, fb, attend)
         if r is None:
             r = torch.zeros_like(h)
         scatter_rows(h, rows, h_out)
