@@ -13,7 +13,8 @@ For each relay of the fidelity workload, beside relay with the shipped profile:
 
     python benchmark/fidelity_headroom.py [--n-relays 32] [--json OUT]
 
-Prints mean / median first-token KL and teacher-forced top-1 (64) per variant.
+Prints mean / median first-token KL, teacher-forced top-1 (64) and, for the selections,
+the share of the true-worst tokens they pick, per variant.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from sglang_relay.bench.workload import (
 )
 from sglang_relay.core import reference as ref_exec
 from sglang_relay.core.config import load_profile
-from sglang_relay.core.selection import kv_deviation
 
 VARIANTS = (
     "relay (shipped profile)",
@@ -57,7 +57,7 @@ def top_per_span(score: torch.Tensor, counts: list[int], lengths: list[int]) -> 
     return mask
 
 
-def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float]]:
+def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float, float]]:
     forced = relay.continuation[:-1]
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
     spans = sorted(relay.spans, key=lambda s: s.prompt_start)
@@ -66,9 +66,15 @@ def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float]]:
     truth = ref_exec.true_value_deviation(ref, spans, exact)
     worst = top_per_span(truth, base.selected, lengths)
     l_det = cfg.schedule(ref.num_layers).l_det
-    rows = torch.cat([torch.arange(s.prompt_start, s.prompt_start + s.length) for s in spans])
-    src_v = torch.cat([s.record.v[l_det, s.span_start : s.span_start + s.length] for s in spans])
-    at_det = top_per_span(kv_deviation(src_v, exact.cache.v[l_det, rows]), base.selected, lengths)
+    at_det_truth = ref_exec.true_value_deviation(ref, spans, exact, layers=[l_det])
+    at_det = top_per_span(at_det_truth, base.selected, lengths)
+    picked = {  # share of the true-worst tokens each selection picks
+        VARIANTS[0]: base.selected_mask,
+        VARIANTS[1]: worst,
+        VARIANTS[2]: at_det,
+        VARIANTS[3]: base.selected_mask,
+        VARIANTS[4]: worst,
+    }
     results = {
         VARIANTS[0]: base,
         VARIANTS[1]: ref_exec.relay_prefill(
@@ -87,7 +93,8 @@ def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float]]:
     out = {}
     for name, res in results.items():
         f = ref_exec.fidelity(exact.logits, res.logits, relay.continuation)
-        out[name] = (res.reuse_rate, f["first_token_kl"], f["tf_top1"])
+        hit = float((picked[name] & worst).sum() / worst.sum())
+        out[name] = (res.reuse_rate, f["first_token_kl"], f["tf_top1"], hit)
     return out
 
 
@@ -109,21 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     cases = load_workload(None)[: args.n_relays]
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
     usable, _ = prepare_relays(ref, tok, cases, default_cache_dir(), fingerprint, GenSettings())
-    per: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
+    per: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in VARIANTS}
     with torch.inference_mode():
         for i, (case, path) in enumerate(usable):
             for name, row in evaluate(ref, load_relay(path, case), cfg).items():
                 per[name].append(row)
             print(f"\r{i + 1}/{len(usable)} relays", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    print("| variant | reuse | KL first token (mean / median) | TF top-1 (64) |")
-    print("|---|---|---|---|")
+    print(
+        "| variant | reuse | KL first token (mean / median) | TF top-1 (64) | true worst picked |"
+    )
+    print("|---|---|---|---|---|")
     for name, rows in per.items():
         kls = [r[1] for r in rows]
         print(
             f"| {name} | {statistics.mean(r[0] for r in rows):.3f} | "
             f"{statistics.mean(kls):.4f} / {statistics.median(kls):.4f} | "
-            f"{statistics.mean(r[2] for r in rows):.3f} |"
+            f"{statistics.mean(r[2] for r in rows):.3f} | "
+            f"{statistics.mean(r[3] for r in rows):.2f} |"
         )
     print(f"\n{len(usable)} relays, profile {cfg.to_dict()}")
     if args.json:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+from collections.abc import Iterator
 
+import psutil
 import requests
+
+from sglang_relay.runtime.launch import ServerProcess
 
 # extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
 EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))
@@ -20,6 +25,26 @@ ALL_SELECTED = {
     "first_k": 0,
     "l_suf": 0,
 }
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A real server on loopback (``args`` + ``EXTRA_ARGS``, ``env`` added to its
+    environment); on exit it is stopped and no process of its group may be left behind."""
+    proc = ServerProcess([*args, *EXTRA_ARGS], env=env)
+    proc.start(timeout=600)
+    group = [proc.proc.pid] + [c.pid for c in psutil.Process(proc.proc.pid).children(True)]
+    yield proc
+    proc.stop()
+    alive = [pid for pid in group if psutil.pid_exists(pid) and _not_zombie(pid)]
+    assert not alive, f"server processes left behind: {alive}\n{proc.log_tail()}"
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def chat(tok, system: str, user: str) -> str:

@@ -16,13 +16,6 @@ _unique = itertools.count(5000)
 EXACT = {"method": "relay", "config": ALL_SELECTED}
 
 
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 @pytest.fixture()
 def upstream_text(server, tok):
     k = next(_unique)

@@ -4,11 +4,8 @@ what the pure-torch path serves."""
 
 from __future__ import annotations
 
-import psutil
 import pytest
-from relay_helpers import ALL_SELECTED, EXTRA_ARGS, chat, first_logprobs, generate, relay_info
-
-from sglang_relay.runtime.launch import ServerProcess
+from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, relay_info, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -16,22 +13,10 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def triton_server(model_dir):
     pytest.importorskip("triton")
-    proc = ServerProcess(
-        ["--model-path", str(model_dir), "--max-total-tokens", "4096", *EXTRA_ARGS],
-        env={"SGLANG_RELAY_KERNELS": "triton", "TRITON_INTERPRET": "1"},
-    )
-    proc.start(timeout=600)
-    group = [proc.proc.pid] + [c.pid for c in psutil.Process(proc.proc.pid).children(True)]
-    yield proc
-    proc.stop()
-    assert not [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "4096"]
+    env = {"SGLANG_RELAY_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    with running_server(args, env=env) as p:
+        yield p
 
 
 def _chain(url, tok, **relay):
@@ -51,7 +36,7 @@ def test_triton_relay_extend_serves_what_torch_serves(server, triton_server, tok
 
     up_t, down_t, prompt = _chain(triton_server.url, tok)
     up_c, down_c, _ = _chain(server.url, tok)
-    assert up_t["output_ids"] == up_c["output_ids"]  # decode is the stock path on both
+    assert up_t["output_ids"] == up_c["output_ids"]  # decode: the same torch loop on both
     rt, rc = down_t["meta_info"]["relay"], down_c["meta_info"]["relay"]
     assert rt["fallback"] is None and rt["spans_matched"] >= 1
     for key in ("reused_tokens", "selected_tokens", "recomputed_token_layers"):

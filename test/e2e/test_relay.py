@@ -15,13 +15,6 @@ _unique = itertools.count()
 NOTHING_RECOMPUTED = {"l_start": 30, "l_det": 30, "l_end": 29}
 
 
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 @pytest.fixture()
 def upstream(server, tok):
     """A fresh upstream output (>= 100 tokens) and a downstream prompt embedding it."""

@@ -8,9 +8,7 @@ import time
 
 import pytest
 import requests
-from relay_helpers import ALL_SELECTED, EXTRA_ARGS, chat, generate, relay_info
-
-from sglang_relay.runtime.launch import ServerProcess
+from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
 pytestmark = pytest.mark.e2e
 _unique = itertools.count(1000)
@@ -20,29 +18,10 @@ _unique = itertools.count(1000)
 def small_server(model_dir):
     """Chunks of 64 tokens and a 3000-token KV pool: spans cross chunk boundaries and
     get evicted under load."""
-    proc = ServerProcess(
-        [
-            "--model-path",
-            str(model_dir),
-            "--max-total-tokens",
-            "3000",
-            "--chunked-prefill-size",
-            "64",
-            "--relay-span-tokens",
-            "1200",
-            *EXTRA_ARGS,
-        ]
-    )
-    proc.start(timeout=600)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "3000"]
+    args += ["--chunked-prefill-size", "64", "--relay-span-tokens", "1200"]
+    with running_server(args) as p:
+        yield p
 
 
 def _pool_balanced(url: str) -> dict:

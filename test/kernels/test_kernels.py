@@ -180,6 +180,10 @@ def test_tiles_split_requests_and_long_runs():
     assert count.tolist() == [4, 1, 1, 4, 4, 1]
     assert start.tolist() == [0, 0, 300, 301, 301, 301]
     assert [x.numel() for x in make_tiles(torch.zeros(0, dtype=torch.int64))] == [0, 0, 0]
+    # host starts, tiles placed on the kernel's device (no device->host sync per build)
+    on_dev = make_tiles(kv_start, block_m=4, device=torch.device(DEV))
+    assert all(x.device.type == torch.device(DEV).type for x in on_dev)
+    assert [x.tolist() for x in on_dev] == [first.tolist(), count.tolist(), start.tolist()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -149,9 +149,11 @@ def test_cuda_graph_settings_that_would_skip_relay_are_refused():
         )
 
     storing = runtime(3, None)
-    with pytest.raises(ValueError, match=r"hidden states at layer 3 .*decode disabled"):
+    only_hidden = r"stores hidden states at layer 3 in its own eager decode loop, .*decode disabled"
+    with pytest.raises(ValueError, match=only_hidden):
         check(storing)
-    with pytest.raises(ValueError, match="layer 3 and influence scores"):
+    both = "stores hidden states at layer 3 and influence scores in its own"
+    with pytest.raises(ValueError, match=both):
         check(runtime(3, object()))
     check(runtime(None, None))  # nothing to capture: decode graphs are fine
     graphs.update(decode=False, prefill=True)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -552,13 +552,19 @@ def _span_rows(spans: Sequence[SpanOccurrence], device: torch.device) -> torch.T
     )
 
 
+def _upstream_kv(spans: Sequence[SpanOccurrence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode-phase ``(K, V)`` ``[L, S, H_kv, D]`` of ``spans``, concatenated in order."""
+    k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    return k, v
+
+
 def _splice(
     ref: RefModel, cache: KVCache, spans: Sequence[SpanOccurrence], span_rows: torch.Tensor
 ) -> None:
     """Upstream KV of ``spans`` (prompt order) into ``cache`` at ``span_rows`` in every
     layer, keys re-rotated by new - old position."""
-    src_k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
+    src_k, src_v = _upstream_kv(spans)
     old_pos = torch.cat(
         [
             s.record.span_start_pos + torch.arange(s.span_start, s.span_start + s.length)
@@ -573,16 +579,21 @@ def _splice(
 
 
 def true_value_deviation(
-    ref: RefModel, spans: Sequence[SpanOccurrence], exact: RelayResult
+    ref: RefModel,
+    spans: Sequence[SpanOccurrence],
+    exact: RelayResult,
+    layers: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``[S]`` per span token (prompt order): value deviation of the reused upstream KV from
-    the exact prefill's, averaged over layers. The ground truth a detector approximates."""
+    the exact prefill's, averaged over ``layers`` (default: all). The ground truth a
+    detector approximates."""
     spans = sorted(spans, key=lambda s: s.prompt_start)
     rows = _span_rows(spans, ref.device)
-    src_v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    return torch.stack(
-        [kv_deviation(src_v[lid], exact.cache.v[lid, rows]) for lid in range(ref.num_layers)]
-    ).mean(0)
+    _, src_v = _upstream_kv(spans)
+    layers = range(ref.num_layers) if layers is None else layers
+    return torch.stack([kv_deviation(src_v[lid], exact.cache.v[lid, rows]) for lid in layers]).mean(
+        0
+    )
 
 
 def exact_kv_prefill(
@@ -622,7 +633,7 @@ def exact_kv_prefill(
     )
     result.span_lengths = [s.length for s in spans]
     result.selected_mask = selection
-    bounds = torch.tensor([0, *result.span_lengths]).cumsum(0).tolist()
+    bounds = [0, *accumulate(result.span_lengths)]
     result.selected = [int(selection[lo:hi].sum()) for lo, hi in pairwise(bounds)]
     result.reuse_rate = 1.0 - float(selection.sum()) / span_rows.numel()
     return result

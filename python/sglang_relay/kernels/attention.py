@@ -117,14 +117,18 @@ if triton is not None:
         )
 
 
-def make_tiles(kv_start: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, ...]:
+def make_tiles(
+    kv_start: torch.Tensor, block_m: int = 32, device: torch.device | None = None
+) -> tuple[torch.Tensor, ...]:
     """Cut rows into tiles of at most ``block_m`` consecutive rows with the same
     ``kv_start`` (one request). Returns int64 ``(first_row, n_rows, kv_start)`` per tile,
-    on ``kv_start``'s device (computed on the host: call once per active-row set)."""
+    on ``device`` (default: ``kv_start``'s). Computed on the host: pass a host
+    ``kv_start`` to avoid a sync, and call once per active-row set."""
+    device = kv_start.device if device is None else device
     starts = kv_start.cpu().to(torch.int64)
     n = starts.numel()
     if n == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=kv_start.device)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty, empty
     cut = torch.ones(n, dtype=torch.bool)
     cut[1:] = starts[1:] != starts[:-1]
@@ -134,7 +138,7 @@ def make_tiles(kv_start: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor,
         [torch.arange(int(lo), int(hi), block_m) for lo, hi in zip(run_lo, run_hi, strict=True)]
     )
     ends = torch.minimum(first + block_m, run_hi[torch.bucketize(first, run_lo, right=True) - 1])
-    return tuple(x.to(kv_start.device) for x in (first, ends - first, starts[first]))
+    return tuple(x.to(device) for x in (first, ends - first, starts[first]))
 
 
 def positional_attention_triton(

@@ -139,8 +139,8 @@ def _attend_triton(fb, plan, radix_attn, q3, rows_cpu, positions, bounds, kbuf, 
         kv_indices = torch.cat(
             [plan.req_to_token[fb.req_pool_indices[i], : plan.seq_lens[i]] for i in range(n_req)]
         )
-        kv_start = offsets.repeat_interleave(counts)
-        return kv_indices, kv_start.to(q3.device), make_tiles(kv_start.to(q3.device))
+        kv_start = offsets.repeat_interleave(counts)  # host
+        return kv_indices, kv_start.to(q3.device), make_tiles(kv_start, device=q3.device)
 
     kv_indices, kv_start, tiles = _cached(plan, rows_cpu, build)
     out = positional_attention_triton(

@@ -165,10 +165,9 @@ class RelayRuntime:
         ``l_start`` (nor influence): relayed spans would be rebuilt from stale side data.
         A captured prefill would replay the stock forward instead of the relay extend."""
         if self.captures and self.cuda_graphs["decode"]:
-            what = f"hidden states at layer {self.capture_layer}" if self.capture_layer else ""
-            what += (" and " if what else "") + (
-                "influence scores" if self.influence is not None else ""
-            )
+            stored = [f"hidden states at layer {self.capture_layer}"] if self.capture_layer else []
+            stored += ["influence scores"] if self.influence is not None else []
+            what = " and ".join(stored)
             raise ValueError(
                 f"sglang-relay stores {what} in its own eager decode loop, which decode CUDA "
                 "graphs would skip; add --cuda-graph-backend-decode disabled (sglang-relay "
