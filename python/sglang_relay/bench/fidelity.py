@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from sglang_relay.bench.workload import (
+    Case,
     GenSettings,
     RelayCase,
     load_relay,
@@ -51,6 +52,10 @@ from sglang_relay.core.reference import RefModel, exact_prefill, fidelity, relay
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 QUICK_RELAYS = 32
+# --frontier (the sweep itself lives in sglang_relay.bench.frontier)
+QUICK_FRONTIER_RELAYS = 16
+FRONTIER_WORKLOADS = ("fidelity_workload.jsonl", "heldout_workload.jsonl")
+DEFAULT_TARGETS = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95, 0.98)
 
 
 def default_cache_dir() -> Path:
@@ -85,6 +90,37 @@ def method_configs(
         "relay": replace(relay, method="relay"),
     }
     return {m: table[m] for m in methods}
+
+
+def prepare_usable(
+    ref: RefModel,
+    tok: Any,
+    cases: list[Case],
+    limit: int | None,
+    cache_dir: Path,
+    fingerprint: str,
+    gen: GenSettings,
+    *,
+    progress: bool = True,
+) -> tuple[list[tuple[Case, Path]], list[tuple[Case, str]]]:
+    """Cases in order until ``limit`` usable ones (a skipped case is replaced by the next),
+    generated or taken from the cache (:func:`prepare_relays`)."""
+    from tqdm import tqdm
+
+    usable: list[tuple[Case, Path]] = []
+    skipped: list[tuple[Case, str]] = []
+    pending = list(cases)
+    bar = tqdm(desc="generate (cached)", unit="seq", disable=not progress, file=sys.stderr)
+    while pending and (limit is None or len(usable) < limit):
+        want = len(pending) if limit is None else limit - len(usable)
+        take, pending = pending[:want], pending[want:]
+        ok, bad = prepare_relays(
+            ref, tok, take, cache_dir, fingerprint, gen, progress=lambda _s, n: bar.update(n)
+        )
+        usable += ok
+        skipped += bad
+    bar.close()
+    return usable, skipped
 
 
 def evaluate_relay(
@@ -179,8 +215,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglang-relay bench fidelity",
         description="Fidelity of relay methods vs exact prefill on the HF reference (fp32).",
     )
-    p.add_argument("--quick", action="store_true", help=f"first {QUICK_RELAYS} relays only")
-    p.add_argument("--workload", default=None, help="relay cases (JSONL; default: packaged)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"first {QUICK_RELAYS} relays only (--frontier: {QUICK_FRONTIER_RELAYS} per workload)",
+    )
+    p.add_argument(
+        "--workload",
+        default=None,
+        help="relay cases (JSONL; default: packaged); with --frontier a comma list of files "
+        f"or packaged names (default: {','.join(FRONTIER_WORKLOADS)})",
+    )
+    p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="sweep each method's budget knob over --reuse-targets and report the "
+        "fidelity-reuse frontier per workload (Markdown, JSON, PNG plot)",
+    )
+    p.add_argument(
+        "--reuse-targets",
+        default=",".join(f"{t:.2f}" for t in DEFAULT_TARGETS),
+        help="--frontier: reuse levels the knobs are set for (comma list in (0, 1))",
+    )
+    p.add_argument("--plot", default=None, help="--frontier: write the KL-vs-reuse PNG here")
+    p.add_argument("--markdown", default=None, help="--frontier: write the tables here")
     p.add_argument("--json", default=None, help="write the rows (with per-relay data) here")
     p.add_argument("--model-path", default=None, help="HF model dir (default: embedded)")
     p.add_argument("--profile", default=None, help="relay profile JSON (default: shipped)")
@@ -206,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.frontier:
+        from sglang_relay.bench.frontier import run_frontier
+
+        return run_frontier(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -246,20 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg.schedule(ref.num_layers)  # fail early on a layer range this model lacks
 
     gen = GenSettings()
-    # take cases in order until `limit` usable ones (skipped ones are replaced)
-    usable: list = []
-    skipped: list = []
-    pending = list(cases)
-    bar = tqdm(desc="generate (cached)", unit="seq", disable=args.no_progress, file=sys.stderr)
-    while pending and (limit is None or len(usable) < limit):
-        want = len(pending) if limit is None else limit - len(usable)
-        take, pending = pending[:want], pending[want:]
-        ok, bad = prepare_relays(
-            ref, tok, take, cache_dir, fingerprint, gen, progress=lambda _s, n: bar.update(n)
-        )
-        usable += ok
-        skipped += bad
-    bar.close()
+    usable, skipped = prepare_usable(
+        ref, tok, cases, limit, cache_dir, fingerprint, gen, progress=not args.no_progress
+    )
     gen_s = time.perf_counter() - started
     for case, reason in skipped:
         print(f"skipped {case.id}: {reason}", file=sys.stderr)

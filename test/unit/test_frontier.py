@@ -1,0 +1,153 @@
+"""``bench fidelity --frontier``: the knob sweep, the reuse it produces, the CLI flag and the
+packaged evaluation workloads. Seconds: a tiny randomly initialised Llama, no weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_relay.bench.frontier import evaluate_points, sweep_points
+from sglang_relay.bench.workload import Agent, Case, RelayCase, load_workload
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.reference import RefModel, SpanOccurrence, generate
+
+# the shipped profile's rule for the 30-layer embedded model: (3, 4, 29), first 24, tau 1.0
+PROFILE_30 = RelayConfig(l_start=3, l_det=4, l_end=29, tau_dev=1.0, l_suf=0, first_k=24)
+
+
+def test_knobs_invert_the_reuse_formula():
+    """reuse = 1 - (|S| dense + |I| sparse) / (|S| L), solved for |I| / |S| by hand:
+    CacheBlend (0, 1, 29): dense 1, sparse 29; EPIC (0, 0, 29): sparse 30; relay (3, 4, 29):
+    dense 1, sparse 26. Ratios are rounded down to 3 decimals (the profiler's cap rule), k
+    to the nearest token at a 200-token mean span."""
+    points = sweep_points(PROFILE_30, 30, 200.0, [0.98, 0.70, 0.80, 0.90])
+    got: dict[str, list] = {}
+    for p in points:
+        got.setdefault(p.method, []).append((p.target, p.value))
+        assert getattr(p.config, p.knob) == p.value if p.knob else p.value is None
+    assert got["naive"] == [(None, None)]
+    # 0.98 is out of reach for both: their dense layer alone recomputes 1/30 > 0.02
+    assert got["cacheblend"] == [(0.70, 0.275), (0.80, 0.172), (0.90, 0.068)]  # 8/29 5/29 2/29
+    assert got["epic"] == [(0.70, 60), (0.80, 40), (0.90, 20), (0.98, 4)]
+    assert got["relay"] == [(0.70, 0.307), (0.80, 0.192), (0.90, 0.076)]  # 8/26 5/26 2/26
+    # relay's sweep keeps the profile's rule and moves the cap only
+    relay_cfgs = [p.config for p in points if p.method == "relay"]
+    assert {(c.l_start, c.l_det, c.l_end, c.tau_dev, c.first_k) for c in relay_cfgs} == {
+        (3, 4, 29, 1.0, 24)
+    }
+    cb = next(p.config for p in points if p.method == "cacheblend")
+    assert (cb.l_start, cb.l_det, cb.l_end, cb.signal) == (0, 1, -1, "key")
+    # a knob value that repeats is run once
+    dup = sweep_points(PROFILE_30, 30, 10.0, [0.80, 0.81], methods=["epic"])
+    assert [(p.target, p.value) for p in dup] == [(0.80, 2)]  # round(2.0), round(1.9)
+    assert sweep_points(PROFILE_30, 30, 10.0, [0.96], methods=["epic"]) == []  # k 0
+
+
+@pytest.fixture(scope="module")
+def tiny() -> RefModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=10,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+    return RefModel(LlamaForCausalLM(cfg).float())
+
+
+def _relay(ref: RefModel, n: int, seed: int) -> RelayCase:
+    """An upstream decode of ``n + 1`` forced tokens whose first ``n`` reappear behind a
+    different prefix in the downstream prompt."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 96, (n + 1,), generator=g).tolist()
+    up_prompt = torch.randint(3, 96, (7,), generator=g).tolist()
+    (rec,) = generate(ref, [up_prompt], n + 1, force=[text])
+    prompt = torch.randint(3, 96, (11,), generator=g).tolist() + text[:n] + [5, 6, 7]
+    (cont,) = generate(ref, [prompt], 4, capture=False)
+    case = Case(f"t{seed}", "t", "", (Agent("A", "", ""),), Agent("B", "", "{A}"))
+    return RelayCase(case, [rec], prompt, cont.output, [SpanOccurrence(11, rec, 0, n)])
+
+
+def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
+    """On two relays (spans of 41 and 57 tokens) through the reference executor, each
+    point's pooled reuse equals METHOD.md's formula with the token counts each rule must
+    pick: CacheBlend round(r n) (>= 1), EPIC min(k, n), relay's cap int(cap n) (threshold 0:
+    every token qualifies, so the cap binds); and it rises as the knob falls."""
+    lengths = (41, 57)
+    relays = [_relay(tiny, n, seed) for seed, n in enumerate(lengths)]
+    relay_cfg = RelayConfig(l_start=1, l_det=2, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0)
+    targets = [0.55, 0.65, 0.75, 0.85]
+    points = sweep_points(relay_cfg, 10, 49.0, targets)
+    rows = evaluate_points(tiny, iter(relays), points)
+    layers, total = 10, sum(lengths)
+
+    def pooled(per_span) -> float:
+        return 1.0 - sum(per_span(n) for n in lengths) / (total * layers)
+
+    by_method: dict[str, list[tuple]] = {}
+    for p, row in zip(points, rows, strict=True):
+        assert row["n_relays"] == 2 and row["label"] == p.label
+        if p.method == "naive":
+            want = 1.0
+        elif p.method == "cacheblend":  # layer 0 dense, then 9 sparse layers
+            want = pooled(lambda n, r=p.value: n * 1 + max(1, round(r * n)) * 9)
+        elif p.method == "epic":  # 10 sparse layers
+            want = pooled(lambda n, k=p.value: min(k, n) * 10)
+        else:  # relay (1, 2, 9): layer 1 dense, 8 sparse
+            want = pooled(lambda n, c=p.value: n * 1 + max(1, int(c * n)) * 8)
+        assert row["reuse_rate"] == pytest.approx(want, abs=1e-12), p.label
+        assert row["first_token_kl"] >= 0.0 and 0.0 <= row["tf_top1_agreement_64"] <= 1.0
+        by_method.setdefault(p.method, []).append((p.value, row["reuse_rate"], p.target))
+    for method in ("cacheblend", "epic", "relay"):
+        pts = by_method[method]
+        assert len(pts) >= 3, method
+        knobs = [v for v, _, _ in pts]
+        reuses = [r for _, r, _ in pts]
+        assert knobs == sorted(knobs, reverse=True) and reuses == sorted(reuses), method
+        assert len(set(reuses)) == len(reuses), method
+        for _, reuse, target in pts:  # each point lands near its target
+            assert abs(reuse - target) < 0.03, (method, reuse, target)
+
+
+def test_cli_frontier_flag(capsys):
+    """The flag is wired through ``sglang-relay bench fidelity`` and rejects bad targets
+    and methods before loading any model."""
+    from sglang_relay.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "fidelity", "--help"])
+    assert "--frontier" in capsys.readouterr().out
+    assert main(["bench", "fidelity", "--frontier", "--reuse-targets", "0.8,1.2"]) == 2
+    assert "(0, 1)" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--frontier", "--methods", "relay,nope"]) == 2
+    assert main(["bench", "fidelity", "--frontier", "--workload", "no_such.jsonl"]) == 2
+
+
+def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
+    """The held-out workload: other tasks, other agent roles and templates than the
+    calibration set and the first evaluation set; no HumanEval anywhere in calibration."""
+    heldout = load_workload(name="heldout_workload.jsonl")
+    first = load_workload()
+    calibration = load_workload(name="calibration_workload.jsonl")
+    assert 16 <= len(heldout) <= 24 and len({c.id for c in heldout}) == len(heldout)
+
+    def agents(cases):
+        return [a for c in cases for a in (*c.upstream, c.downstream)]
+
+    for other in (first, calibration):
+        assert not {c.task for c in heldout} & {c.task for c in other}
+        assert not {a.name for a in agents(heldout)} & {a.name for a in agents(other)}
+        assert not {a.template for a in agents(heldout)} & {a.template for a in agents(other)}
+        assert not {a.system for a in agents(heldout)} & {a.system for a in agents(other)}
+    assert not any("humaneval" in f"{c.id} {c.kind} {c.task}".lower() for c in calibration)
+    for case in heldout:
+        names = {"task": case.task} | {a.name: "x" for a in case.upstream}
+        for agent in (*case.upstream, case.downstream):
+            agent.template.format(**names)  # every field is known
+        assert all("{" + a.name + "}" in case.downstream.template for a in case.upstream)
