@@ -21,7 +21,8 @@ commands:
   prepare-model          convert the embedded model into the cache folder and print its path
   profile                offline layer-range profiler (writes a profile JSON and a plot)
   bench run|ttft|fidelity|decode|load|report
-                         benchmarks (`bench run --quick` = make bench; benchmark/README.md)
+                         benchmarks (`bench run --quick` = make bench; benchmark/README.md);
+                         `bench fidelity --frontier`: KL vs reuse per method, knobs swept
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
