@@ -1,16 +1,14 @@
-"""The runtime's GPU attention glue gives the torch path's attention: FlashInfer (plan per
+"""The relay-extend attention registry gives the torch path's attention: FlashInfer (plan per
 active-row set, run per layer; its computation replaced by the plan's CPU oracle) and the
 Triton kernel (under the interpreter without a GPU)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 
 from sglang_relay.kernels.flashinfer_extend import attend_with_plan_ref
-from sglang_relay.runtime import model_loop
-from sglang_relay.runtime.model_loop import BatchPlan, attend_rows
+from sglang_relay.runtime.attention import FlashInferAttention, RowBatch, build
 
 
 class OracleFlashInfer:
@@ -34,76 +32,49 @@ class OracleFlashInfer:
 
 CPU = torch.device("cpu")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HQ, HKV, D = 4, 2, 16
 
 
-def _batch(monkeypatch, flashinfer, attention="torch", dev=CPU):
+def _batch(dev=CPU):
+    """Two requests: 10 cached + 6 new tokens, and 0 cached + 9 new tokens."""
     gen = torch.Generator().manual_seed(3)
-    hq, hkv, d, slots = 4, 2, 16, 200
-    kbuf, vbuf = (
-        torch.randn(slots, hkv, d, generator=gen),
-        torch.randn(slots, hkv, d, generator=gen),
-    )
-    # two requests: 10 cached + 6 new tokens, and 0 cached + 9 new tokens
-    prefix, ext = [10, 0], [6, 9]
-    req_to_token = torch.zeros(2, 32, dtype=torch.int32)
+    slots = 200
+    kbuf = torch.randn(slots, HKV, D, generator=gen)
+    vbuf = torch.randn(slots, HKV, D, generator=gen)
     perm = torch.randperm(slots, generator=gen)
-    req_to_token[0, :16] = perm[:16].int()
-    req_to_token[1, :9] = perm[16:25].int()
+    rows = [perm[:16], perm[16:25]]
     positions = torch.cat([torch.arange(10, 16), torch.arange(0, 9)])
-    out_cache_loc = torch.cat([req_to_token[0, 10:16], req_to_token[1, :9]]).long()
-    kbuf, vbuf, req_to_token = kbuf.to(dev), vbuf.to(dev), req_to_token.to(dev)
-    fb = SimpleNamespace(
-        out_cache_loc=out_cache_loc.to(dev),
-        positions=positions.to(dev),
-        req_pool_indices=torch.tensor([0, 1], device=dev),
-    )
-    pool = SimpleNamespace(get_key_buffer=lambda _: kbuf, get_value_buffer=lambda _: vbuf)
-
-    def write(pool_, ra, loc, k, v):
-        kbuf[loc] = k.reshape(-1, hkv, d)
-        vbuf[loc] = v.reshape(-1, hkv, d)
-
-    monkeypatch.setattr(model_loop, "_write_kv", write)
-    plan = BatchPlan(
-        groups=[], span_rows=torch.zeros(0, dtype=torch.long), span_src=torch.zeros(0),
-        span_delta=torch.zeros(0), normal_rows=torch.zeros(0), row_starts=[0, 6],
-        seq_lens=[p + n for p, n in zip(prefix, ext, strict=True)], num_rows=15,
-        kv_pool=pool, req_to_token=req_to_token, flashinfer=flashinfer,
-        attention="flashinfer" if flashinfer is not None else attention,
-    )  # fmt: skip
-    ra = SimpleNamespace(
-        layer_id=0, tp_q_head_num=hq, tp_k_head_num=hkv, qk_head_dim=d, v_head_dim=d, scaling=0.3
-    )
-    return fb, plan, ra, gen
+    batch = RowBatch([0, 6], [16, 9], [r.to(dev) for r in rows], 15)
+    return batch, positions.to(dev), kbuf.to(dev), vbuf.to(dev), gen
 
 
-def test_flashinfer_glue_equals_torch_path(monkeypatch):
-    oracle = OracleFlashInfer()
+def _attend(impl, rows, q):
+    batch, positions, kbuf, vbuf, _ = _batch(q.device)
+    handle = impl.plan(batch, rows.cpu(), positions[rows.to(positions.device)])
+    return impl.run(handle, q.reshape(-1, HQ, D), kbuf, vbuf, 0.3)
+
+
+def test_flashinfer_glue_equals_torch_path():
     for rows in (torch.tensor([0, 2, 5, 7, 8, 14]), torch.tensor([3, 4]), torch.arange(15)):
-        results = []
-        for fi in (None, oracle):
-            fb, plan, ra, gen = _batch(monkeypatch, fi)
-            n = rows.numel()
-            q = torch.randn(n, 4 * 16, generator=gen)
-            k = torch.randn(n, 2 * 16, generator=gen)
-            v = torch.randn(n, 2 * 16, generator=gen)
-            results.append(attend_rows(fb, plan, ra, q, k, v, rows, rows))
-        torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+        q = torch.randn(rows.numel(), HQ * D, generator=torch.Generator().manual_seed(5))
+        want = _attend(build("torch", CPU), rows, q)
+        got = _attend(FlashInferAttention(CPU, backend=OracleFlashInfer()), rows, q)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_one_plan_per_row_set_per_batch(monkeypatch):
+def test_one_flashinfer_plan_per_row_set_per_batch():
     oracle = OracleFlashInfer()
-    fb, plan, ra, gen = _batch(monkeypatch, oracle)
-    sets = [torch.tensor([0, 2, 5]), torch.tensor([0, 2, 5]), torch.tensor([1, 9]),
-            torch.tensor([0, 2, 5])]  # fmt: skip
-    for rows in sets:  # e.g. the layers of a forward
-        n = rows.numel()
-        q, k, v = torch.randn(n, 64), torch.randn(n, 32), torch.randn(n, 32)
-        attend_rows(fb, plan, ra, q, k, v, rows, rows)
+    impl = FlashInferAttention(CPU, backend=oracle)
+    batch, positions, kbuf, vbuf, _ = _batch()
+    impl.reset()
+    for rows in (torch.tensor([0, 2, 5]), torch.tensor([1, 9])):  # two phases of a forward
+        handle = impl.plan(batch, rows, positions[rows])
+        for _layer in range(3):
+            impl.run(handle, torch.randn(rows.numel(), HQ, D), kbuf, vbuf, 0.3)
     assert oracle.plans == 2 and oracle.resets == 1
 
 
-def test_triton_glue_equals_torch_path(monkeypatch):
+def test_triton_glue_equals_torch_path():
     import os
 
     import pytest
@@ -111,14 +82,10 @@ def test_triton_glue_equals_torch_path(monkeypatch):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     rows = torch.tensor([0, 2, 5, 7, 8, 14])
-    results = []
-    for attention in ("torch", "triton"):
-        fb, plan, ra, gen = _batch(monkeypatch, None, attention, DEV)
-        q = torch.randn(6, 64, generator=gen)
-        k, v = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
-        args = [x.to(DEV) for x in (q, k, v, rows)]
-        results.append(attend_rows(fb, plan, ra, *args, rows).cpu())
-    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    q = torch.randn(6, HQ * D, generator=torch.Generator().manual_seed(6)).to(DEV)
+    want = _attend(build("torch", DEV), rows, q).cpu()
+    got = _attend(build("triton", DEV), rows, q).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_flashinfer_extend_on_a_gpu_equals_the_plan_oracle():

@@ -132,35 +132,16 @@ def test_cli_absurd_profile_is_one_error_line(model_dir, tmp_path, config, needl
     _assert_one_line_error(proc, needle)
 
 
-def test_cuda_graph_settings_that_would_skip_relay_are_refused():
+def test_graph_settings_that_would_skip_relay_are_refused():
     """SGLang captures graphs before the relay runtime exists: a replayed decode would skip
-    the hidden-state capture, a replayed prefill the relay extend. Both are refused."""
-    from types import SimpleNamespace
+    the slot stamps and the hidden-state capture, a replayed prefill the relay extend."""
+    from sglang_relay.runtime.modes import graph_refusal
 
-    from sglang_relay.runtime.relay import RelayRuntime
-
-    graphs = {"decode": True, "prefill": False}
-    check = RelayRuntime._check_cuda_graphs
-
-    def runtime(layer, influence):
-        captures = layer is not None or influence is not None
-        return SimpleNamespace(
-            capture_layer=layer, influence=influence, captures=captures, cuda_graphs=graphs
-        )
-
-    storing = runtime(3, None)
-    only_hidden = r"stores hidden states at layer 3 in its own eager decode loop, .*decode disabled"
-    with pytest.raises(ValueError, match=only_hidden):
-        check(storing)
-    both = "stores hidden states at layer 3 and influence scores in its own"
-    with pytest.raises(ValueError, match=both):
-        check(runtime(3, object()))
-    check(runtime(None, None))  # nothing to capture: decode graphs are fine
-    graphs.update(decode=False, prefill=True)
-    with pytest.raises(ValueError, match="--disable-prefill-cuda-graph"):
-        check(storing)
-    graphs.update(prefill=False)
-    check(storing)
+    decode = graph_refusal({"decode": True, "prefill": False})
+    assert decode is not None and "--cuda-graph-backend-decode disabled" in decode
+    prefill = graph_refusal({"decode": False, "prefill": True})
+    assert prefill is not None and "--disable-prefill-cuda-graph" in prefill
+    assert graph_refusal({"decode": False, "prefill": False}) is None
 
 
 def test_cuda_graph_config_falls_back_to_the_legacy_flag():

@@ -1,11 +1,21 @@
 """The one place that names SGLang internals; checked against the pinned version at import.
 
-Every other module of ``sglang_relay.runtime`` takes SGLang classes and paths from here, so
-porting to the next SGLang release means changing this file (and the hooks it names).
+This file is the whole contract between sglang-relay and SGLang 0.5.23: every ``sglang``
+import, every dotted hook target, and every attribute of an SGLang object the plug-in
+reads (``Req``, ``ForwardBatch``, ``ServerArgs``, the model runner, the Llama/Qwen2
+modules) is named here, behind small typed adapters. At start-up
+:func:`check_hooks_installed` verifies that every hook is really in place and
+:func:`check_model_anatomy` that the served model has the modules the relay loops call;
+either fails loudly instead of serving "nothing relayed, no error".
+
+The plug-in replaces no attribute of an SGLang object. It adds exactly one, the runtime
+reference ``MODEL_RUNTIME_ATTR`` on the served model, so the model-forward hook can reach
+the runtime without a module-level registry.
 """
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 SUPPORTED_SGLANG = ("0.5.23",)
@@ -28,7 +38,18 @@ INTERNAL_STATE_TARGET = (
 )
 
 # Model architectures whose attention, RoPE and KV layout the relay path understands.
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+from sglang_relay.runtime.modes import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES  # noqa: E402
+from sglang_relay.runtime.modes import ServerView  # noqa: E402
+
+MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
+SUPPORTED_ROPE = frozenset(
+    {
+        "RotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "LinearScalingRotaryEmbedding",
+        "YaRNScalingRotaryEmbedding",
+    }
+)
 
 
 def radix_cache_api():
@@ -63,6 +84,11 @@ def attention_backend_name(model_runner) -> str | None:
         return resolved
     args = getattr(model_runner, "server_args", None)
     return getattr(args, "attention_backend", None)
+
+
+def graphs_enabled(model_runner) -> dict[str, bool]:
+    """Whether decode / prefill batches may replay captured graphs (CUDA or CPU runner)."""
+    return {phase: cuda_graphs_enabled(model_runner, phase) for phase in ("decode", "prefill")}
 
 
 def cuda_graphs_enabled(model_runner, phase: str) -> bool:
@@ -102,3 +128,198 @@ REQUEST_LEVEL_KEY_TARGET = (
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
 )
 META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+
+
+# ---- launcher ------------------------------------------------------------------------------
+def run_http_server(argv: list[str]) -> None:
+    """SGLang's own HTTP server for ``argv`` (plug-ins loaded first); kills its children on
+    exit. Refuses, before any process is spawned, a configuration relay cannot serve."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def parse_server_args(argv: list[str]):
+    """SGLang's resolved ServerArgs for ``argv`` (no process is started)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(argv)
+
+
+def server_view(obj) -> ServerView:
+    """The options relay depends on, from a ServerArgs or a TreeCacheBuildContext."""
+    args = getattr(obj, "server_args", obj)
+
+    def get(name, default):
+        value = getattr(args, name, default)
+        return default if value is None and default is not None else value
+
+    hybrid = any(getattr(obj, f, False) for f in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa"))
+    return ServerView(
+        model_path=str(get("model_path", "")),
+        tp_size=int(get("tp_size", 1)),
+        pp_size=int(get("pp_size", 1)),
+        dp_size=int(get("dp_size", 1)),
+        enable_dp_attention=bool(get("enable_dp_attention", False)),
+        page_size=int(get("page_size", 1) or 1),
+        kv_cache_dtype=str(get("kv_cache_dtype", "auto")),
+        quantization=get("quantization", None) or quantization_of(obj),
+        load_format=str(get("load_format", "auto")),
+        speculative_algorithm=get("speculative_algorithm", None),
+        enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
+        enable_hierarchical_cache=bool(get("enable_hierarchical_cache", False)),
+        disaggregation_mode=str(get("disaggregation_mode", "null")),
+        enable_deterministic_inference=bool(get("enable_deterministic_inference", False)),
+        enable_torch_compile=bool(get("enable_torch_compile", False)),
+        disable_radix_cache=bool(get("disable_radix_cache", False)),
+        dllm_algorithm=get("dllm_algorithm", None),
+        enable_hisparse=bool(get("enable_hisparse", False)),
+        hybrid_model=hybrid,
+    )
+
+
+def quantization_of(obj) -> str | None:
+    """A pre-quantized checkpoint's method (ServerArgs.quantization stays None for it)."""
+    config = getattr(obj, "model_config", None)
+    return getattr(config, "quantization", None) if config is not None else None
+
+
+# ---- the served model ----------------------------------------------------------------------
+def inner_model(model_runner):
+    """The decoder stack (``LlamaModel`` / ``Qwen2Model``) of the runner's model."""
+    outer = model_runner.model
+    return getattr(outer, "model", outer)
+
+
+def check_model_anatomy(model) -> None:
+    """Fail loudly unless ``model`` has the modules :mod:`.llama` calls."""
+    missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(model, a)]
+    layer = model.layers[0] if not missing and len(model.layers) else None
+    if layer is not None:
+        for path in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.qkv_proj",
+                     "self_attn.rotary_emb", "self_attn.attn", "self_attn.o_proj"):  # fmt: skip
+            obj = layer
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(f"layers[0].{path}")
+    if missing:
+        raise ValueError(
+            f"sglang-relay cannot run this model's layer loop (missing {', '.join(missing)})"
+        )
+    rope = layer.self_attn.rotary_emb
+    if type(rope).__name__ not in SUPPORTED_ROPE:
+        raise ValueError(
+            f"sglang-relay cannot re-rotate keys of {type(rope).__name__} "
+            f"(supported: {', '.join(sorted(SUPPORTED_ROPE))})"
+        )
+
+
+def attach_runtime(model, runtime) -> None:
+    setattr(model, MODEL_RUNTIME_ATTR, runtime)
+
+
+def runtime_of(model):
+    """The relay runtime serving ``model`` in this process, if any."""
+    return getattr(model, MODEL_RUNTIME_ATTR, None)
+
+
+def forward_mode_name(fb) -> str:
+    """``EXTEND``, ``DECODE``, ``MIXED``, ``TARGET_VERIFY``, ... of a ForwardBatch."""
+    return fb.forward_mode.name
+
+
+def evict_result():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+
+    return EvictResult()
+
+
+# ---- requests ------------------------------------------------------------------------------
+def request_namespace(req):
+    """Who may reuse whose spans: SGLang's own cache isolation keys of a request."""
+    return (req.extra_key, req.cache_salt)
+
+
+def request_refusal(req) -> str | None:
+    """Why this request must not relay (it runs standard prefill), else None."""
+    if req.return_logprob and req.logprob_start_len < len(req.origin_input_ids) - 1:
+        return "input_logprobs"
+    if getattr(req, "return_hidden_states", False):
+        return "return_hidden_states"
+    if getattr(req, "input_embeds", None) is not None or req.multimodal_inputs is not None:
+        return "unsupported_input"
+    if getattr(req, "session_id", None) is not None:
+        return "session"  # the row becomes the next turn's exact prefix
+    if beam_search(req):
+        return "beam_search"
+    return None
+
+
+def beam_search(req) -> bool:
+    """Beam requests share slots between rows (SGLang remaps them): never relay or record."""
+    return (getattr(req.sampling_params, "beam_width", 1) or 1) > 1
+
+
+def set_request_info(req, info: dict) -> None:
+    """Publish ``info`` as the request's ``meta_info["relay"]`` (request-level info)."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info["relay"] = [info]
+
+
+# ---- hooks ---------------------------------------------------------------------------------
+def _resolve(target: str):
+    import importlib
+
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(target)
+
+
+def hook_installed(target: str, hook) -> bool:
+    """Whether ``hook`` wraps ``target`` now (walks the hook registry's wrapper chain)."""
+    fn = _resolve(target)
+    while fn is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        if any(getattr(c, "cell_contents", None) is hook for c in cells):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+_REGISTERED: list[tuple[str, object]] = []
+
+
+def register_hook(target: str, hook, kind: str) -> None:
+    """Register ``hook`` on ``target`` (``before``/``after``/``around``) and remember it for
+    :func:`check_hooks_installed`."""
+    registry, hook_type = hook_registry()
+    registry.register(target, hook, getattr(hook_type, kind.upper()))
+    _REGISTERED.append((target, hook))
+
+
+def check_hooks_installed() -> None:
+    """Raise unless every hook the plug-in registered wraps its target in this process."""
+    missing = [t for t, h in _REGISTERED if not hook_installed(t, h)]
+    if not _REGISTERED or missing:
+        raise RuntimeError(
+            "sglang-relay hooks are not installed"
+            + (f" ({', '.join(missing)})" if missing else " (register() never ran)")
+            + "; is the plug-in loaded (pip show sglang-relay, SGLANG_PLUGINS)?"
+        )

@@ -210,6 +210,20 @@ def check_relay_settings(env: dict[str, str], model_path: str) -> None:
         raise RelayError(f"relay settings: {exc}") from exc
 
 
+def check_server_mode(argv: list[str]) -> None:
+    """Refuse, before SGLang spawns anything, a server option relay cannot serve correctly
+    (the same check runs again in the scheduler for SGLang's own launcher)."""
+    from sglang_relay.runtime import compat, modes
+
+    try:
+        view = compat.server_view(compat.parse_server_args(argv))
+    except SystemExit as exc:  # argparse already printed SGLang's own message
+        raise RelayError("invalid SGLang arguments (see above)") from exc
+    message = modes.refusal(view)
+    if message is not None:
+        raise RelayError(message)
+
+
 def prepare(argv: list[str]) -> list[str]:
     """Everything ``sglang-relay serve`` checks before handing argv to SGLang."""
     from sglang_relay.runtime import cpu
@@ -230,6 +244,8 @@ def prepare(argv: list[str]) -> list[str]:
     if relay:
         check_relay_settings(relay_env, model_path)
     os.environ.update(relay_env)  # reaches the spawned scheduler
+    if relay:
+        check_server_mode(out)
     port = flag_value(out, "--port")
     try:
         port_num = int(port) if port is not None else DEFAULT_PORT
@@ -241,18 +257,9 @@ def prepare(argv: list[str]) -> list[str]:
 
 def serve(argv: list[str]) -> None:
     """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected."""
-    server_argv = prepare(argv)
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
+    from sglang_relay.runtime import compat
 
-    load_plugins()
-    server_args = prepare_server_args(server_argv)
-    try:
-        run_server(server_args)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    compat.run_http_server(prepare(argv))
 
 
 @dataclass

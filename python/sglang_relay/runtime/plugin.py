@@ -30,13 +30,12 @@ def register() -> None:
 
         register_backend(BACKEND_NAME, build_relay_cache)
 
-    registry, hook = compat.hook_registry()
-    registry.register(compat.INTERNAL_STATE_TARGET, _add_relay_state, hook.AFTER)
+    compat.register_hook(compat.INTERNAL_STATE_TARGET, _add_relay_state, "after")
     for target in compat.MODEL_FORWARD_TARGETS:
-        registry.register(target, _model_forward, hook.AROUND)
-    registry.register(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, hook.AFTER)
-    registry.register(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, hook.AROUND)
-    registry.register(compat.META_INFO_TARGET, _unwrap_meta_info, hook.AFTER)
+        compat.register_hook(target, _model_forward, "around")
+    compat.register_hook(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
+    compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
+    compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
@@ -51,65 +50,26 @@ def _add_relay_state(result, controller, *args, **kwargs):
 
 
 def _model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
-    from sglang_relay.runtime.relay import current
+    """Every forward of a Llama/Qwen2 model: through the relay runtime if it serves it."""
+    from sglang_relay.runtime.compat import runtime_of
 
-    rt = current()
-    if rt is None or model is not rt.model or kwargs.get("input_embeds") is not None:
+    rt = runtime_of(model)
+    if rt is None:
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    if args and args[0] is not None:  # input_embeds passed positionally
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    from sglang_relay.runtime import model_loop
-
-    mode = forward_batch.forward_mode
-    if mode.is_decode():
-        if not rt.captures:
-            return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-        return model_loop.capture_decode(
-            model,
-            input_ids,
-            positions,
-            forward_batch,
-            rt.capture_layer,
-            rt.hidden,
-            rt.influence,
-            rt.influence_layer,
-            rt.req_to_token,
-        )
-    if mode.name != "EXTEND":  # mixed, draft and verify batches keep the stock path
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    plan = rt.batch_plan(forward_batch)
-    if plan is None:
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    try:
-        out = model_loop.relay_extend(
-            model, input_ids, positions, forward_batch, plan, rt.hidden, rt.influence
-        )
-    except Exception as exc:  # fall back: the stock forward rewrites every extend row's KV
-        rt.fail_plan(plan, exc)
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    rt.finish_plan(plan)
-    logger.debug(
-        "relay extend: %d rows, %d relayed, groups=%s",
-        plan.num_rows,
-        int(plan.span_rows.numel()),
-        [(g.cfg.method, int(g.rows.numel())) for g in plan.groups],
-    )
-    return out
+    return rt.forward(original, model, input_ids, positions, forward_batch, *args, **kwargs)
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
-    from sglang_relay.runtime.relay import current
-
-    rt = current()
+    """Plan every request of an extend batch (mixed batches reuse nothing)."""
+    rt = getattr(batch.tree_cache, "relay", None)
     if rt is None or batch.forward_mode.name != "EXTEND":
         return result
     for req in batch.reqs:
         try:
-            rt.plan_request(req)
+            rt.plan(req)
         except Exception:  # planning must never break scheduling
             logger.exception("relay planning failed for %s; standard prefill", req.rid)
-            rt.pending.pop(req.rid, None)
-            rt.planning_failed(req)
+            rt.plan_failed(req)
     return result
 
 

@@ -1,0 +1,169 @@
+"""Relay-extend attention: a small registry of implementations with the same plan/run pair.
+
+Active rows of a relay extend are not contiguous, so their attention is causal *by
+position* over each request's whole context in the KV pool
+(:func:`~sglang_relay.core.attention.positional_causal_attention` is the specification).
+Each implementation is planned once per active-row set of a batch (the layers of a group
+share it) and run once per layer:
+
+* ``torch``: the pure-torch reference, per request (CPU, and the semantics tests use);
+* ``triton``: one tiled Triton launch over all rows (``kernels/attention.py``);
+* ``flashinfer``: one paged prefill with a custom mask (``kernels/flashinfer_extend.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_relay.core.attention import positional_causal_attention
+
+
+@dataclass(frozen=True, slots=True)
+class RowBatch:
+    """The requests of one extend batch, as attention needs them (host lists).
+
+    Attributes:
+        row_starts: per request, its first batch row.
+        seq_lens: per request, context length after this extend.
+        slots: per request, ``[seq_len]`` KV slots by position (device).
+        num_rows: rows of the batch.
+    """
+
+    row_starts: list[int]
+    seq_lens: list[int]
+    slots: list[torch.Tensor]
+    num_rows: int
+
+    def bounds(self, rows_cpu: torch.Tensor) -> list[int]:
+        """Per request, the range of ``rows_cpu`` (sorted batch rows) it owns."""
+        edges = torch.tensor([*self.row_starts, self.num_rows])
+        return torch.searchsorted(rows_cpu, edges).tolist()
+
+
+class ExtendAttention(ABC):
+    """``plan`` once per active-row set, ``run`` once per layer. Neither writes KV."""
+
+    name: str
+
+    @abstractmethod
+    def plan(self, batch: RowBatch, rows_cpu: torch.Tensor, positions: torch.Tensor) -> Any:
+        """Prepare attention of ``rows_cpu`` (sorted batch rows, host) whose positions are
+        ``positions`` (``[n]`` int64, device); returns a handle for :meth:`run`."""
+
+    @abstractmethod
+    def run(
+        self, handle: Any, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q``: ``[n, Hq, D]``; ``kbuf``/``vbuf``: the layer's ``[slots, Hkv, D]`` pool
+        buffers (the rows' own K/V already written). Returns ``[n, Hq, Dv]``."""
+
+    def reset(self) -> None:  # noqa: B027 - optional for stateless implementations
+        """A new batch begins (handles of the previous one are dead)."""
+
+
+_REGISTRY: dict[str, Callable[[torch.device], ExtendAttention]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def build(name: str, device: torch.device) -> ExtendAttention:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown relay extend attention {name!r} (known: {sorted(_REGISTRY)})")
+    return _REGISTRY[name](device)
+
+
+@register("torch")
+class TorchAttention(ExtendAttention):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def plan(self, batch, rows_cpu, positions):
+        bounds = batch.bounds(rows_cpu)
+        parts = [
+            (lo, hi, batch.slots[i])
+            for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+            if hi > lo
+        ]
+        return parts, positions
+
+    def run(self, handle, q, kbuf, vbuf, scale):
+        parts, positions = handle
+        out = q.new_empty((q.shape[0], q.shape[1], vbuf.shape[-1]))
+        for lo, hi, slots in parts:
+            out[lo:hi] = positional_causal_attention(
+                q[lo:hi], kbuf[slots], vbuf[slots], positions[lo:hi], scale
+            )
+        return out
+
+
+@register("triton")
+class TritonAttention(ExtendAttention):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def plan(self, batch, rows_cpu, positions):
+        from sglang_relay.kernels.attention import make_tiles
+
+        bounds = batch.bounds(rows_cpu)
+        counts = torch.tensor([hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)])
+        offsets = torch.tensor([0, *batch.seq_lens[:-1]]).cumsum(0)
+        kv_indices = torch.cat(batch.slots)
+        kv_start = offsets.repeat_interleave(counts)  # host
+        tiles = make_tiles(kv_start, device=positions.device)
+        return positions, kv_start.to(positions.device), kv_indices, tiles
+
+    def run(self, handle, q, kbuf, vbuf, scale):
+        from sglang_relay.kernels.attention import positional_attention_triton
+
+        positions, kv_start, kv_indices, tiles = handle
+        return positional_attention_triton(
+            q, kbuf, vbuf, positions, kv_start, kv_indices, scale, tiles=tiles
+        )
+
+
+@register("flashinfer")
+class FlashInferAttention(ExtendAttention):
+    """One FlashInfer wrapper per active-row set; ``backend`` is a
+    :class:`~sglang_relay.kernels.flashinfer_extend.FlashInferExtend` (or a test double)."""
+
+    def __init__(self, device: torch.device, backend: Any = None) -> None:
+        if backend is None:
+            from sglang_relay.kernels.flashinfer_extend import FlashInferExtend
+
+            backend = FlashInferExtend(device)
+        self.backend = backend
+        self.planned: set[int] = set()
+        self._next = 0
+
+    def reset(self) -> None:
+        self.backend.reset()
+        self.planned.clear()
+
+    def plan(self, batch, rows_cpu, positions):
+        from sglang_relay.kernels.flashinfer_extend import build_extend_plan
+
+        bounds = batch.bounds(rows_cpu)
+        counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        layout = build_extend_plan(counts, positions, batch.seq_lens, batch.slots)
+        self._next += 1
+        return self._next, layout
+
+    def run(self, handle, q, kbuf, vbuf, scale):
+        key, layout = handle
+        if key not in self.planned:  # planned at first use: head counts come with q / kbuf
+            heads = (q.shape[1], kbuf.shape[1], q.shape[2], vbuf.shape[-1])
+            self.backend.plan(key, layout, heads, scale, q.dtype, kbuf.dtype)
+            self.planned.add(key)
+        return self.backend.run(key, q, kbuf, vbuf)

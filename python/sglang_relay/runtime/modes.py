@@ -1,0 +1,163 @@
+"""The mode matrix: every SGLang 0.5.23 option that changes how forwards run is either
+served correctly by relay or refused here, at start-up, with one message naming the option
+and the way out. docs/limitations.md shows the same matrix; test/e2e/test_modes.py checks
+that every refusal below is real.
+
+Per-request refusals (a request relay cannot serve safely runs standard prefill, with a
+``fallback`` reason, counted) live in :func:`sglang_relay.runtime.compat.request_refusal`.
+
+Supported and tested end to end (test/e2e): chunked prefill (any chunk size, spans across
+chunks), ``--enable-mixed-chunk`` (decode rows of mixed batches run the capture forward),
+the overlap schedule (on by default; the stamps are written inside the forward),
+retraction (re-prefilled outputs carry no hidden state: their runs are trimmed), eviction,
+aborts, input logprobs and hidden states (per request: standard prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay)"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerView:
+    """The server options relay depends on, read once from SGLang's ServerArgs
+    (:func:`sglang_relay.runtime.compat.server_view`)."""
+
+    model_path: str = ""
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    load_format: str = "auto"
+    speculative_algorithm: str | None = None
+    enable_lora: bool = False
+    enable_hierarchical_cache: bool = False
+    disaggregation_mode: str = "null"
+    enable_deterministic_inference: bool = False
+    enable_torch_compile: bool = False
+    disable_radix_cache: bool = False
+    dllm_algorithm: str | None = None
+    enable_hisparse: bool = False
+    hybrid_model: bool = False  # sliding window, Mamba or DSA layers
+
+
+def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
+    """The one-line refusal for a server relay cannot serve correctly, else None."""
+    if architecture is not None and architecture not in SUPPORTED_ARCHITECTURES:
+        return (
+            f"sglang-relay does not support the {architecture} architecture yet (supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); drop --radix-cache-backend "
+            "relay to serve this model without relay"
+        )
+    checks = [
+        (view.hybrid_model, "sliding-window, Mamba or DSA models", "use a dense Llama/Qwen2 model"),
+        (
+            view.disable_radix_cache,
+            "--disable-radix-cache (relay is a radix cache)",
+            "drop --disable-radix-cache",
+        ),
+        (
+            view.tp_size != 1,
+            f"--tp {view.tp_size} (per-rank selections are not reduced yet)",
+            "use --tp 1",
+        ),
+        (view.pp_size != 1, f"--pp-size {view.pp_size}", "use --pp-size 1"),
+        (
+            view.dp_size != 1 or view.enable_dp_attention,
+            f"--dp-size {view.dp_size} / --enable-dp-attention (spans are per rank and "
+            "requests are not routed to them yet)",
+            "run one server per rank behind sglang-router",
+        ),
+        (
+            view.page_size != 1,
+            f"--page-size {view.page_size} (spans are token-granular)",
+            "use --page-size 1",
+        ),
+        (
+            view.kv_cache_dtype not in ("auto", None),
+            f"--kv-cache-dtype {view.kv_cache_dtype} (re-rotation ignores KV scales)",
+            "drop --kv-cache-dtype",
+        ),
+        (
+            view.quantization is not None,
+            f"--quantization {view.quantization} (not verified with relay's layer loop)",
+            "serve an unquantized checkpoint",
+        ),
+        (
+            view.load_format == "gguf" or view.model_path.endswith(".gguf"),
+            "GGUF checkpoints (--load-format gguf)",
+            "serve the Hugging Face checkpoint",
+        ),
+        (
+            view.speculative_algorithm not in (None, "", "NONE"),
+            f"--speculative-algorithm {view.speculative_algorithm} (verify forwards write "
+            "output KV relay has not validated)",
+            "drop --speculative-algorithm",
+        ),
+        (
+            view.enable_lora,
+            "--enable-lora / --lora-paths (adapter KV is not namespaced per adapter yet)",
+            "drop the LoRA flags",
+        ),
+        (
+            view.enable_hierarchical_cache,
+            "--enable-hierarchical-cache (HiCache writes KV outside model forwards, which "
+            "relay's slot stamps cannot see)",
+            "drop --enable-hierarchical-cache",
+        ),
+        (
+            view.disaggregation_mode not in ("null", None, ""),
+            f"--disaggregation-mode {view.disaggregation_mode} (KV arrives by transfer, "
+            "outside model forwards)",
+            "drop --disaggregation-mode",
+        ),
+        (
+            view.enable_deterministic_inference,
+            "--enable-deterministic-inference (relayed KV is approximate by design)",
+            "drop --enable-deterministic-inference",
+        ),
+        (
+            view.dllm_algorithm not in (None, ""),
+            f"--dllm-algorithm {view.dllm_algorithm} (reuses row slots as outputs)",
+            "drop --dllm-algorithm",
+        ),
+        (
+            view.enable_hisparse,
+            "--enable-hisparse (stages KV outside model forwards)",
+            "drop --enable-hisparse",
+        ),
+        (
+            view.enable_torch_compile,
+            "--enable-torch-compile (compiled forwards skip relay's slot stamps)",
+            "drop --enable-torch-compile",
+        ),
+    ]
+    for refused, what, way_out in checks:
+        if refused:
+            return f"sglang-relay cannot serve {what}; {way_out}, {OUT}"
+    return None
+
+
+def graph_refusal(graphs: dict[str, bool]) -> str | None:
+    """Refuse captured graphs (CUDA graphs, the CPU graph runner). SGLang captures them
+    before the relay runtime exists, so a replayed decode would skip the slot stamps and
+    the hidden-state capture, and a replayed prefill the relay extend: stale KV, served
+    silently. ``graphs``: whether ``decode`` / ``prefill`` batches may replay a graph."""
+    if graphs.get("decode"):
+        return (
+            "sglang-relay stamps every decoded token's KV slot (and stores its hidden state) "
+            "in the forward, which captured decode graphs would skip; add "
+            f"--cuda-graph-backend-decode disabled (sglang-relay serve does on a GPU), {OUT}"
+        )
+    if graphs.get("prefill"):
+        return (
+            "sglang-relay runs relay extends in its own eager layer loop, which prefill "
+            f"graphs would skip; add --disable-prefill-cuda-graph, {OUT}"
+        )
+    return None

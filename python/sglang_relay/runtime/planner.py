@@ -1,0 +1,189 @@
+"""Scheduler-side planning: which stored spans a request's extend chunk reuses, and the
+batch plan the relay forward runs.
+
+Two steps, paired like FlashInfer's plan/run:
+1. :meth:`Planner.plan_request` (after ``prepare_for_extend``): find spans in the chunk's
+   tokens (same namespace only); remember them per request until the forward.
+2. :meth:`Planner.plan_batch` (in the model forward): re-check every matched run where it is
+   used: slot stamps unchanged (:class:`SlotLedger`), hidden states stored if the method
+   needs them, no slot rewritten by this very batch; keep the valid sub-runs of at least
+   ``min_span`` tokens (the rest is counted as trimmed), and build the :class:`BatchPlan`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.runtime.attention import ExtendAttention, RowBatch
+from sglang_relay.runtime.extend import BatchPlan, SpanGroup
+from sglang_relay.runtime.side_data import SlotLedger
+from sglang_relay.runtime.span_store import SpanSource, SpanStore
+from sglang_relay.runtime.stats import RequestStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    cfg: RelayConfig
+    prefix_len: int
+    sources: list[SpanSource]
+    stats: RequestStats
+
+
+def valid_runs(ok: torch.Tensor, min_len: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[lo, hi)`` of True in ``ok`` (``[n]`` bool) at least ``min_len`` long."""
+    edge = torch.zeros(1, dtype=torch.int8, device=ok.device)
+    step = torch.cat([edge, ok.to(torch.int8), edge]).diff()
+    starts = (step == 1).nonzero().flatten().tolist()
+    ends = (step == -1).nonzero().flatten().tolist()
+    return [(lo, hi) for lo, hi in zip(starts, ends, strict=True) if hi - lo >= min_len]
+
+
+class Planner:
+    """Owns the per-request plans between ``prepare_for_extend`` and the forward."""
+
+    def __init__(
+        self,
+        store: SpanStore,
+        ledger: SlotLedger,
+        *,
+        num_layers: int,
+        min_span: int,
+        kv_pool: Any,
+        req_to_token: torch.Tensor,
+        attention: ExtendAttention,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.num_layers = num_layers
+        self.min_span = min_span
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.attention = attention
+        self.pending: dict[str, RequestPlan] = {}
+
+    def plan_request(
+        self,
+        rid: str,
+        cfg: RelayConfig,
+        stats: RequestStats,
+        tokens: list[int],
+        prefix_len: int,
+        namespace: Hashable,
+    ) -> bool:
+        """Find spans in this chunk's ``tokens`` (they start at row position
+        ``prefix_len``); returns whether any matched."""
+        sources = self.store.find(tokens, namespace)
+        if not sources:
+            return False
+        self.pending[rid] = RequestPlan(cfg, prefix_len, sources, stats)
+        return True
+
+    def forget(self, rid: str) -> None:
+        self.pending.pop(rid, None)
+
+    def take_pending(self) -> list[RequestPlan]:
+        """Every plan not yet run (they are dropped)."""
+        plans, self.pending = list(self.pending.values()), {}
+        return plans
+
+    def plan_batch(self, fb: Any) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
+        """The plan for this extend batch (None: nothing to relay) and the requests whose
+        plan could not run, with the reason."""
+        pending, self.pending = self.pending, {}
+        rids = fb.rids or []
+        plans = [pending.pop(rid, None) for rid in rids]
+        dropped = [(p.stats, "stale_plan") for p in pending.values()]  # planned, not batched
+        if not any(plans):
+            return None, dropped
+        ext_lens = list(fb.extend_seq_lens_cpu)
+        prefix_lens = list(fb.extend_prefix_lens_cpu)
+        row_starts = [0]
+        for n in ext_lens[:-1]:
+            row_starts.append(row_starts[-1] + n)
+        num_rows = sum(ext_lens)
+        written = fb.out_cache_loc.to(torch.int64)
+        groups: dict[RelayConfig, dict[str, list]] = {}
+        for i, plan in enumerate(plans):
+            if plan is None:
+                continue
+            if prefix_lens[i] != plan.prefix_len:
+                dropped.append((plan.stats, "stale_plan"))
+                continue
+            use = plan.stats.begin_chunk()
+            sched = plan.cfg.schedule(self.num_layers)
+            needs_hidden = sched.needs_hidden() and sched.l_start > 0  # 0: embeddings
+            g = groups.setdefault(plan.cfg, {"rows": [], "src": [], "delta": [], "seg": []})
+            reasons = []
+            for s in plan.sources:
+                ok = self.ledger.unchanged(s.slots, s.stamps)
+                if not bool(ok.all()):
+                    reasons.append("span_evicted")
+                ok &= ~torch.isin(s.slots, written)  # this batch rewrites the slot
+                if needs_hidden:
+                    has = SlotLedger.has_hidden(s.stamps)
+                    if not bool(has.all()):
+                        reasons.append("hidden_invalid")
+                    ok &= has
+                runs = valid_runs(ok, self.min_span)
+                plan.stats.trimmed_tokens += s.length - sum(hi - lo for lo, hi in runs)
+                for lo, hi in runs:
+                    n = hi - lo
+                    start = s.prompt_start + lo
+                    dest = plan.prefix_len + start
+                    offs = torch.arange(n, device=s.slots.device)
+                    base = sum(len(r) for r in g["rows"])
+                    g["rows"].append(row_starts[i] + start + offs)
+                    g["src"].append(s.slots[lo:hi])
+                    g["delta"].append(dest + offs - s.positions[lo:hi])
+                    g["seg"].append((base, base + n, use))
+                    use.spans += 1
+                    use.tokens += n
+                    use.recomputed_token_layers += n * sched.dense_layers
+                    use.first_position = (
+                        dest if use.first_position is None else min(use.first_position, dest)
+                    )
+            if use.tokens == 0:
+                plan.stats.chunk = None
+                dropped.append((plan.stats, reasons[0] if reasons else "span_evicted"))
+            elif reasons:
+                plan.stats.fallback = f"trimmed: {reasons[0]}"
+        built = [
+            SpanGroup(
+                cfg=cfg,
+                sched=cfg.schedule(self.num_layers),
+                rows=torch.cat(g["rows"]),
+                src=torch.cat(g["src"]),
+                segments=g["seg"],
+            )
+            for cfg, g in groups.items()
+            if g["rows"]
+        ]
+        if not built:
+            return None, dropped
+        span_rows = torch.cat([g.rows for g in built])
+        order = span_rows.argsort()
+        deltas = torch.cat([torch.cat(g["delta"]) for g in groups.values() if g["rows"]])
+        mask = torch.ones(num_rows, dtype=torch.bool, device=span_rows.device)
+        mask[span_rows] = False
+        seq_lens = [p + n for p, n in zip(prefix_lens, ext_lens, strict=True)]
+        slots = [self.req_to_token[fb.req_pool_indices[i], : seq_lens[i]] for i in range(len(rids))]
+        plan = BatchPlan(
+            groups=built,
+            span_rows=span_rows[order],
+            span_src=torch.cat([g.src for g in built])[order],
+            span_delta=deltas[order],
+            normal_rows=mask.nonzero().flatten(),
+            batch=RowBatch(row_starts, seq_lens, slots, num_rows),
+            kv_pool=self.kv_pool,
+            attention=self.attention,
+            owners=[p.stats for p in plans if p is not None and p.stats.chunk is not None],
+        )
+        return plan, dropped

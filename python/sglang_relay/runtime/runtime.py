@@ -1,0 +1,243 @@
+"""The relay runtime of one scheduler process: built whole in one step by the relay radix
+cache, reachable from it (``cache.relay``) and from the served model (the attribute
+``compat.MODEL_RUNTIME_ATTR``), never from a module global.
+
+It owns the slot ledger (stamps, hidden states, influence), the span store, the planner
+and the per-request stats, and answers the plug-in's hooks:
+
+* ``plan(req)`` after ``prepare_for_extend``;
+* ``forward(original, model, ...)`` for every forward of the served model: stamps the KV
+  slots it writes, and runs the relay extend, the capture forward or SGLang's own;
+* ``record(req, ...)`` / ``release(rid)`` from the cache's checkpoint and on_release.
+
+Data path of one relayed request: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.kernels import kernel_family, pick_extend_attention
+from sglang_relay.runtime import attention as extend_attention
+from sglang_relay.runtime import compat
+from sglang_relay.runtime.decode import capture_forward
+from sglang_relay.runtime.extend import relay_extend
+from sglang_relay.runtime.metrics import RelayCounters
+from sglang_relay.runtime.options import request_option, resolve_config
+from sglang_relay.runtime.planner import Planner
+from sglang_relay.runtime.settings import RelaySettings
+from sglang_relay.runtime.side_data import SlotLedger
+from sglang_relay.runtime.span_store import SpanStore
+from sglang_relay.runtime.stats import RequestStats
+
+logger = logging.getLogger(__name__)
+
+
+class RelayRuntime:
+    """Owns the relay state of one scheduler process."""
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        model_runner: Any,
+        *,
+        span_budget: int,
+        release_slots,
+        prometheus: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.cfg = settings.config
+        self.model = compat.inner_model(model_runner)
+        self.num_layers = len(self.model.layers)
+        compat.check_model_anatomy(self.model)
+        self.kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
+        self.device = kbuf.device
+        weight = self.model.embed_tokens.weight
+        relay_sched = RelayConfig.from_dict({**self.cfg.to_dict(), "method": "relay"}).schedule(
+            self.num_layers
+        )
+        if self.cfg.method != "standard":
+            self.cfg.schedule(self.num_layers)  # validates the layer range for this model
+        start = relay_sched.l_start
+        self.capture_layer = start if 0 < start < self.num_layers else None
+        influence_layer = relay_sched.l_det if self.cfg.tau_inf is not None else None
+        if influence_layer is not None and influence_layer >= self.num_layers:
+            influence_layer = None
+        self.influence_layer = influence_layer
+        self.ledger = SlotLedger(
+            kbuf.shape[0],
+            self.device,
+            hidden_size=weight.shape[-1] if self.capture_layer is not None else None,
+            dtype=weight.dtype,
+            influence=influence_layer is not None,
+        )
+        self.attention_name = pick_extend_attention(
+            compat.attention_backend_name(model_runner), self.device
+        )
+        self.store = SpanStore(
+            min_match=self.cfg.min_span, max_tokens=span_budget, release_slots=release_slots
+        )
+        self.planner = Planner(
+            self.store,
+            self.ledger,
+            num_layers=self.num_layers,
+            min_span=self.cfg.min_span,
+            kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token,
+            attention=extend_attention.build(self.attention_name, self.device),
+        )
+        self.requests: dict[str, RequestStats] = {}  # planned requests, until released
+        self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
+
+    @property
+    def captures(self) -> bool:
+        """Whether decode must run the capture forward (hidden states or influence)."""
+        return self.capture_layer is not None or self.influence_layer is not None
+
+    def side_bytes(self) -> int:
+        return self.ledger.nbytes()
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def plan(self, req: Any) -> None:
+        """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
+        stats = self.requests.get(req.rid)
+        if stats is None:
+            stats = RequestStats(self.cfg.method, self.num_layers)
+        try:
+            cfg = resolve_config(
+                self.cfg,
+                request_option(req),
+                num_layers=self.num_layers,
+                capture_layer=self.capture_layer,
+            )
+        except ValueError as exc:
+            return self._publish(req, stats, fallback=f"bad_options: {exc}")
+        stats.method = cfg.method if cfg is not None else "standard"
+        if cfg is None:
+            return self._publish(req, stats)
+        refusal = compat.request_refusal(req)
+        if refusal is not None:
+            return self._publish(req, stats, fallback=refusal)
+        fill = req.get_fill_ids()
+        start = req.prefix_len
+        end = start + req.extend_len
+        tokens = list(fill[start:end])
+        if end >= len(fill):
+            tokens = tokens[:-1]  # the last prompt token is always computed normally
+        namespace = compat.request_namespace(req)
+        if self.planner.plan_request(req.rid, cfg, stats, tokens, start, namespace):
+            self.requests[req.rid] = stats
+        self._publish(req, stats)
+
+    def plan_failed(self, req: Any) -> None:
+        """Planning raised: the request runs standard prefill and says so."""
+        self.planner.forget(req.rid)
+        stats = self.requests.get(req.rid) or RequestStats(self.cfg.method, self.num_layers)
+        self._publish(req, stats, fallback="error")
+
+    def _publish(self, req: Any, stats: RequestStats, fallback: str | None = None) -> None:
+        if fallback is not None:
+            stats.discard(fallback)
+            self._count_fallback(fallback)
+        compat.set_request_info(req, stats.to_dict())
+        stats.req = req
+
+    def _count_fallback(self, reason: str) -> None:
+        self.counters["fallbacks"] += 1
+        self.counters[f"fallback_{reason.split(':')[0]}"] += 1
+
+    # ---- model side ----------------------------------------------------------------------
+    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+        """Every forward of the served model comes through here. It stamps the KV slots the
+        forward writes, then runs the relay extend (an extend batch with a plan), the capture
+        forward (decode and mixed batches, when the profile stores hidden states) or
+        SGLang's own forward."""
+        mode = compat.forward_mode_name(fb)
+        embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
+        if mode == "EXTEND" and not embeds:
+            plan, dropped = self.planner.plan_batch(fb)
+            for stats, reason in dropped:
+                self._discard(stats, reason)
+            if plan is not None:
+                return self._relay(original, model, input_ids, positions, fb, plan, args, kwargs)
+        else:  # plans made for a batch that became mixed (or anything else) cannot run
+            for plan in self.planner.take_pending():
+                self._discard(plan.stats, f"{mode.lower()}_batch")
+        if mode in ("DECODE", "MIXED") and self.captures and not embeds:
+            return capture_forward(
+                model,
+                input_ids,
+                positions,
+                fb,
+                self.ledger,
+                capture_layer=self.capture_layer,
+                influence_layer=self.influence_layer,
+                pool=self.kv_pool,
+                req_to_token=self.req_to_token,
+                decode=mode == "DECODE",
+            )
+        self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+        return original(model, input_ids, positions, fb, *args, **kwargs)
+
+    def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
+        self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+        try:
+            out = relay_extend(model, input_ids, positions, fb, plan, self.ledger)
+        except Exception as exc:  # the stock forward rewrites every extend row's KV
+            logger.exception("relay extend failed; standard prefill for this batch")
+            for stats in plan.owners:
+                self._discard(stats, f"error: {type(exc).__name__}")
+            return original(model, input_ids, positions, fb, *args, **kwargs)
+        for stats in plan.owners:
+            if stats.chunk is not None:
+                self.counters["spans_matched"] += stats.chunk.spans
+            stats.commit()
+            self._republish(stats)
+        self.counters["relay_extends"] += 1
+        self.counters["relayed_tokens"] += int(plan.span_rows.numel())
+        return out
+
+    def _discard(self, stats: RequestStats, reason: str) -> None:
+        stats.discard(reason)
+        self._count_fallback(reason)
+        self._republish(stats)
+
+    def _republish(self, stats: RequestStats) -> None:
+        if stats.req is not None:
+            compat.set_request_info(stats.req, stats.to_dict())
+
+    # ---- cache side ----------------------------------------------------------------------
+    def relayed_from(self, rid: str) -> int | None:
+        """The first row position of ``rid`` holding relayed (approximate) KV, if any."""
+        stats = self.requests.get(rid)
+        return None if stats is None else stats.relayed_from
+
+    def release(self, rid: str) -> None:
+        """The request's row is gone: forget its plan and stats."""
+        self.planner.forget(rid)
+        self.requests.pop(rid, None)
+
+    def reset(self) -> None:
+        """``flush_cache``: the allocator is cleared right after; forget, do not free."""
+        self.store.clear(release=False)
+        self.ledger.reset()
+        self.requests.clear()
+        self.planner.pending.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "method": self.cfg.method,
+            "config": self.cfg.to_dict(),
+            "capture_layer": self.capture_layer,
+            "extend_attention": self.attention_name,
+            "kernels": kernel_family(self.device),
+            "side_bytes": self.side_bytes(),
+            "requests_tracked": len(self.requests),
+            **self.store.stats(),
+            **dict(self.counters),
+        }

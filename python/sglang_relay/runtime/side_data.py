@@ -1,0 +1,95 @@
+"""Per-slot side data and the stamps that prove it (and the slot's KV) still belong together.
+
+Validity is written, never inferred. Every forward of the served model stamps the KV slots
+it writes (``out_cache_loc``) with a fresh generation, whatever the forward mode (extend,
+decode, mixed, verify, a retracted request's re-prefill). The stamp's low bit says whether
+the same forward also stored the hidden state entering ``l_start`` for that slot.
+
+So a span needs no free hook: it remembers the stamps of its slots when it is recorded and
+is valid exactly while ``stamps[slots]`` still equal them. Any path that frees a slot
+(``free``, ``free_group_end``, ``restore_state``, segment frees, a future SGLang path)
+followed by any forward that reuses it changes the stamp; a slot that was freed but not yet
+rewritten still carries the span's KV, which is what a relay reads. The one premise is that
+only model forwards write KV into slots: servers with other KV writers (HiCache load-back,
+disaggregated KV transfer) are refused at start-up (:mod:`sglang_relay.runtime.modes`).
+
+Not thread-safe: the scheduler thread owns it (like the radix tree).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HIDDEN_BIT = 1  # stamp bit: the hidden state at l_start was stored with this KV
+
+
+class SlotLedger:
+    """Stamps plus the hidden states (and influence scores) stored per KV slot.
+
+    Tensors (device of the KV pool):
+        stamps: ``[pool_slots]`` int64; ``generation << 1 | has_hidden``; 0 = never written.
+        hidden: ``[pool_slots, hidden_size]`` model dtype, the residual stream entering
+            ``l_start`` (None when no method of this server needs it).
+        influence: ``[pool_slots]`` float32 attention mass received (None unless tau_inf).
+    """
+
+    def __init__(
+        self,
+        pool_slots: int,
+        device: torch.device | str,
+        *,
+        hidden_size: int | None,
+        dtype: torch.dtype,
+        influence: bool = False,
+    ) -> None:
+        self.stamps = torch.zeros(pool_slots, dtype=torch.int64, device=device)
+        self.hidden = (
+            torch.zeros(pool_slots, hidden_size, dtype=dtype, device=device)
+            if hidden_size is not None
+            else None
+        )
+        self.influence = (
+            torch.zeros(pool_slots, dtype=torch.float32, device=device) if influence else None
+        )
+        self.generation = 0
+
+    # ---- writing (every forward) ---------------------------------------------------------
+    def stamp(self, loc: torch.Tensor, *, with_hidden: bool) -> None:
+        """The forward about to run writes KV into ``loc`` (``[n]`` slots); with
+        ``with_hidden`` it also stores their hidden states (the caller writes them)."""
+        self.generation += 1
+        if loc.numel():
+            value = (self.generation << 1) | (HIDDEN_BIT if with_hidden else 0)
+            self.stamps[loc.to(torch.int64)] = value
+
+    def store_hidden(self, loc: torch.Tensor, stream: torch.Tensor) -> None:
+        """Store ``stream`` (``[n, hidden]``) for ``loc``; call in the forward that stamped
+        ``loc`` with ``with_hidden=True``."""
+        assert self.hidden is not None
+        self.hidden[loc] = stream.to(self.hidden.dtype)
+
+    # ---- checking (record time and use time) -----------------------------------------------
+    def snapshot(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stamps of ``slots`` now (``[n]`` int64, a copy)."""
+        return self.stamps[slots].clone()
+
+    def unchanged(self, slots: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: slot still holds the KV it held when ``snapshot`` was taken."""
+        return self.stamps[slots] == snapshot
+
+    @staticmethod
+    def has_hidden(snapshot: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: the snapshot's KV came with a stored hidden state."""
+        return (snapshot & HIDDEN_BIT).bool() & (snapshot != 0)
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.stamps, self.hidden, self.influence)
+            if t is not None
+        )
+
+    def reset(self) -> None:
+        """``flush_cache``: forget every stamp (no span survives a flush)."""
+        self.generation += 1
+        self.stamps.zero_()

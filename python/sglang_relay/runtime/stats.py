@@ -1,0 +1,79 @@
+"""What relay did for one request (``meta_info["relay"]``), as a typed object.
+
+A request may be planned once per prefill chunk. Each chunk's figures are held apart
+(:class:`ChunkUse`) until its forward has run: :meth:`RequestStats.commit` adds them,
+:meth:`RequestStats.discard` forgets them and records why. So a fallback in a later chunk
+leaves what earlier chunks really reused, and reports itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ChunkUse:
+    """Span tokens one chunk's forward reuses (filled by the planner and the forward)."""
+
+    spans: int = 0
+    tokens: int = 0
+    selected: int = 0
+    recomputed_token_layers: int = 0
+    first_position: int | None = None  # first relayed position in the request's row
+
+
+@dataclass(slots=True)
+class RequestStats:
+    method: str
+    num_layers: int = 0
+    spans_matched: int = 0
+    reused_tokens: int = 0
+    selected_tokens: int = 0
+    recomputed_token_layers: int = 0
+    trimmed_tokens: int = 0  # matched tokens left out because their slots were not valid
+    fallback: str | None = None
+    relayed_from: int | None = None  # first relayed row position (exactness clamp)
+    chunk: ChunkUse | None = field(default=None, repr=False)  # figures of the running chunk
+    req: Any = field(default=None, repr=False)  # the scheduler's Req (meta_info goes there)
+
+    # ---- one chunk at a time ---------------------------------------------------------
+    def begin_chunk(self) -> ChunkUse:
+        self.chunk = ChunkUse()
+        return self.chunk
+
+    def commit(self) -> None:
+        """The chunk's forward ran the relay path: its figures count."""
+        c, self.chunk = self.chunk, None
+        if c is None:
+            return
+        self.spans_matched += c.spans
+        self.reused_tokens += c.tokens
+        self.selected_tokens += c.selected
+        self.recomputed_token_layers += c.recomputed_token_layers
+        if c.first_position is not None and (
+            self.relayed_from is None or c.first_position < self.relayed_from
+        ):
+            self.relayed_from = c.first_position
+
+    def discard(self, reason: str) -> None:
+        """The chunk's forward ran standard prefill: nothing of it was reused."""
+        self.chunk = None
+        self.fallback = reason
+
+    @property
+    def reuse_rate(self) -> float:
+        total = self.reused_tokens * self.num_layers
+        return round(1.0 - self.recomputed_token_layers / total, 4) if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "spans_matched": self.spans_matched,
+            "reused_tokens": self.reused_tokens,
+            "selected_tokens": self.selected_tokens,
+            "recomputed_token_layers": self.recomputed_token_layers,
+            "reuse_rate": self.reuse_rate,
+            "trimmed_tokens": self.trimmed_tokens,
+            "fallback": self.fallback,
+        }

@@ -1,0 +1,248 @@
+"""The runtime's own logic on a fake pool: slot stamps, span store, planning, request stats.
+
+Expected values come from hand-built cases and brute-force references, never from the code
+under test."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.runtime.attention import build
+from sglang_relay.runtime.planner import Planner, valid_runs
+from sglang_relay.runtime.side_data import SlotLedger
+from sglang_relay.runtime.span_store import SpanStore
+from sglang_relay.runtime.stats import RequestStats
+
+L = 30  # layers of the fake model
+RELAY = RelayConfig(l_start=3, l_det=4, l_end=-1, min_span=8)
+EPIC = RELAY.for_method("epic")
+
+
+def _brute_runs(ok: list[bool], min_len: int) -> list[tuple[int, int]]:
+    runs, i = [], 0
+    while i < len(ok):
+        if ok[i]:
+            j = i
+            while j < len(ok) and ok[j]:
+                j += 1
+            if j - i >= min_len:
+                runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def test_valid_runs_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        ok = [rng.random() < 0.8 for _ in range(rng.randint(0, 60))]
+        min_len = rng.randint(1, 9)
+        assert valid_runs(torch.tensor(ok, dtype=torch.bool), min_len) == _brute_runs(ok, min_len)
+
+
+def test_stamps_change_only_where_a_forward_writes():
+    ledger = SlotLedger(64, "cpu", hidden_size=4, dtype=torch.float32)
+    span = torch.tensor([5, 6, 7, 8])
+    ledger.stamp(span, with_hidden=True)
+    snap = ledger.snapshot(span)
+    assert ledger.has_hidden(snap).all()
+    ledger.stamp(torch.tensor([1, 2, 3]), with_hidden=False)  # someone else's forward
+    assert ledger.unchanged(span, snap).all()
+    ledger.stamp(torch.tensor([7]), with_hidden=True)  # slot 7 freed, reused, rewritten
+    assert ledger.unchanged(span, snap).tolist() == [True, True, False, True]
+    ledger.stamp(torch.tensor([20, 21]), with_hidden=False)
+    assert not ledger.has_hidden(ledger.snapshot(torch.tensor([20, 21]))).any()
+    assert not ledger.has_hidden(ledger.snapshot(torch.tensor([40]))).any()  # never written
+    ledger.reset()
+    assert not ledger.unchanged(span, snap).any()
+
+
+def test_every_allocator_free_path_then_reuse_invalidates_the_span():
+    """Frees through every entry point of SGLang 0.5.23's token allocator; once the slots
+    are handed out again and a forward writes them, the span's check fails; until then the
+    KV is untouched and the span stays valid."""
+    pytest.importorskip("sglang")
+    from sglang_relay.runtime import cpu
+
+    cpu.activate()
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    def frees(alloc, idx):
+        yield "free", lambda: alloc.free(idx)
+        yield "free_page_ids", lambda: alloc.free_page_ids(idx)
+
+        def group():
+            alloc.free_group_begin()
+            alloc.free(idx)
+            alloc.free_group_end()
+
+        yield "free_group", group
+        yield "free_segment", lambda: alloc.free_segment(idx, start_pos=0)
+        yield "free_segments", lambda: alloc.free_segments([(idx, 0)])
+        yield "free_full", lambda: alloc.free_full(idx)
+        yield "clear", alloc.clear
+
+    size = 32
+    probe = TokenToKVPoolAllocator(size, torch.float32, "cpu", kvcache=None, need_sort=False)
+    names = [name for name, _ in frees(probe, torch.arange(1, 3))]
+    checked = []
+    for name in names:
+        alloc = TokenToKVPoolAllocator(size, torch.float32, "cpu", kvcache=None, need_sort=False)
+        ledger = SlotLedger(size + 1, "cpu", hidden_size=None, dtype=torch.float32)
+        slots = alloc.alloc(8)
+        ledger.stamp(slots, with_hidden=False)  # the upstream decode wrote them
+        snap = ledger.snapshot(slots)
+        dict(frees(alloc, slots))[name]()
+        assert ledger.unchanged(slots, snap).all(), name  # freed, not yet rewritten
+        again = alloc.alloc(alloc.available_size())  # everything free, ours included
+        assert set(slots.tolist()) <= set(again.tolist()), name
+        ledger.stamp(again, with_hidden=False)  # the next forward writes them
+        assert not ledger.unchanged(slots, snap).any(), name
+        checked.append(name)
+    assert checked == names and len(names) == 7
+
+
+def _store():
+    released = []
+    store = SpanStore(min_match=8, max_tokens=100, release_slots=released.append)
+    return store, released
+
+
+def test_span_store_budget_evicts_lru_and_releases_owned_slots():
+    store, released = _store()
+    z = torch.zeros(40, dtype=torch.int64)
+    a = store.add(list(range(100, 140)), torch.arange(40), z, z, "ns", owned=True)
+    b = store.add(list(range(200, 240)), torch.arange(40, 80), z, z, "ns")
+    assert store.num_tokens == 80 and store.owned_tokens == 40
+    store.find(list(range(100, 140)), "ns")  # touch a: b is now the oldest
+    c = store.add(list(range(300, 340)), torch.arange(80, 120), z, z, "ns")
+    assert set(store.spans) == {a, c} and released == []
+    assert store.release_owned(10) == 40 and len(released) == 1
+    assert torch.equal(released[0], torch.arange(40))
+    assert set(store.spans) == {c} and store.owned_tokens == 0
+    assert b is not None and store.add([1, 2, 3], z[:3], z[:3], z[:3], "ns") is None  # short
+
+
+def _planner(store, ledger, slots_per_req=64):
+    req_to_token = torch.arange(4 * slots_per_req).view(4, slots_per_req) + 200
+    return Planner(
+        store,
+        ledger,
+        num_layers=L,
+        min_span=8,
+        kv_pool=None,
+        req_to_token=req_to_token,
+        attention=build("torch", torch.device("cpu")),
+    )
+
+
+def _fb(rids, prefix, ext, out_cache_loc):
+    return SimpleNamespace(
+        rids=rids,
+        extend_seq_lens_cpu=ext,
+        extend_prefix_lens_cpu=prefix,
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=torch.arange(len(rids)),
+    )
+
+
+def _recorded(store, ledger, tokens, slots, *, hidden=True):
+    ledger.stamp(slots, with_hidden=hidden)
+    pos = torch.arange(100, 100 + len(tokens))
+    store.add(tokens, slots, pos, ledger.snapshot(slots), "ns")
+
+
+def test_plan_batch_trims_rewritten_slots_and_missing_hidden_states():
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    span_tokens = list(range(500, 540))
+    _recorded(store, ledger, span_tokens, torch.arange(10, 50))
+    ledger.stamp(torch.tensor([30]), with_hidden=False)  # one slot rewritten (span row 20)
+    planner = _planner(store, ledger)
+    prompt = [1, 2, 3, 4, 5, *span_tokens, 6, 7]
+    stats = RequestStats("relay", L)
+    stats.req = SimpleNamespace(rid="r")
+    assert planner.plan_request("r", RELAY, stats, prompt[:-1], 0, "ns")
+    out_loc = torch.arange(600, 600 + len(prompt))
+    plan, dropped = planner.plan_batch(_fb(["r"], [0], [len(prompt)], out_loc))
+    assert dropped == []
+    # span rows 0..19 and 21..39 survive (both >= 8 tokens); prompt rows are offset by 5
+    want = [5 + i for i in range(40) if i != 20]
+    assert plan.span_rows.tolist() == want
+    assert plan.span_src.tolist() == [10 + i for i in range(40) if i != 20]
+    # delta = new position - old position (recorded at 100 + i)
+    assert plan.span_delta.tolist() == [(5 + i) - (100 + i) for i in range(40) if i != 20]
+    assert stats.trimmed_tokens == 1 and stats.fallback == "trimmed: span_evicted"
+    assert plan.normal_rows.tolist() == [0, 1, 2, 3, 4, 25, 45, 46]  # the trimmed row runs
+    assert [(lo, hi) for lo, hi, _ in plan.groups[0].segments] == [(0, 20), (20, 39)]
+
+
+def test_hidden_states_matter_only_to_methods_that_start_above_layer_zero():
+    for cfg, expect_rows in ((RELAY, 0), (EPIC, 40)):
+        store, _ = _store()
+        ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+        span_tokens = list(range(700, 740))
+        _recorded(store, ledger, span_tokens, torch.arange(10, 50), hidden=False)  # re-prefilled
+        planner = _planner(store, ledger)
+        prompt = [9, *span_tokens, 8]
+        stats = RequestStats(cfg.method, L)
+        planner.plan_request("r", cfg, stats, prompt[:-1], 0, "ns")
+        plan, dropped = planner.plan_batch(
+            _fb(["r"], [0], [len(prompt)], torch.arange(600, 642))
+        )
+        rows = 0 if plan is None else plan.span_rows.numel()
+        assert rows == expect_rows, cfg.method
+        if expect_rows == 0:
+            assert dropped == [(stats, "hidden_invalid")]
+
+
+def test_slots_rewritten_by_this_very_batch_are_not_read():
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    span_tokens = list(range(800, 840))
+    _recorded(store, ledger, span_tokens, torch.arange(10, 50))
+    planner = _planner(store, ledger)
+    prompt = [9, *span_tokens, 8]
+    stats = RequestStats("relay", L)
+    planner.plan_request("r", RELAY, stats, prompt[:-1], 0, "ns")
+    out_loc = torch.arange(600, 642)
+    out_loc[5] = 12  # the allocator handed span slot 12 to this batch (span row 2)
+    plan, _ = planner.plan_batch(_fb(["r"], [0], [len(prompt)], out_loc))
+    assert plan.span_src.tolist() == list(range(13, 50))  # rows 0-1 are too short to keep
+
+
+def test_stale_and_unbatched_plans_fall_back_with_a_reason():
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    span_tokens = list(range(900, 940))
+    _recorded(store, ledger, span_tokens, torch.arange(10, 50))
+    planner = _planner(store, ledger)
+    prompt = [9, *span_tokens, 8]
+    s1, s2 = RequestStats("relay", L), RequestStats("relay", L)
+    planner.plan_request("a", RELAY, s1, prompt[:-1], 0, "ns")
+    planner.plan_request("b", RELAY, s2, prompt[:-1], 0, "ns")
+    # "a" runs with another prefix length than planned; "b" is not in the batch at all
+    plan, dropped = planner.plan_batch(_fb(["a"], [3], [len(prompt)], torch.arange(600, 642)))
+    assert plan is None
+    assert sorted(reason for _, reason in dropped) == ["stale_plan", "stale_plan"]
+    assert planner.pending == {}
+
+
+def test_request_stats_keep_earlier_chunks_when_a_later_chunk_falls_back():
+    stats = RequestStats("relay", L)
+    c = stats.begin_chunk()
+    c.spans, c.tokens, c.recomputed_token_layers, c.first_position = 1, 64, 64 + 12 * 26, 40
+    stats.commit()
+    c = stats.begin_chunk()
+    c.spans, c.tokens, c.first_position = 1, 64, 104
+    stats.discard("error: RuntimeError")
+    assert stats.reused_tokens == 64 and stats.spans_matched == 1
+    assert stats.relayed_from == 40  # the clamp still covers the first chunk
+    assert stats.fallback == "error: RuntimeError"
+    assert stats.reuse_rate == pytest.approx(1 - (64 + 12 * 26) / (64 * L), abs=1e-4)
