@@ -4,7 +4,6 @@ Triton kernel (under the interpreter without a GPU)."""
 
 from __future__ import annotations
 
-
 import torch
 
 from sglang_relay.kernels.flashinfer_extend import attend_with_plan_ref
