@@ -275,7 +275,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{res['workload']} ({res['n_relays']} relays)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("first-token KL vs exact prefill (nats)")
-    axes[0][-1].legend(fontsize=7, ncol=2)
+    axes[0][0].legend(fontsize=7, ncol=2, loc="upper left")
     fig.suptitle(f"Fidelity-reuse frontier ({results[0]['model']}, fp32, reference executor)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
