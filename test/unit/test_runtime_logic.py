@@ -180,7 +180,11 @@ def test_plan_batch_trims_rewritten_slots_and_missing_hidden_states():
     assert plan.span_delta.tolist() == [(5 + i) - (100 + i) for i in range(40) if i != 20]
     assert stats.trimmed_tokens == 1 and stats.fallback == "trimmed: span_evicted"
     assert plan.normal_rows.tolist() == [0, 1, 2, 3, 4, 25, 45, 46]  # the trimmed row runs
-    assert [(lo, hi) for lo, hi, _ in plan.groups[0].segments] == [(0, 20), (20, 39)]
+    # (lo, hi) in the group's rows; the second run follows 21 tokens of its occurrence
+    assert [(lo, hi, head) for lo, hi, _, head in plan.groups[0].segments] == [
+        (0, 20, 0),
+        (20, 39, 21),
+    ]
 
 
 def test_hidden_states_matter_only_to_methods_that_start_above_layer_zero():
@@ -193,9 +197,7 @@ def test_hidden_states_matter_only_to_methods_that_start_above_layer_zero():
         prompt = [9, *span_tokens, 8]
         stats = RequestStats(cfg.method, L)
         planner.plan_request("r", cfg, stats, prompt[:-1], 0, "ns")
-        plan, dropped = planner.plan_batch(
-            _fb(["r"], [0], [len(prompt)], torch.arange(600, 642))
-        )
+        plan, dropped = planner.plan_batch(_fb(["r"], [0], [len(prompt)], torch.arange(600, 642)))
         rows = 0 if plan is None else plan.span_rows.numel()
         assert rows == expect_rows, cfg.method
         if expect_rows == 0:
@@ -246,3 +248,27 @@ def test_request_stats_keep_earlier_chunks_when_a_later_chunk_falls_back():
     assert stats.relayed_from == 40  # the clamp still covers the first chunk
     assert stats.fallback == "error: RuntimeError"
     assert stats.reuse_rate == pytest.approx(1 - (64 + 12 * 26) / (64 * L), abs=1e-4)
+
+
+def test_a_span_cut_by_a_chunk_boundary_continues_its_occurrence():
+    """EPIC's and relay's forced first tokens belong to the start of the occurrence: the
+    run that continues a span in the next chunk knows how many tokens came before it."""
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    span_tokens = list(range(1000, 1060))
+    _recorded(store, ledger, span_tokens, torch.arange(10, 70))
+    planner = _planner(store, ledger)
+    prompt = [9, *span_tokens, 8]
+    stats = RequestStats("epic", L)
+    planner.plan_request("r", EPIC, stats, prompt[0:33], 0, "ns")  # chunk 1: span[0:32]
+    first = planner.take_pending()[0]
+    assert [(s.span_start, s.length) for s in first.sources] == [(0, 32)] and first.heads == [0]
+    planner.plan_request("r", EPIC, stats, prompt[33:61], 33, "ns")  # chunk 2: span[32:60]
+    second = planner.pending["r"]
+    assert [(s.span_start, s.length) for s in second.sources] == [(32, 28)]
+    assert second.heads == [32]
+    from sglang_relay.core.selection import select_tokens
+
+    # EPIC's 16 first tokens were all in chunk 1: the continuation forces none
+    assert not select_tokens(EPIC, 28, None, None, head=32).any()
+    assert select_tokens(EPIC, 28, None, None, head=0).sum() == 16

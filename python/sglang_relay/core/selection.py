@@ -29,8 +29,14 @@ def select_tokens(
     n: int,
     deviation: torch.Tensor | None = None,
     influence: torch.Tensor | None = None,
+    *,
+    head: int = 0,
 ) -> torch.Tensor:
     """Boolean mask ``[n]`` of the span tokens to rectify in ``[l_det, l_end]``.
+
+    ``head``: how many tokens of the same occurrence precede this run (a span continued
+    from the previous prefill chunk); the forced ``first_k`` tokens count from the
+    occurrence's start, not the run's.
 
     ``deviation``/``influence``: ``[n]`` scores (``None`` when the rule needs none). The rule:
     ``top_ratio`` (top fraction by deviation) if set, else ``deviation >= tau_dev * mean``;
@@ -57,7 +63,7 @@ def select_tokens(
             raise ValueError(f"influence must have shape [{n}]; got {tuple(influence.shape)}")
         mask |= influence.to(mask.device) >= cfg.tau_inf * influence.mean()
     forced = torch.zeros_like(mask)
-    forced[: cfg.first_k] = True
+    forced[: max(0, cfg.first_k - head)] = True
     if cfg.l_suf:
         forced[max(0, n - cfg.l_suf) :] = True
     mask |= forced

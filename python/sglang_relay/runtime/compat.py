@@ -148,10 +148,16 @@ def run_http_server(argv: list[str]) -> None:
 
 
 def parse_server_args(argv: list[str]):
-    """SGLang's resolved ServerArgs for ``argv`` (no process is started)."""
-    from sglang.srt.server_args import prepare_server_args
+    """SGLang's own parse of ``argv`` as given (argparse namespace with ServerArgs field
+    names), before resolution: what the user asked for, without SGLang's checks of other
+    options (which would refuse some flags with a less useful message first)."""
+    import argparse
 
-    return prepare_server_args(argv)
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang-relay serve", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv)
 
 
 def server_view(obj) -> ServerView:
@@ -169,6 +175,7 @@ def server_view(obj) -> ServerView:
         pp_size=int(get("pp_size", 1)),
         dp_size=int(get("dp_size", 1)),
         enable_dp_attention=bool(get("enable_dp_attention", False)),
+        attn_dp_size=int(get("attn_dp_size", 1) or 1),
         page_size=int(get("page_size", 1) or 1),
         kv_cache_dtype=str(get("kv_cache_dtype", "auto")),
         quantization=get("quantization", None) or quantization_of(obj),
@@ -267,6 +274,17 @@ def request_refusal(req) -> str | None:
 def beam_search(req) -> bool:
     """Beam requests share slots between rows (SGLang remaps them): never relay or record."""
     return (getattr(req.sampling_params, "beam_width", 1) or 1) > 1
+
+
+def extend_chunk(req) -> tuple[list[int], int, bool]:
+    """The tokens this extend computes, the row position of the first, and whether the
+    chunk ends the request's input (chunked prefill truncates ``get_fill_ids()`` to the
+    chunk, so the full length comes from the untruncated ids)."""
+    start = req.prefix_len
+    end = start + req.extend_len
+    tokens = list(req.get_fill_ids()[start:end])
+    total = len(req.origin_input_ids) + len(req.output_ids)
+    return tokens, start, end >= total
 
 
 def set_request_info(req, info: dict) -> None:

@@ -34,7 +34,7 @@ class SpanGroup:
     sched: LayerSchedule
     rows: torch.Tensor  # [S] int64 batch rows
     src: torch.Tensor  # [S] int64 source KV slots
-    segments: list[tuple[int, int, ChunkUse]]  # (lo, hi) in rows, per matched run
+    segments: list[tuple[int, int, ChunkUse, int]]  # (lo, hi) in rows, use, head per run
     selected: torch.Tensor | None = None  # [<=S] int64 batch rows chosen at l_det
 
 
@@ -97,10 +97,10 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence) -> Non
         deviation = kv_deviation(new, old)
         write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     keep = []
-    for lo, hi, use in group.segments:
+    for lo, hi, use, head in group.segments:
         scores = None if influence is None else influence[group.src[lo:hi]]
         dev = None if deviation is None else deviation[lo:hi]
-        mask = select_tokens(cfg, hi - lo, dev, scores)
+        mask = select_tokens(cfg, hi - lo, dev, scores, head=head)
         keep.append(rows[lo:hi][mask.to(rows.device)])
         chosen = int(keep[-1].numel())
         use.selected += chosen

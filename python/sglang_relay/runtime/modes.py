@@ -31,6 +31,7 @@ class ServerView:
     pp_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
+    attn_dp_size: int = 1
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
@@ -69,9 +70,9 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (view.pp_size != 1, f"--pp-size {view.pp_size}", "use --pp-size 1"),
         (
-            view.dp_size != 1 or view.enable_dp_attention,
-            f"--dp-size {view.dp_size} / --enable-dp-attention (spans are per rank and "
-            "requests are not routed to them yet)",
+            view.dp_size != 1 or view.enable_dp_attention or view.attn_dp_size != 1,
+            "data parallel (--dp-size, --attn-dp-size, --enable-dp-attention: spans are "
+            "per rank and requests are not routed to them yet)",
             "run one server per rank behind sglang-router",
         ),
         (

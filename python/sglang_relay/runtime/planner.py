@@ -34,6 +34,7 @@ class RequestPlan:
     cfg: RelayConfig
     prefix_len: int
     sources: list[SpanSource]
+    heads: list[int]  # per source, tokens of its occurrence relayed in earlier chunks
     stats: RequestStats
 
 
@@ -81,10 +82,26 @@ class Planner:
         """Find spans in this chunk's ``tokens`` (they start at row position
         ``prefix_len``); returns whether any matched."""
         sources = self.store.find(tokens, namespace)
+        heads = [self._continued(stats, s, prefix_len) for s in sources]
+        stats.open_run = None
+        for s, head in zip(sources, heads, strict=True):
+            if s.prompt_start + s.length == len(tokens):  # may go on in the next chunk
+                end = prefix_len + len(tokens)
+                stats.open_run = (s.span_id, s.span_start + s.length, end, head + s.length)
         if not sources:
             return False
-        self.pending[rid] = RequestPlan(cfg, prefix_len, sources, stats)
+        self.pending[rid] = RequestPlan(cfg, prefix_len, sources, heads, stats)
         return True
+
+    @staticmethod
+    def _continued(stats: RequestStats, s: SpanSource, prefix_len: int) -> int:
+        """Tokens of the same occurrence before ``s`` (a span cut by a chunk boundary)."""
+        run = stats.open_run
+        if run is None or s.prompt_start != 0:
+            return 0
+        span_id, span_end, row_end, count = run
+        continues = s.span_id == span_id and s.span_start == span_end and prefix_len == row_end
+        return count if continues else 0
 
     def forget(self, rid: str) -> None:
         self.pending.pop(rid, None)
@@ -122,7 +139,7 @@ class Planner:
             needs_hidden = sched.needs_hidden() and sched.l_start > 0  # 0: embeddings
             g = groups.setdefault(plan.cfg, {"rows": [], "src": [], "delta": [], "seg": []})
             reasons = []
-            for s in plan.sources:
+            for s, head in zip(plan.sources, plan.heads, strict=True):
                 ok = self.ledger.unchanged(s.slots, s.stamps)
                 if not bool(ok.all()):
                     reasons.append("span_evicted")
@@ -143,7 +160,7 @@ class Planner:
                     g["rows"].append(row_starts[i] + start + offs)
                     g["src"].append(s.slots[lo:hi])
                     g["delta"].append(dest + offs - s.positions[lo:hi])
-                    g["seg"].append((base, base + n, use))
+                    g["seg"].append((base, base + n, use, head + lo))
                     use.spans += 1
                     use.tokens += n
                     use.recomputed_token_layers += n * sched.dense_layers

@@ -123,11 +123,8 @@ class RelayRuntime:
         refusal = compat.request_refusal(req)
         if refusal is not None:
             return self._publish(req, stats, fallback=refusal)
-        fill = req.get_fill_ids()
-        start = req.prefix_len
-        end = start + req.extend_len
-        tokens = list(fill[start:end])
-        if end >= len(fill):
+        tokens, start, last_chunk = compat.extend_chunk(req)
+        if last_chunk:
             tokens = tokens[:-1]  # the last prompt token is always computed normally
         namespace = compat.request_namespace(req)
         if self.planner.plan_request(req.rid, cfg, stats, tokens, start, namespace):
@@ -158,6 +155,7 @@ class RelayRuntime:
         forward (decode and mixed batches, when the profile stores hidden states) or
         SGLang's own forward."""
         mode = compat.forward_mode_name(fb)
+        self.counters[f"forwards_{mode.lower()}"] += 1
         embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
         if mode == "EXTEND" and not embeds:
             plan, dropped = self.planner.plan_batch(fb)

@@ -36,6 +36,9 @@ class RequestStats:
     relayed_from: int | None = None  # first relayed row position (exactness clamp)
     chunk: ChunkUse | None = field(default=None, repr=False)  # figures of the running chunk
     req: Any = field(default=None, repr=False)  # the scheduler's Req (meta_info goes there)
+    # the run that ended the previous chunk: (span id, span offset after it, row position
+    # after it, tokens of that occurrence so far), so the next chunk can continue it
+    open_run: tuple[int, int, int, int] | None = field(default=None, repr=False)
 
     # ---- one chunk at a time ---------------------------------------------------------
     def begin_chunk(self) -> ChunkUse:

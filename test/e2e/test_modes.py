@@ -1,0 +1,159 @@
+"""The mode matrix (docs/limitations.md) on the real runtime: every refused option is
+refused with one message naming it, by ``sglang-relay serve`` and by the scheduler under
+SGLang's own launcher; supported modes serve relay correctly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
+
+from sglang_relay.errors import RelayError
+
+pytestmark = pytest.mark.e2e
+
+# one row per refused option of docs/limitations.md: (flags, words the message must name)
+REFUSED = [
+    (["--tp", "2"], "--tp 2"),
+    (["--pp-size", "2"], "--pp-size 2"),
+    (["--dp-size", "2"], "--dp-size"),
+    (["--attn-dp-size", "2"], "--attn-dp-size"),
+    (["--page-size", "16"], "--page-size 16"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
+    (["--quantization", "fp8"], "--quantization fp8"),
+    (["--load-format", "gguf"], "GGUF"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
+    (["--enable-lora"], "--enable-lora"),
+    (["--lora-paths", "a=/nonexistent"], "--lora-paths"),
+    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    (["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill"),
+    (["--enable-deterministic-inference"], "--enable-deterministic-inference"),
+    (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--disable-radix-cache"], "--disable-radix-cache"),
+    (["--dllm-algorithm", "LowConfidence"], "--dllm-algorithm"),
+    (["--enable-hisparse"], "--enable-hisparse"),
+]
+
+
+def test_the_matrix_in_the_docs_lists_every_refusal():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "limitations.md").read_text()
+    for _, needle in REFUSED:
+        assert needle.split()[0] in doc, needle
+
+
+@pytest.mark.parametrize("flags, needle", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
+def test_serve_refuses_with_one_message_naming_the_option(model_dir, flags, needle):
+    from sglang_relay.runtime.launch import prepare
+
+    with pytest.raises(RelayError) as info:
+        prepare(["--model-path", str(model_dir), *flags])
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+    assert "serve without relay" in message  # the way out
+
+
+def test_serve_refusal_is_one_error_line_and_exit_code_1(model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_relay.cli", "serve", "--model-path", str(model_dir),
+         "--page-size", "16"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "sglang-relay: error" in line]
+    assert len(lines) == 1 and "--page-size 16" in lines[0], proc.stderr[-2000:]
+
+
+def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
+    """``python -m sglang.launch_server --radix-cache-backend relay`` never passes through
+    ``sglang-relay serve``: the relay backend factory refuses in the scheduler."""
+    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.launch import free_port
+
+    env = dict(os.environ)
+    if cpu.activate():
+        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.environ["PYTHONPATH"])
+    args = ["--model-path", str(model_dir), "--radix-cache-backend", "relay"]
+    args += ["--enable-hierarchical-cache", "--port", str(free_port()), "--host", "127.0.0.1"]
+    if not cpu.cuda_available():
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
+        args += ["--disable-cuda-graph", "--max-total-tokens", "4096"]
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    text = log.read_text(errors="replace")
+    assert proc.returncode != 0
+    assert "sglang-relay cannot serve --enable-hierarchical-cache" in text, text[-3000:]
+
+
+# ---- supported modes, end to end --------------------------------------------------------
+METHODS = ("relay", "cacheblend", "epic", "naive")
+
+
+def _long_upstream(url, tok, k, n=520):
+    return generate(url, chat(tok, f"Historian {k}.", "Write a long history of bridges."), n=n)
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_spans_over_many_chunks_relay_in_every_chunk_for_every_method(model_dir, tok, chunk):
+    """A 520-token span under 32- and 128-token chunks: middle chunks are span rows only
+    (the relay profile starts at layer 3, so no row runs layers 0-2 there), every chunk
+    relays, and recomputing everything still equals standard prefill exactly."""
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
+    args += ["--chunked-prefill-size", str(chunk)]
+    with running_server(args) as server:
+        a = _long_upstream(server.url, tok, chunk)
+        prompt = chat(tok, f"Editor {chunk}.", f"Draft:\n\n{a['text']}\n\nShorten it.")
+        for method in METHODS:
+            info = generate(server.url, prompt, relay=method)["meta_info"]["relay"]
+            assert info["fallback"] is None, (method, info)
+            assert info["spans_matched"] >= 400 // chunk, (method, info)
+            assert info["reused_tokens"] >= 400, (method, info)
+        oracle = generate(server.url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
+        assert oracle["meta_info"]["relay"]["reused_tokens"] >= 400
+        std = generate(server.url, prompt, relay="standard")
+        assert oracle["output_ids"] == std["output_ids"]
+        stats = relay_info(server.url)
+        assert stats.get("fallback_error", 0) == 0, stats
+
+
+def test_mixed_chunk_keeps_decoded_spans_usable(model_dir, tok):
+    """With --enable-mixed-chunk, tokens decoded in mixed batches still get their hidden
+    states (the capture runs for mixed forwards), so their spans relay without trimming;
+    prefills that land in a mixed batch fall back, counted, never wrong."""
+    import concurrent.futures as cf
+
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
+    args += ["--enable-mixed-chunk", "--chunked-prefill-size", "64"]
+    with running_server(args) as server:
+        with cf.ThreadPoolExecutor(4) as pool:
+            up = pool.submit(_long_upstream, server.url, tok, "mixed", 200)
+            time.sleep(2.0)  # A decodes while these prefill: mixed batches
+            others = [
+                pool.submit(generate, server.url, chat(tok, f"Helper {i}.", "Tell a story " * 40))
+                for i in range(3)
+            ]
+            a = up.result()
+            [f.result() for f in others]
+        stats = relay_info(server.url)
+        assert stats.get("forwards_mixed", 0) > 0, stats  # mixing really happened
+        prompt = chat(tok, "Critic.", f"History:\n\n{a['text']}\n\nCritique it.")
+        info = generate(server.url, prompt, relay="relay")["meta_info"]["relay"]
+        assert info["reused_tokens"] >= 150 and info["trimmed_tokens"] == 0, info
+        oracle = generate(server.url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
+        assert oracle["output_ids"] == generate(server.url, prompt, relay="standard")["output_ids"]
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
