@@ -272,3 +272,29 @@ def test_a_span_cut_by_a_chunk_boundary_continues_its_occurrence():
     # EPIC's 16 first tokens were all in chunk 1: the continuation forces none
     assert not select_tokens(EPIC, 28, None, None, head=32).any()
     assert select_tokens(EPIC, 28, None, None, head=0).sum() == 16
+
+
+def test_requests_relay_cannot_serve_safely_are_named():
+    from sglang_relay.runtime.compat import request_refusal
+
+    def req(**kw):
+        base = dict(
+            return_logprob=False,
+            logprob_start_len=-1,
+            origin_input_ids=list(range(50)),
+            return_hidden_states=False,
+            input_embeds=None,
+            multimodal_inputs=None,
+            session_id=None,
+            sampling_params=SimpleNamespace(beam_width=1),
+        )
+        return SimpleNamespace(**{**base, **kw})
+
+    assert request_refusal(req()) is None
+    assert request_refusal(req(return_logprob=True, logprob_start_len=50)) is None  # outputs
+    assert request_refusal(req(return_logprob=True, logprob_start_len=-1)) is None  # none
+    assert request_refusal(req(return_logprob=True, logprob_start_len=3)) == "input_logprobs"
+    assert request_refusal(req(return_hidden_states=True)) == "return_hidden_states"
+    assert request_refusal(req(multimodal_inputs=object())) == "unsupported_input"
+    assert request_refusal(req(session_id="s1")) == "session"
+    assert request_refusal(req(sampling_params=SimpleNamespace(beam_width=4))) == "beam_search"

@@ -1,6 +1,6 @@
 """Reference executor of the relay semantics on a Hugging Face ``LlamaForCausalLM``.
 
-This is the plain, per-request twin of :mod:`sglang_relay.runtime.model_loop`: the same
+This is the plain, per-request twin of :mod:`sglang_relay.runtime.extend`: the same
 layer loop with explicit per-layer active rows, written on the HF modules of the model
 (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, the model's rotary embedding,
 ``post_attention_layernorm``, ``mlp``) and :func:`positional_causal_attention`. It owns its

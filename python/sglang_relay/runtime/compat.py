@@ -123,6 +123,8 @@ MODEL_FORWARD_TARGETS = (
     "sglang.srt.models.qwen2.Qwen2Model.forward",
 )
 PREPARE_FOR_EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+MIX_WITH_RUNNING_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running"
+ADD_ONE_REQ_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 REQUEST_LEVEL_KEY_TARGET = (
     "sglang.srt.managers.scheduler_components.output_streamer."
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
@@ -258,7 +260,9 @@ def request_namespace(req):
 
 def request_refusal(req) -> str | None:
     """Why this request must not relay (it runs standard prefill), else None."""
-    if req.return_logprob and req.logprob_start_len < len(req.origin_input_ids) - 1:
+    # SGLang sets logprob_start_len to the input length for output-only logprobs; -1 asks
+    # for none; anything inside the prompt asks for input-token logprobs
+    if req.return_logprob and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1:
         return "input_logprobs"
     if getattr(req, "return_hidden_states", False):
         return "return_hidden_states"
@@ -285,6 +289,28 @@ def extend_chunk(req) -> tuple[list[int], int, bool]:
     tokens = list(req.get_fill_ids()[start:end])
     total = len(req.origin_input_ids) + len(req.output_ids)
     return tokens, start, end >= total
+
+
+def remaining_input(req) -> list[int]:
+    """The input tokens a waiting request still has to prefill (after its prefix match)."""
+    return list(req.full_untruncated_fill_ids[req.prefix_len :])
+
+
+def adder_tree_cache(adder):
+    """The tree cache of a ``PrefillAdder``."""
+    return adder.tree_cache
+
+
+def adder_admitted(adder) -> list:
+    """Requests a ``PrefillAdder`` admitted to the batch so far."""
+    return adder.can_run_list
+
+
+def add_req_stop():
+    """``add_one_req``'s "stop adding to this batch" result (the request stays queued)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    return AddReqResult.OTHER
 
 
 def set_request_info(req, info: dict) -> None:

@@ -3,9 +3,11 @@ also store, for every token the forward writes, the residual stream entering ``l
 at the token's KV slot, and (with influence scores on, in pure decode batches) the
 attention mass each context token receives.
 
-It runs for decode and mixed (chunked prefill + decode) batches of a relay server whose
-profile needs the hidden states, so every decoded token, whichever batch produced it, gets
-its hidden state stamped valid (:class:`~sglang_relay.runtime.side_data.SlotLedger`).
+It runs for every decode and extend batch without relay work on a server whose profile
+needs hidden states. SGLang runs mixed batches (``--enable-mixed-chunk``: decode rows
+appended to a prefill) as extend batches, and re-prefills a retracted request's outputs as
+extend tokens; both keep their hidden states this way, so every output token, whichever
+batch produced it, is stamped valid (:class:`~sglang_relay.runtime.side_data.SlotLedger`).
 """
 
 from __future__ import annotations

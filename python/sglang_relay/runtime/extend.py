@@ -21,7 +21,7 @@ from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_tokens
 from sglang_relay.kernels import gather_rows, scatter_rows, splice_rerotate
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
-from sglang_relay.runtime.llama import qkv, run_layer, write_kv
+from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
 
@@ -117,15 +117,25 @@ def _phase(g: SpanGroup, lid: int) -> str:
     return "idle"
 
 
-def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, ledger: SlotLedger):
+def relay_extend(
+    model, input_ids, positions, fb, plan: BatchPlan, ledger: SlotLedger, capture_layer=None
+):
     """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``.
-    Per-run selected counts land in the plan's ``ChunkUse`` objects."""
+    Per-run selected counts land in the plan's ``ChunkUse`` objects. Stamps the batch's
+    slots: normal rows (computed exactly, e.g. the decode rows of a mixed batch) with their
+    hidden state at ``capture_layer`` stored, span rows without."""
+    normal_loc = fb.out_cache_loc[plan.normal_rows]
+    ledger.stamp(fb.out_cache_loc[plan.span_rows], with_hidden=False)
+    ledger.stamp(normal_loc, with_hidden=capture_layer is not None)
     splice(fb, model, plan)
     plan.attention.reset()
     h = model.embed_tokens(input_ids)
     r = None
     last_phase = rows = handle = row_pos = None
     for lid, layer in enumerate(model.layers):
+        if lid == capture_layer and plan.normal_rows.numel():
+            rows_h = gather_rows(h, plan.normal_rows)
+            ledger.store_hidden(normal_loc, stream(rows_h, gather_rows(r, plan.normal_rows)))
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
                 if r is None:  # no row ran yet (a chunk made of span rows only)
@@ -166,5 +176,7 @@ def relay_extend(model, input_ids, positions, fb, plan: BatchPlan, ledger: SlotL
             r = torch.zeros_like(h)
         scatter_rows(h, rows, h_out)
         scatter_rows(r, rows, r_out)
+    if r is None:  # no row was active anywhere: a chunk of span rows with nothing selected
+        r = torch.zeros_like(h)
     out, _ = model.norm(h, r)
     return out

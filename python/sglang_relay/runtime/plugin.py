@@ -34,6 +34,8 @@ def register() -> None:
     for target in compat.MODEL_FORWARD_TARGETS:
         compat.register_hook(target, _model_forward, "around")
     compat.register_hook(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
+    compat.register_hook(compat.MIX_WITH_RUNNING_TARGET, _after_mix, "after")
+    compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")
     compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
     _registered = True
@@ -71,6 +73,24 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
             logger.exception("relay planning failed for %s; standard prefill", req.rid)
             rt.plan_failed(req)
     return result
+
+
+def _after_mix(result, batch, *args, **kwargs):
+    """Count extend batches that SGLang mixed with running decodes (``--enable-mixed-chunk``)."""
+    rt = getattr(batch.tree_cache, "relay", None)
+    if rt is not None:
+        rt.counters["mixed_batches"] += 1
+    return result
+
+
+def _add_one_req(original, adder, req, *args, **kwargs):
+    """A prefill batch holds relaying requests or plain ones, never both."""
+    from sglang_relay.runtime import compat
+
+    rt = getattr(compat.adder_tree_cache(adder), "relay", None)
+    if rt is not None and not rt.admits(req, compat.adder_admitted(adder)):
+        return compat.add_req_stop()
+    return original(adder, req, *args, **kwargs)
 
 
 def _request_level_key(original, streamer, key, *args, **kwargs):

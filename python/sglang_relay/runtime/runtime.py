@@ -16,7 +16,7 @@ Data path of one relayed request: docs/architecture.md.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from sglang_relay.core.config import RelayConfig
@@ -92,6 +92,7 @@ class RelayRuntime:
             attention=extend_attention.build(self.attention_name, self.device),
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
+        self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
 
     @property
@@ -103,6 +104,43 @@ class RelayRuntime:
         return self.ledger.nbytes()
 
     # ---- scheduler side ------------------------------------------------------------------
+    def admits(self, req: Any, admitted: list) -> bool:
+        """Whether ``req`` may join a prefill batch that already holds ``admitted``: plain
+        requests never share a batch with relaying ones, so they run SGLang's own forward
+        (its kernels, its numerics) exactly as on a server without relay."""
+        if not admitted or self._relays_in(req) == self._relays_in(admitted[0]):
+            return True
+        self.counters["batches_split"] += 1
+        return False
+
+    def _relays_in(self, req: Any) -> bool:
+        """Whether the rest of ``req``'s input holds a stored span it would relay."""
+        key = (req.rid, req.prefix_len)
+        known = self._relays.get(key)
+        if known is None:
+            try:
+                cfg = resolve_config(
+                    self.cfg,
+                    request_option(req),
+                    num_layers=self.num_layers,
+                    capture_layer=self.capture_layer,
+                )
+            except ValueError:
+                cfg = None
+            known = (
+                cfg is not None
+                and compat.request_refusal(req) is None
+                and bool(
+                    self.store.index.find(
+                        compat.remaining_input(req), compat.request_namespace(req)
+                    )
+                )
+            )
+            self._relays[key] = known
+            while len(self._relays) > 4096:
+                self._relays.popitem(last=False)
+        return known
+
     def plan(self, req: Any) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
         stats = self.requests.get(req.rid)
@@ -150,10 +188,10 @@ class RelayRuntime:
 
     # ---- model side ----------------------------------------------------------------------
     def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
-        """Every forward of the served model comes through here. It stamps the KV slots the
-        forward writes, then runs the relay extend (an extend batch with a plan), the capture
-        forward (decode and mixed batches, when the profile stores hidden states) or
-        SGLang's own forward."""
+        """Every forward of the served model comes through here. Each path stamps the KV
+        slots it writes: the relay extend (an extend batch with a plan), the capture
+        forward (when the profile stores hidden states: every other extend and decode,
+        including the decode rows SGLang mixes into extend batches) or SGLang's own."""
         mode = compat.forward_mode_name(fb)
         self.counters[f"forwards_{mode.lower()}"] += 1
         embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
@@ -163,10 +201,10 @@ class RelayRuntime:
                 self._discard(stats, reason)
             if plan is not None:
                 return self._relay(original, model, input_ids, positions, fb, plan, args, kwargs)
-        else:  # plans made for a batch that became mixed (or anything else) cannot run
+        else:  # plans cannot run in any other mode
             for plan in self.planner.take_pending():
                 self._discard(plan.stats, f"{mode.lower()}_batch")
-        if mode in ("DECODE", "MIXED") and self.captures and not embeds:
+        if mode in ("EXTEND", "DECODE") and self.captures and not embeds:
             return capture_forward(
                 model,
                 input_ids,
@@ -183,13 +221,15 @@ class RelayRuntime:
         return original(model, input_ids, positions, fb, *args, **kwargs)
 
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
-        self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
         try:
-            out = relay_extend(model, input_ids, positions, fb, plan, self.ledger)
+            out = relay_extend(
+                model, input_ids, positions, fb, plan, self.ledger, self.capture_layer
+            )
         except Exception as exc:  # the stock forward rewrites every extend row's KV
             logger.exception("relay extend failed; standard prefill for this batch")
             for stats in plan.owners:
                 self._discard(stats, f"error: {type(exc).__name__}")
+            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
             return original(model, input_ids, positions, fb, *args, **kwargs)
         for stats in plan.owners:
             if stats.chunk is not None:
