@@ -98,6 +98,7 @@ def test_eviction_under_load_keeps_serving(small_server, tok):
 
     with cf.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(chain, range(12)))
-    assert all(r["fallback"] in (None, "span_evicted") for r in results), results
+    evicted = (None, "span_evicted", "trimmed: span_evicted")
+    assert all(r["fallback"] in evicted for r in results), results
     assert any(r["spans_matched"] for r in results)
     _pool_balanced(small_server.url)
