@@ -114,7 +114,7 @@ class TritonAttention(ExtendAttention):
         self.device = device
 
     def plan(self, batch, rows_cpu, positions):
-        from sglang_relay.kernels.attention import make_tiles
+        from sglang_relay_kernels.attention import make_tiles
 
         bounds = batch.bounds(rows_cpu)
         counts = torch.tensor([hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)])
@@ -125,7 +125,7 @@ class TritonAttention(ExtendAttention):
         return positions, kv_start.to(positions.device), kv_indices, tiles
 
     def run(self, handle, q, kbuf, vbuf, scale):
-        from sglang_relay.kernels.attention import positional_attention_triton
+        from sglang_relay_kernels.attention import positional_attention_triton
 
         positions, kv_start, kv_indices, tiles = handle
         return positional_attention_triton(
@@ -136,11 +136,11 @@ class TritonAttention(ExtendAttention):
 @register("flashinfer")
 class FlashInferAttention(ExtendAttention):
     """One FlashInfer wrapper per active-row set; ``backend`` is a
-    :class:`~sglang_relay.kernels.flashinfer_extend.FlashInferExtend` (or a test double)."""
+    :class:`~sglang_relay_kernels.flashinfer_extend.FlashInferExtend` (or a test double)."""
 
     def __init__(self, device: torch.device, backend: Any = None) -> None:
         if backend is None:
-            from sglang_relay.kernels.flashinfer_extend import FlashInferExtend
+            from sglang_relay_kernels.flashinfer_extend import FlashInferExtend
 
             backend = FlashInferExtend(device)
         self.backend = backend
@@ -152,7 +152,7 @@ class FlashInferAttention(ExtendAttention):
         self.planned.clear()
 
     def plan(self, batch, rows_cpu, positions):
-        from sglang_relay.kernels.flashinfer_extend import build_extend_plan
+        from sglang_relay_kernels.flashinfer_extend import build_extend_plan
 
         bounds = batch.bounds(rows_cpu)
         counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]

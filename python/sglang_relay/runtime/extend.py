@@ -19,11 +19,11 @@ import torch
 from sglang_relay.core.config import LayerSchedule, RelayConfig
 from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_tokens
-from sglang_relay.kernels import gather_rows, scatter_rows, splice_rerotate
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
+from sglang_relay_kernels import gather_rows, scatter_rows, splice_rerotate
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.kernels import kernel_family, pick_extend_attention
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.decode import capture_forward
@@ -32,6 +31,7 @@ from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
+from sglang_relay_kernels import kernel_family, pick_extend_attention
 
 logger = logging.getLogger(__name__)
 

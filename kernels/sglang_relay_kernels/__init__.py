@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from sglang_relay.kernels import rows, splice
+from sglang_relay_kernels import rows, splice
 
 
 def kernel_family(device: torch.device) -> str:

@@ -21,7 +21,7 @@ def kern():
     """The kernel modules: compiled on a GPU, interpreted on the CPU (test/conftest.py)."""
     if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-    from sglang_relay.kernels import rows, splice
+    from sglang_relay_kernels import rows, splice
 
     return splice, rows
 
@@ -107,7 +107,7 @@ def test_gather_and_scatter_rows(kern, width, n, dtype):
 
 
 def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
-    from sglang_relay import kernels
+    import sglang_relay_kernels as kernels
 
     x = torch.zeros(2, 2)
     assert not kernels.use_triton(x)
@@ -119,7 +119,7 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
 
 
 def test_extend_attention_choice(monkeypatch):
-    from sglang_relay.kernels import pick_extend_attention
+    from sglang_relay_kernels import pick_extend_attention
 
     monkeypatch.delenv("SGLANG_RELAY_KERNELS", raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -138,7 +138,7 @@ def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol
     """Run the Triton attention on requests whose contexts are ``ctx_lens`` random pool slots
     and whose active rows sit at ``pos``; compare with the pure-torch specification."""
     from sglang_relay.core.attention import positional_causal_attention
-    from sglang_relay.kernels import attention
+    from sglang_relay_kernels import attention
 
     gen = torch.Generator().manual_seed(seed)
     kbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
@@ -172,7 +172,7 @@ def test_positional_attention_matches_reference(kern, hq, hkv, dim, dtype):
 
 
 def test_tiles_split_requests_and_long_runs():
-    from sglang_relay.kernels.attention import make_tiles
+    from sglang_relay_kernels.attention import make_tiles
 
     kv_start = torch.tensor([0] * 5 + [300] * 1 + [301] * 9)
     first, count, start = make_tiles(kv_start, block_m=4)

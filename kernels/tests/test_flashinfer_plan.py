@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_relay.core.attention import positional_causal_attention
-from sglang_relay.kernels.flashinfer_extend import attend_with_plan_ref, build_extend_plan
+from sglang_relay_kernels.flashinfer_extend import attend_with_plan_ref, build_extend_plan
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])  # MHA and GQA

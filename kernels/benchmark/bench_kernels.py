@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the relay kernels against the copy roofline.
 
-    python benchmark/bench_kernels.py            # Llama-3.1-8B shapes, bf16, on cuda:0
-    python benchmark/bench_kernels.py --layers 28 --kv-heads 4 --head-dim 128   # Qwen2-7B
+    python kernels/benchmark/bench_kernels.py            # Llama-3.1-8B shapes, bf16, on cuda:0
+    python kernels/benchmark/bench_kernels.py --layers 28 --kv-heads 4 --head-dim 128   # Qwen2-7B
 
 For each relayed span length it times (CUDA events, median of --iters):
 
@@ -29,7 +29,7 @@ import sys
 import torch
 
 from sglang_relay.core.rope import build_cos_sin_cache, delta_cos_sin
-from sglang_relay.kernels import attention, rows, splice
+from sglang_relay_kernels import attention, rows, splice
 
 
 def _time(fn, iters: int) -> float:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA device (CPU: run test/kernels instead)", file=sys.stderr)
+        print("bench_kernels needs a CUDA device (CPU: run kernels/tests instead)", file=sys.stderr)
         return 1
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()

@@ -17,7 +17,7 @@ def pytest_configure(config):
     # No hub at run time: anything that tries to download must fail fast.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # Without a GPU the Triton kernels run under the interpreter (test/kernels). It must be
+    # Without a GPU the Triton kernels run under the interpreter (kernels/tests). It must be
     # on before triton is first imported: its own @jit library functions are resolved then.
     import torch
 

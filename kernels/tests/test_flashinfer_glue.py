@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_relay.kernels.flashinfer_extend import attend_with_plan_ref
 from sglang_relay.runtime.attention import FlashInferAttention, RowBatch, build
+from sglang_relay_kernels.flashinfer_extend import attend_with_plan_ref
 
 
 class OracleFlashInfer:
@@ -93,7 +93,7 @@ def test_flashinfer_extend_on_a_gpu_equals_the_plan_oracle():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from sglang_relay.kernels.flashinfer_extend import FlashInferExtend, build_extend_plan
+    from sglang_relay_kernels.flashinfer_extend import FlashInferExtend, build_extend_plan
 
     gen = torch.Generator().manual_seed(11)
     kbuf = torch.randn(100, 2, 64, generator=gen, dtype=torch.float32).half()
