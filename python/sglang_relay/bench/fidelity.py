@@ -20,6 +20,9 @@ Metrics per method (pooled or averaged over relays):
   divergence from the exact continuation; ``first_divergence``: median position (64 if
   none). Greedy decoding from the method's KV repeats the exact tokens until its first
   mismatching argmax, so both come from the teacher-forced pass.
+
+``--frontier`` sweeps each method's budget knob instead of running one point per method
+(:mod:`sglang_relay.bench.frontier`).
 """
 
 from __future__ import annotations

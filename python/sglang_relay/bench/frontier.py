@@ -350,7 +350,11 @@ def run_frontier(args: argparse.Namespace) -> int:
         for case, path in usable:
             spans += [s.length for s in load_relay(path, case).spans]
         mean_span = statistics.fmean(spans)
-        points = sweep_points(relay_cfg, ref.num_layers, mean_span, targets, methods)
+        try:
+            points = sweep_points(relay_cfg, ref.num_layers, mean_span, targets, methods)
+        except ValueError as exc:  # e.g. a profile's layer range this model lacks
+            print(f"bad method settings: {exc}", file=sys.stderr)
+            return 2
         gen_s = time.perf_counter() - t0
         bar = tqdm(
             total=len(usable), desc=f"{label}: {len(points)} points", disable=args.no_progress
