@@ -34,8 +34,10 @@ def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterat
     proc = ServerProcess([*args, *EXTRA_ARGS], env=env)
     proc.start(timeout=600)
     group = [proc.proc.pid] + [c.pid for c in psutil.Process(proc.proc.pid).children(True)]
-    yield proc
-    proc.stop()
+    try:
+        yield proc
+    finally:  # a failing test must not leave a server (and its memory) behind
+        proc.stop()
     alive = [pid for pid in group if psutil.pid_exists(pid) and _not_zombie(pid)]
     assert not alive, f"server processes left behind: {alive}\n{proc.log_tail()}"
 

@@ -80,7 +80,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
     if cpu.activate():
         env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.environ["PYTHONPATH"])
     args = ["--model-path", str(model_dir), "--radix-cache-backend", "relay"]
-    args += ["--enable-hierarchical-cache", "--port", str(free_port()), "--host", "127.0.0.1"]
+    args += ["--page-size", "16", "--port", str(free_port()), "--host", "127.0.0.1"]
     if not cpu.cuda_available():
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
         args += ["--disable-cuda-graph", "--max-total-tokens", "4096"]
@@ -97,7 +97,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
                 os.killpg(proc.pid, 9)
     text = log.read_text(errors="replace")
     assert proc.returncode != 0
-    assert "sglang-relay cannot serve --enable-hierarchical-cache" in text, text[-3000:]
+    assert "sglang-relay cannot serve --page-size 16" in text, text[-3000:]
 
 
 # ---- supported modes, end to end --------------------------------------------------------

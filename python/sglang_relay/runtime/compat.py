@@ -201,6 +201,58 @@ def quantization_of(obj) -> str | None:
     return getattr(config, "quantization", None) if config is not None else None
 
 
+# ---- the surface: what the plug-in reads of SGLang's objects -------------------------------
+# Attribute names per SGLang type, checked where an instance first appears (start-up for the
+# model runner and the dataclasses; the first planned request and the first admission for
+# the scheduler's objects). A missing name fails loudly, never as "nothing relayed".
+SURFACE: dict[str, tuple[str, ...]] = {
+    "ModelRunner": ("model", "token_to_kv_pool", "req_to_token_pool", "server_args"),
+    "ForwardBatch": (
+        "forward_mode", "rids", "out_cache_loc", "positions", "req_pool_indices", "seq_lens",
+        "extend_prefix_lens_cpu", "extend_seq_lens_cpu",
+    ),
+    "ScheduleBatch": ("reqs", "tree_cache", "forward_mode"),
+    "Req": (
+        "rid", "prefix_len", "extend_len", "origin_input_ids", "output_ids",
+        "full_untruncated_fill_ids", "get_fill_ids", "finished", "kv", "extra_key",
+        "cache_salt", "return_logprob", "logprob_start_len", "multimodal_inputs",
+        "sampling_params", "customized_info", "session_id", "return_hidden_states",
+    ),
+    "PrefillAdder": ("tree_cache", "can_run_list"),
+    "TreeCacheBuildContext": (
+        "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
+    ),
+}  # fmt: skip
+
+
+def missing_surface(kind: str, obj) -> list[str]:
+    """Names of ``SURFACE[kind]`` that ``obj`` (an instance or a dataclass) lacks."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else None
+    return [a for a in SURFACE[kind] if not (hasattr(obj, a) or (names and a in names))]
+
+
+def check_surface(kind: str, obj) -> None:
+    missing = missing_surface(kind, obj)
+    if missing:
+        raise RuntimeError(
+            f"sglang-relay: SGLang {SGLANG_VERSION}'s {kind} lacks {', '.join(missing)}; this "
+            "sglang-relay release does not support it (see runtime/compat.py SURFACE)"
+        )
+
+
+def check_startup_surface(ctx, model_runner) -> None:
+    """The parts of the contract checkable before any request: fail the start-up if not."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    check_surface("TreeCacheBuildContext", ctx)
+    check_surface("ModelRunner", model_runner)
+    check_surface("ForwardBatch", ForwardBatch)
+    check_surface("ScheduleBatch", ScheduleBatch)
+
+
 # ---- the served model ----------------------------------------------------------------------
 def inner_model(model_runner):
     """The decoder stack (``LlamaModel`` / ``Qwen2Model``) of the runner's model."""

@@ -187,6 +187,7 @@ def build_relay_cache(ctx: Any) -> Any:
 
     cache = create_unified(ctx, cache_class=cache_class)
     model_runner = ctx.tp_worker.model_runner
+    compat.check_startup_surface(ctx, model_runner)
     allocator = ctx.params.token_to_kv_pool_allocator
     budget = settings.span_tokens or max(1024, int(allocator.size) // 4)
     runtime = RelayRuntime(
@@ -196,7 +197,7 @@ def build_relay_cache(ctx: Any) -> Any:
         release_slots=allocator.free,
         prometheus=bool(getattr(ctx.params, "enable_metrics", False)),
     )
-    graphs = modes.graph_refusal(compat.graphs_enabled(model_runner))
+    graphs = modes.graph_refusal(runtime.graphs)
     if graphs is not None:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)

@@ -76,6 +76,7 @@ class RelayRuntime:
             dtype=weight.dtype,
             influence=influence_layer is not None,
         )
+        self.graphs = compat.graphs_enabled(model_runner)  # refused if any is on (modes.py)
         self.attention_name = pick_extend_attention(
             compat.attention_backend_name(model_runner), self.device
         )
@@ -92,6 +93,7 @@ class RelayRuntime:
             attention=extend_attention.build(self.attention_name, self.device),
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
+        self._req_checked = False
         self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
 
@@ -143,6 +145,9 @@ class RelayRuntime:
 
     def plan(self, req: Any) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
+        if not self._req_checked:
+            compat.check_surface("Req", req)  # raises: counted, logged, standard prefill
+            self._req_checked = True
         stats = self.requests.get(req.rid)
         if stats is None:
             stats = RequestStats(self.cfg.method, self.num_layers)
@@ -273,6 +278,7 @@ class RelayRuntime:
             "config": self.cfg.to_dict(),
             "capture_layer": self.capture_layer,
             "extend_attention": self.attention_name,
+            "cuda_graphs": self.graphs,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "requests_tracked": len(self.requests),
