@@ -85,3 +85,11 @@ def test_bad_layer_range():
 
 def mask_ids(mask: torch.Tensor) -> set[int]:
     return set(mask.nonzero().flatten().tolist())
+
+
+def test_a_cap_below_the_forced_tokens_keeps_the_first_ones():
+    """max_ratio smaller than first_k: the span's first tokens survive, in order."""
+    cfg = RelayConfig(first_k=24, l_suf=0, tau_dev=1.0, max_ratio=0.05)
+    dev = torch.linspace(1.0, 0.0, 200).flip(0)  # deviation grows along the span
+    mask = select_tokens(cfg, 200, dev)
+    assert mask.nonzero().flatten().tolist() == list(range(10))  # cap = int(0.05 * 200)

@@ -72,7 +72,11 @@ def select_tokens(
         if int(mask.sum()) > cap:
             score = deviation.float().clone() if deviation is not None else torch.zeros(n)
             score = score.to(mask.device)
-            score[forced] = float("inf")
+            # forced tokens first, the earliest of them first (a cap below first_k keeps
+            # the span's first tokens, not an arbitrary tie-broken subset)
+            idx = torch.arange(n, device=mask.device, dtype=score.dtype)
+            top = float(score[mask].max()) if bool(mask.any()) else 0.0
+            score[forced] = top + 1.0 + (n - idx[forced])
             score[~mask] = float("-inf")
             keep = score.topk(cap).indices
             mask = torch.zeros_like(mask)
