@@ -115,18 +115,22 @@ class RelayRuntime:
         self.counters["batches_split"] += 1
         return False
 
+    def _config(self, req: Any) -> RelayConfig | None:
+        """``req``'s relay config (None: standard); ValueError on bad options."""
+        return resolve_config(
+            self.cfg,
+            request_option(req),
+            num_layers=self.num_layers,
+            capture_layer=self.capture_layer,
+        )
+
     def _relays_in(self, req: Any) -> bool:
         """Whether the rest of ``req``'s input holds a stored span it would relay."""
         key = (req.rid, req.prefix_len)
         known = self._relays.get(key)
         if known is None:
             try:
-                cfg = resolve_config(
-                    self.cfg,
-                    request_option(req),
-                    num_layers=self.num_layers,
-                    capture_layer=self.capture_layer,
-                )
+                cfg = self._config(req)
             except ValueError:
                 cfg = None
             known = (
@@ -152,12 +156,7 @@ class RelayRuntime:
         if stats is None:
             stats = RequestStats(self.cfg.method, self.num_layers)
         try:
-            cfg = resolve_config(
-                self.cfg,
-                request_option(req),
-                num_layers=self.num_layers,
-                capture_layer=self.capture_layer,
-            )
+            cfg = self._config(req)
         except ValueError as exc:
             return self._publish(req, stats, fallback=f"bad_options: {exc}")
         stats.method = cfg.method if cfg is not None else "standard"
