@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -265,6 +265,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class BenchModel(NamedTuple):
+    model_dir: Path
+    profile_path: Path | None
+    relay_cfg: RelayConfig
+    ref: RefModel
+    tok: object
+    fingerprint: str
+    cache_dir: Path
+
+
+def load_bench_model(args: argparse.Namespace) -> BenchModel:
+    """The model, tokenizer, relay profile and generation cache both fidelity benches use
+    (``--model-path``, ``--profile``, ``--threads``, ``--cache-dir``)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sglang_relay.core.reference import load_model
+    from sglang_relay.embedded_model import ensure_model
+
+    hf_logging.set_verbosity_error()
+    model_dir = Path(args.model_path) if args.model_path else ensure_model()
+    profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
+    relay_cfg = load_profile(profile_path)[0] if profile_path else RelayConfig()
+    ref = load_model(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fingerprint = model_fingerprint(model_dir, ref.num_layers)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    return BenchModel(model_dir, profile_path, relay_cfg, ref, tok, fingerprint, cache_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.frontier:
@@ -276,26 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not methods:
         print(f"unknown methods: {unknown}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from tqdm import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    from sglang_relay.core.reference import load_model
-    from sglang_relay.embedded_model import ensure_model
-
-    hf_logging.set_verbosity_error()
     started = time.perf_counter()
-    model_dir = Path(args.model_path) if args.model_path else ensure_model()
-    profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
-    relay_cfg = load_profile(profile_path)[0] if profile_path else RelayConfig()
+    model_dir, profile_path, relay_cfg, ref, tok, fingerprint, cache_dir = load_bench_model(args)
     cases = load_workload(args.workload)
     limit = args.n_relays or (QUICK_RELAYS if args.quick else None)
-    ref = load_model(str(model_dir))
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    fingerprint = model_fingerprint(model_dir, ref.num_layers)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     try:
         configs = method_configs(
             relay_cfg,

@@ -48,7 +48,6 @@ from sglang_relay.bench.fidelity import (
     machine_info,
     method_configs,
     prepare_usable,
-    shipped_profile_path,
     summarize,
 )
 from sglang_relay.bench.workload import (
@@ -56,9 +55,8 @@ from sglang_relay.bench.workload import (
     GenSettings,
     load_relay,
     load_workload,
-    model_fingerprint,
 )
-from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.config import RelayConfig
 from sglang_relay.profiler import reuse_cap
 
 SWEPT = ("naive", "cacheblend", "epic", "relay")
@@ -313,25 +311,12 @@ def run_frontier(args: argparse.Namespace) -> int:
     if bad or not methods:
         print(f"--frontier sweeps {', '.join(SWEPT)}; got {bad or methods}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from tqdm import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    from sglang_relay.bench.fidelity import default_cache_dir
-    from sglang_relay.core.reference import load_model
-    from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.bench.fidelity import load_bench_model
 
-    hf_logging.set_verbosity_error()
     started = time.perf_counter()
-    model_dir = Path(args.model_path) if args.model_path else ensure_model()
-    profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
-    relay_cfg = load_profile(profile_path)[0] if profile_path else RelayConfig()
-    ref = load_model(str(model_dir))
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    fingerprint = model_fingerprint(model_dir, ref.num_layers)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    model_dir, profile_path, relay_cfg, ref, tok, fingerprint, cache_dir = load_bench_model(args)
     limit = args.n_relays or (QUICK_FRONTIER_RELAYS if args.quick else None)
     gen = GenSettings()
 
