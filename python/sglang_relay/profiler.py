@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.operating import reuse_cap
 from sglang_relay.core.reference import (
     RefModel,
     RelayResult,
@@ -145,19 +146,6 @@ def mean_curves(per_relay: list[dict[str, list[float]]]) -> dict[str, list[float
 
 
 # ----------------------------------------------------------------------------- search
-
-
-def reuse_cap(cfg: RelayConfig, num_layers: int, min_reuse: float) -> float | None:
-    """Largest ``max_ratio`` (3 decimals, rounded down) that guarantees ``min_reuse`` on
-    every span for this layer range; ``None`` if even selecting nothing is not enough."""
-    sched = cfg.schedule(num_layers)
-    budget = num_layers * (1.0 - min_reuse) - sched.dense_layers
-    if sched.sparse_layers == 0:
-        return 1.0 if budget >= 0 else None
-    cap = math.floor(1000 * budget / sched.sparse_layers - 1e-9) / 1000
-    if cap <= 0:
-        return None
-    return min(cap, 1.0)
 
 
 def with_cap(cfg: RelayConfig, num_layers: int, min_reuse: float, scale: float = 1.0):
@@ -303,6 +291,54 @@ def run_search(search: Search, num_layers: int, quick: bool) -> dict[str, Any] |
     return search.best(search.log)
 
 
+FRONTIER_TARGETS = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)
+
+
+def first_k_rule(num_layers: int, target: float, mean_span: float) -> RelayConfig | None:
+    """The detection-free rule at ``target``: the first tokens of each span in every layer
+    (EPIC's rule in relay's config space, ``signal="none"``), as many as the budget allows
+    at the calibration's mean span length, capped per span so that short spans keep the
+    target too. Needs no hidden state and no deviation pass."""
+    rule = RelayConfig(
+        method="relay", l_start=0, l_det=0, l_end=-1, signal="none", l_suf=0, first_k=1
+    )
+    cap = reuse_cap(rule, num_layers, target)
+    if cap is None:
+        return None
+    return replace(rule, first_k=max(1, round(cap * mean_span)), max_ratio=cap)
+
+
+def run_frontier(
+    search: Search, rule: RelayConfig, num_layers: int, mean_span: float, targets
+) -> list[dict[str, Any]]:
+    """Per reuse target, the better of the profiled deviation rule (its cap solved for the
+    target) and :func:`first_k_rule` on the calibration relays: the lowest mean first-token
+    KL among those whose reuse is >= the target on every relay. The runtime maps a
+    requested target to these points (:mod:`sglang_relay.core.operating`)."""
+    points = []
+    for target in targets:
+        cands = [
+            search.run(with_cap(rule, num_layers, target), f"frontier {target:.2f}"),
+            search.run(first_k_rule(num_layers, target, mean_span), f"frontier {target:.2f}"),
+        ]
+        best = choose([c for c in cands if c is not None], target)
+        if best is None:
+            continue
+        cfg = RelayConfig.from_dict(best["config"])
+        points.append(
+            {
+                "target": target,
+                "config": best["config"],
+                "rule": "deviation" if cfg.detects else "first_k",
+                "metrics": best["metrics"],
+                "candidates": [
+                    {"config": c["config"], "metrics": c["metrics"]} for c in cands if c
+                ],
+            }
+        )
+    return points
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -365,6 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default=None, help="calibration JSONL (default: packaged)")
     p.add_argument("--n-relays", type=int, default=None, help="calibration relays to use")
     p.add_argument("--min-reuse", type=float, default=0.80, help="reuse constraint")
+    p.add_argument(
+        "--frontier-targets",
+        default=",".join(f"{t:.2f}" for t in FRONTIER_TARGETS),
+        help="reuse targets of the operating points written into the profile",
+    )
+    p.add_argument(
+        "--add-frontier",
+        metavar="PROFILE",
+        default=None,
+        help="only (re)compute the operating points of an existing profile JSON, in place",
+    )
     p.add_argument("--cache-dir", default=None, help="generation cache folder")
     p.add_argument(
         "--threads",
@@ -381,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0.0 < args.min_reuse < 1.0:
         print("--min-reuse must be in (0, 1)", file=sys.stderr)
+        return 2
+    try:
+        targets = sorted({float(t) for t in args.frontier_targets.split(",") if t.strip()})
+    except ValueError:
+        targets = []
+    if not targets or not all(0 < t < 1 for t in targets):
+        print("--frontier-targets must be numbers in (0, 1)", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -424,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     relays = [load_relay(path, case) for case, path in usable]
 
+    occurrences = [s.length for r in relays for s in r.spans]
+    mean_span = statistics.fmean(occurrences)
+    if args.add_frontier:
+        return add_frontier(args, ref, relays, targets, mean_span, started)
+
     per_relay, exacts = [], []
     for relay in tqdm(relays, desc="curves", unit="relay", disable=args.no_progress):
         exact = exact_prefill(
@@ -437,11 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(desc="search", unit="cfg", disable=args.no_progress, file=sys.stderr)
     search = Search(ref, relays, exacts, args.min_reuse, bar)
     chosen = run_search(search, ref.num_layers, args.quick)
-    bar.close()
     if chosen is None:
+        bar.close()
         print(f"no candidate reaches reuse {args.min_reuse}", file=sys.stderr)
         return 1
     config = RelayConfig.from_dict(chosen["config"])
+    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets)
+    bar.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = {
@@ -454,10 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "min_reuse": args.min_reuse,
         "chosen": chosen,
+        "frontier": frontier,
         "calibration": {
             "relays": [r.case.id for r in relays],
             "skipped": [c.id for c, _ in skipped],
             "span_tokens": [r.span_tokens for r in relays],
+            "mean_span": round(mean_span, 1),
             "quick": bool(args.quick),
         },
         "curves": curves,
@@ -473,7 +536,44 @@ def main(argv: list[str] | None = None) -> int:
         f"TF top-1 {m['tf_top1']:.3f}, reuse min {m['reuse_min']:.3f} / mean "
         f"{m['reuse_mean']:.3f}; {len(search.log)} candidates in {profile['seconds']:.0f} s"
     )
+    print_frontier(frontier)
     print(f"wrote {out / 'profile.json'} and {out / 'profile.png'}")
+    return 0
+
+
+def print_frontier(frontier: list[dict[str, Any]]) -> None:
+    for p in frontier:
+        m = p["metrics"]
+        cfg = RelayConfig.from_dict(p["config"])
+        print(
+            f"  reuse >= {p['target']:.2f}: {p['rule']:9s} {_describe(cfg)}"
+            f"  KL {m['first_token_kl']:.4f} / {m['first_token_kl_median']:.4f}, reuse min "
+            f"{m['reuse_min']:.3f}"
+        )
+
+
+def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
+    """``--add-frontier PROFILE``: compute the operating points of an existing profile's
+    rule on the calibration relays and write them into it."""
+    from tqdm import tqdm
+
+    path = Path(args.add_frontier)
+    data = json.loads(path.read_text())
+    config = RelayConfig.from_dict(data["config"])
+    exacts = [
+        exact_prefill(ref, r.prompt, forced=r.continuation[:-1])
+        for r in tqdm(relays, desc="exact", unit="relay", disable=args.no_progress)
+    ]
+    bar = tqdm(desc="frontier", unit="cfg", disable=args.no_progress, file=sys.stderr)
+    search = Search(ref, relays, exacts, args.min_reuse, bar)
+    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets)
+    bar.close()
+    data["frontier"] = frontier
+    data.setdefault("calibration", {})["mean_span"] = round(mean_span, 1)
+    data["frontier_seconds"] = round(time.perf_counter() - started, 1)
+    path.write_text(json.dumps(data, indent=1))
+    print_frontier(frontier)
+    print(f"wrote the frontier into {path} ({data['frontier_seconds']:.0f} s)")
     return 0
 
 

@@ -5,23 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import requests
+from relay_helpers import generate_ids
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
-
-
-def _post(url: str, ids: list[int], n: int, **extra) -> dict:
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        **extra,
-    }
-    resp = requests.post(url + "/generate", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def test_relay_through_the_server_equals_the_reference(server, model_dir):
@@ -36,7 +25,7 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
         tokenize=True,
     )
     up_ids = list(getattr(up_ids, "input_ids", up_ids))
-    upstream = _post(server.url, up_ids, 120)
+    upstream = generate_ids(server.url, up_ids, 120)
     out_ids = upstream["output_ids"]
 
     ref = R.load_model(str(model_dir))
@@ -51,7 +40,7 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
     tail = tok("\n\nList its mistakes.<|im_end|>\n<|im_start|>assistant\n").input_ids
     prompt = head + span + tail
 
-    served = _post(server.url, prompt, 8, return_logprob=True, top_logprobs_num=5)
+    served = generate_ids(server.url, prompt, 8, return_logprob=True, top_logprobs_num=5)
     relay = served["meta_info"]["relay"]
     assert relay["spans_matched"] == 1 and relay["reused_tokens"] == len(span)
 
@@ -64,3 +53,40 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
     for lp, tid, _ in served["meta_info"]["output_top_logprobs"][0]:
         assert math.isclose(lp, float(ref_lp[tid]), abs_tol=2e-3), (tid, lp, float(ref_lp[tid]))
     assert R.greedy_continue(ref, result, 8) == served["output_ids"]
+
+
+@pytest.mark.parametrize("reuse", ["speed", 0.85])
+def test_operating_point_through_the_server_equals_the_reference(server, model_dir, reuse):
+    """A per-request reuse target runs the profile's operating point for it (a position-only
+    rule at "speed", the deviation rule at 0.85 on the shipped profile), reports it, keeps
+    the reuse it promises, and computes what the reference executor computes with it."""
+    from sglang_relay.core.operating import parse_target
+
+    settings = settings_from_env(str(model_dir), {})
+    ref = R.load_model(str(model_dir))
+    target = parse_target(reuse)
+    point = settings.point(target, ref.num_layers)
+    profiled = [t for t, _ in settings.frontier.points]
+    assert point.profiled == min(t for t in profiled if t >= target)  # brute force
+
+    up_ids = list(range(1000, 1040))
+    upstream = generate_ids(server.url, up_ids, 96)
+    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+    assert record.output == upstream["output_ids"]
+    span = record.span_tokens
+    head, tail = list(range(2000, 2023)), list(range(3000, 3011))
+    prompt = head + span + tail
+    served = generate_ids(
+        server.url, prompt, 4, {"reuse": reuse}, return_logprob=True, top_logprobs_num=5
+    )
+    relay = served["meta_info"]["relay"]
+    assert relay["operating_point"] == point.to_dict()
+    assert relay["reused_tokens"] == len(span) and relay["reuse_rate"] >= target
+
+    occ = R.SpanOccurrence(prompt_start=len(head), record=record, span_start=0, length=len(span))
+    result = R.relay_prefill(ref, prompt, [occ], point.config)
+    assert sum(result.selected) == pytest.approx(relay["selected_tokens"], abs=1)
+    assert result.reuse_rate == pytest.approx(relay["reuse_rate"], abs=0.01)
+    ref_lp = result.logits[-1].double().log_softmax(-1)
+    for lp, tid, _ in served["meta_info"]["output_top_logprobs"][0]:
+        assert math.isclose(lp, float(ref_lp[tid]), abs_tol=2e-3), (tid, lp, float(ref_lp[tid]))

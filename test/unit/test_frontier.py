@@ -77,7 +77,7 @@ def _relay(ref: RefModel, n: int, seed: int) -> RelayCase:
 def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
     """On two relays (spans of 41 and 57 tokens) through the reference executor, each
     point's pooled reuse equals METHOD.md's formula with the token counts each rule must
-    pick: CacheBlend round(r n) (>= 1), EPIC min(k, n), relay's cap int(cap n) (threshold 0:
+    pick: CacheBlend round(r n) (>= 1), EPIC min(k, n), relay's cap floor(cap n) (threshold 0:
     every token qualifies, so the cap binds); and it rises as the knob falls."""
     lengths = (41, 57)
     relays = [_relay(tiny, n, seed) for seed, n in enumerate(lengths)]
@@ -100,7 +100,7 @@ def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
         elif p.method == "epic":  # 10 sparse layers
             want = pooled(lambda n, k=p.value: min(k, n) * 10)
         else:  # relay (1, 2, 9): layer 1 dense, 8 sparse
-            want = pooled(lambda n, c=p.value: n * 1 + max(1, int(c * n)) * 8)
+            want = pooled(lambda n, c=p.value: n * 1 + int(c * n) * 8)
         assert row["reuse_rate"] == pytest.approx(want, abs=1e-12), p.label
         assert row["first_token_kl"] >= 0.0 and 0.0 <= row["tf_top1_agreement_64"] <= 1.0
         by_method.setdefault(p.method, []).append((p.value, row["reuse_rate"], p.target))
@@ -113,6 +113,39 @@ def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
         assert len(set(reuses)) == len(reuses), method
         for _, reuse, target in pts:  # each point lands near its target
             assert abs(reuse - target) < 0.03, (method, reuse, target)
+
+
+def test_relay_points_follow_the_profile_frontier(tiny):
+    """With a profile frontier, relay's point for a target is the frontier's (here the
+    position-only rule above 0.7): its reuse is the formula's with min(k, floor(cap n))
+    tokens in all 10 layers, and its logits are EPIC's with that k where the cap does not
+    bind (the same tokens in the same layers: signal "none" needs no detection pass)."""
+    from dataclasses import replace
+
+    from sglang_relay.core.operating import Frontier, at_target
+    from sglang_relay.core.reference import relay_prefill
+
+    lengths = (41, 57)
+    relays = [_relay(tiny, n, seed) for seed, n in enumerate(lengths)]
+    dev_rule = RelayConfig(l_start=1, l_det=2, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0)
+    pos_rule = RelayConfig(l_start=0, l_det=0, l_end=-1, signal="none", l_suf=0, first_k=6)
+    rows = [
+        {"target": 0.6, "config": at_target(dev_rule, 10, 0.6).to_dict()},
+        {"target": 0.8, "config": at_target(pos_rule, 10, 0.8).to_dict()},
+    ]
+    frontier = Frontier.from_profile({"frontier": rows})
+    points = sweep_points(dev_rule, 10, 49.0, [0.6, 0.75], ["relay"], frontier=frontier)
+    assert [p.config for p in points] == [frontier.points[0][1], frontier.points[1][1]]
+    row = evaluate_points(tiny, iter(relays), points)[1]
+    cap = frontier.points[1][1].max_ratio
+    want = 1 - sum(min(6, int(cap * n)) * 10 for n in lengths) / (sum(lengths) * 10)
+    assert row["reuse_rate"] == pytest.approx(want, abs=1e-12)
+    epic = replace(RelayConfig().for_method("epic"), first_k=6)
+    for relay in relays:
+        mine = relay_prefill(tiny, relay.prompt, relay.spans, points[1].config)
+        theirs = relay_prefill(tiny, relay.prompt, relay.spans, epic)
+        assert mine.deviation is None and mine.selected == theirs.selected
+        assert torch.equal(mine.logits, theirs.logits)
 
 
 def test_cli_frontier_flag(capsys):

@@ -329,7 +329,7 @@ def test_packaged_workloads_and_profile():
     from sglang_relay.bench.fidelity import shipped_profile_path
     from sglang_relay.bench.workload import load_workload
     from sglang_relay.core.config import load_profile
-    from sglang_relay.profiler import reuse_cap
+    from sglang_relay.core.operating import reuse_cap
 
     evaluation = load_workload()
     calibration = load_workload(name="calibration_workload.jsonl")

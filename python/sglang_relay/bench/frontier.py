@@ -12,14 +12,17 @@ Knobs (the rest of each method's config is what ``bench fidelity`` runs,
 * ``naive``: no knob, one point (reuse 1).
 * ``cacheblend``: ``top_ratio``, the share of span tokens recomputed in layers 1..L-1.
 * ``epic``: ``first_k``, the first tokens of each span recomputed in every layer.
-* ``relay``: ``max_ratio``, the per-span cap of the profile's rule (its layer range,
-  threshold and forced first tokens unchanged). Where the rule selects fewer tokens than
-  the cap, the measured reuse is above the target.
+* ``relay``: the operating point a server runs for the target (``--relay-reuse``,
+  :mod:`sglang_relay.core.operating`): the profile's frontier point for it (the profiled
+  deviation rule, or the position-only first-k rule where that measured better on the
+  calibration relays), each capped per span by ``max_ratio``; without a frontier in the
+  profile, the profile's rule with its cap solved for the target. Where a rule selects
+  fewer tokens than the cap, the measured reuse is above the target.
 
 Each knob is set for a list of reuse targets by inverting METHOD.md's token-layer reuse,
 ``reuse = 1 - (|S| * dense + |I| * sparse) / (|S| * L)``: for ``top_ratio`` and
 ``max_ratio`` the largest share that keeps the target
-(:func:`sglang_relay.profiler.reuse_cap`, as the profiler sets relay's cap), for
+(:func:`sglang_relay.core.operating.reuse_cap`, as the profiler sets relay's cap), for
 ``first_k`` the nearest whole number of tokens at the workload's mean span length.
 Targets a method cannot reach (CacheBlend's dense layer 0 alone costs 1/L) are left out;
 knob values that repeat are run once. Points of different methods that share a target sit
@@ -56,8 +59,8 @@ from sglang_relay.bench.workload import (
     load_relay,
     load_workload,
 )
-from sglang_relay.core.config import RelayConfig
-from sglang_relay.profiler import reuse_cap
+from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.operating import Frontier, reuse_cap
 
 SWEPT = ("naive", "cacheblend", "epic", "relay")
 KNOBS = {"cacheblend": "top_ratio", "epic": "first_k", "relay": "max_ratio"}
@@ -109,9 +112,12 @@ def sweep_points(
     mean_span: float,
     targets: list[float],
     methods: tuple[str, ...] | list[str] = SWEPT,
+    frontier: Frontier | None = None,
 ) -> list[Point]:
     """Every method's points, in ``methods`` order, targets ascending; unreachable targets
-    and repeated knob values dropped."""
+    and repeated knob values dropped. Relay's point for a target is the operating point a
+    server maps that target to (``frontier``: the profile's; without one, the profile's
+    rule with its cap solved for the target)."""
     base = method_configs(relay_cfg, [m for m in methods if m in SWEPT])
     points: list[Point] = []
     for method in methods:
@@ -122,6 +128,15 @@ def sweep_points(
             raise ValueError(f"no frontier for method {method!r}; choose from {SWEPT}")
         seen: set[Any] = set()
         for target in sorted(targets):
+            if method == "relay":
+                try:
+                    cfg = (frontier or Frontier()).point(base["relay"], target, num_layers).config
+                except ValueError:  # out of reach for the rule
+                    continue
+                if cfg not in seen:
+                    seen.add(cfg)
+                    points.append(Point(method, "max_ratio", cfg.max_ratio, target, cfg))
+                continue
             value = knob_value(base[method], num_layers, target, mean_span)
             if value is None or value in seen:
                 continue
@@ -336,7 +351,11 @@ def run_frontier(args: argparse.Namespace) -> int:
             spans += [s.length for s in load_relay(path, case).spans]
         mean_span = statistics.fmean(spans)
         try:
-            points = sweep_points(relay_cfg, ref.num_layers, mean_span, targets, methods)
+            data = load_profile(profile_path)[1] if profile_path else None
+            frontier = Frontier.from_profile(data)
+            points = sweep_points(
+                relay_cfg, ref.num_layers, mean_span, targets, methods, frontier=frontier
+            )
         except ValueError as exc:  # e.g. a profile's layer range this model lacks
             print(f"bad method settings: {exc}", file=sys.stderr)
             return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
-SIGNALS = ("value", "key")
+SIGNALS = ("value", "key", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,9 @@ class RelayConfig:
             threshold, if set.
         max_ratio: cap on the selected fraction of a span (``None``: no cap); the cap keeps
             the highest-deviation tokens.
-        signal: which deviation detects: ``"value"`` (RelayCaching) or ``"key"``.
+        signal: which deviation detects: ``"value"`` (RelayCaching), ``"key"``, or
+            ``"none"``: no detection, only the forced first/last tokens (and the cap) select,
+            so the rule needs no deviation pass (EPIC's rule inside relay's config space).
         min_span: shortest token run worth relaying.
     """
 
@@ -98,6 +100,12 @@ class RelayConfig:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.min_span < 2:
             raise ValueError(f"min_span must be >= 2; got {self.min_span}")
+
+    @property
+    def detects(self) -> bool:
+        """Whether selection needs the deviation pass at ``l_det`` (EPIC and the
+        ``signal="none"`` rule select by position only)."""
+        return self.method not in ("epic", "standard", "naive") and self.signal != "none"
 
     def for_method(self, method: str) -> RelayConfig:
         """This config with ``method`` switched and the method's fixed settings applied

@@ -664,7 +664,7 @@ def _detect(
     offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). Returns the
     ``[S]`` selection mask, counts per span and the deviation."""
     deviation = None
-    if cfg.method != "epic":
+    if cfg.detects:
         x = ref.layers[lid].input_layernorm(hs[span_rows])
         _, k, v = ref.qkv(ref.layers[lid], x, span_rows)
         if cfg.signal == "key":

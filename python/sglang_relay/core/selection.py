@@ -48,7 +48,7 @@ def select_tokens(
     mask = torch.zeros(n, dtype=torch.bool, device=device)
     if n == 0 or cfg.method in ("standard", "naive"):
         return mask
-    if cfg.method != "epic":
+    if cfg.detects:
         if deviation is None:
             raise ValueError(f"method {cfg.method!r} needs deviation scores")
         if deviation.shape != (n,):
@@ -68,7 +68,7 @@ def select_tokens(
         forced[max(0, n - cfg.l_suf) :] = True
     mask |= forced
     if cfg.max_ratio is not None:
-        cap = max(1, int(cfg.max_ratio * n))
+        cap = int(cfg.max_ratio * n)  # floor: the span keeps its reuse guarantee
         if int(mask.sum()) > cap:
             score = deviation.float().clone() if deviation is not None else torch.zeros(n)
             score = score.to(mask.device)

@@ -78,7 +78,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence) -> Non
     cfg, rows = group.cfg, group.rows
     n = rows.numel()
     deviation = None
-    if cfg.method != "epic":
+    if cfg.detects:
         hs = gather_rows(h, rows)
         if r is None:
             x = layer.input_layernorm(hs)

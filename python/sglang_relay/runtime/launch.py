@@ -166,6 +166,7 @@ RELAY_FLAGS = {
     "--relay-method": "SGLANG_RELAY_METHOD",
     "--relay-profile": "SGLANG_RELAY_PROFILE",
     "--relay-config": "SGLANG_RELAY_CONFIG",
+    "--relay-reuse": "SGLANG_RELAY_REUSE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
 }
 RELAY_SWITCHES = {"--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX"}
@@ -206,6 +207,8 @@ def check_relay_settings(env: dict[str, str], model_path: str) -> None:
         if settings.config.method != "standard" and Path(model_path, "config.json").is_file():
             layers = json.loads(Path(model_path, "config.json").read_text())["num_hidden_layers"]
             settings.config.schedule(int(layers))
+            if settings.reuse_target is not None:
+                settings.point(settings.reuse_target, int(layers))
     except (ValueError, KeyError) as exc:
         raise RelayError(f"relay settings: {exc}") from exc
 

@@ -5,7 +5,10 @@ config: the server default comes from the profile (:mod:`.settings`); baselines 
 fixed settings under any profile (``RelayConfig.for_method``); overrides apply last.
 
 Per-request option ``sampling_params.custom_params["relay"]``: a method name (``"off"``
-= standard) or ``{"method": name, "config": {RelayConfig fields}}``.
+= standard) or ``{"method": name, "config": {RelayConfig fields}, "reuse": target}``
+(``reuse``: a number in (0, 1) or a level name, method relay only; it picks the operating
+point on the profile's frontier, :mod:`sglang_relay.core.operating`, and overrides the
+server's ``SGLANG_RELAY_REUSE``).
 """
 
 from __future__ import annotations
@@ -13,34 +16,50 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_relay.core.config import METHODS, RelayConfig
+from sglang_relay.core.operating import OperatingPoint, parse_target
+from sglang_relay.runtime.settings import RelaySettings
 
 
 def resolve_config(
-    server: RelayConfig, option: Any, *, num_layers: int, capture_layer: int | None
-) -> RelayConfig | None:
-    """The config for one request; raises ValueError (with the reason) on bad options.
+    settings: RelaySettings, option: Any, *, num_layers: int, capture_layer: int | None
+) -> tuple[RelayConfig | None, OperatingPoint | None]:
+    """The config for one request and, for method relay at a reuse target, the operating
+    point it maps to; raises ValueError (with the reason) on bad options.
 
     ``capture_layer``: the layer whose hidden states this server stores (None: none), the
     only ``l_start > 0`` a request may ask for."""
+    server = settings.config
     overrides: dict[str, Any] = {}
+    reuse: Any = None
     if option is None:
         method = server.method
     elif isinstance(option, str):
         method = option
-    elif isinstance(option, dict) and set(option) <= {"method", "config"}:
-        method = option.get("method", server.method)
+    elif isinstance(option, dict) and set(option) <= {"method", "config", "reuse"}:
+        method = option.get("method", server.method if "reuse" not in option else "relay")
         overrides = option.get("config") or {}
+        reuse = option.get("reuse")
         if not isinstance(method, str) or not isinstance(overrides, dict):
             raise ValueError("relay option: method must be a string, config an object")
     else:
-        raise ValueError("custom_params.relay must be a method name or {method, config}")
+        raise ValueError("custom_params.relay must be a method name or {method, config, reuse}")
     if method == "off":
         method = "standard"
     if method not in METHODS:
         raise ValueError(f"unknown relay method {method!r}")
+    if reuse is not None and method != "relay":
+        raise ValueError(f"a reuse target applies to method relay, not {method}")
     if method == "standard":
-        return None
-    base = server.for_method(method) if method in ("cacheblend", "epic") else server
+        return None, None
+    point = None
+    if method == "relay":
+        target = parse_target(reuse) if reuse is not None else settings.reuse_target
+        if target is not None:
+            point = settings.point(target, num_layers)
+            overrides = {**dict(settings.overrides), **overrides}
+    base = point.config if point is not None else server
+    if method in ("cacheblend", "epic"):
+        base = server.for_method(method)
     cfg = RelayConfig.from_dict({**base.to_dict(), **overrides, "method": method})
     sched = cfg.schedule(num_layers)
     if sched.needs_hidden() and 0 < sched.l_start < num_layers and sched.l_start != capture_layer:
@@ -48,7 +67,7 @@ def resolve_config(
         raise ValueError(
             f"l_start must be {stored} (the layer whose hidden states this server stores)"
         )
-    return cfg
+    return cfg, point
 
 
 def request_option(req: Any) -> Any:

@@ -202,6 +202,17 @@ def build_relay_cache(ctx: Any) -> Any:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)
     compat.check_hooks_installed()
+    if not settings.profiled:
+        logger.warning(
+            "sglang-relay: no relay profile for %s: running the unprofiled rule (no stored "
+            "hidden states, layer 0 dense, value deviation at layer 1 + first 16 tokens, "
+            "reuse >= %.2f). Profile the model (`sglang-relay profile --quick --model-path "
+            "%s --out DIR`, < 10 min for 0.5B on 2 CPU cores) and pass "
+            "--relay-profile DIR/profile.json",
+            ctx.server_args.model_path,
+            settings.reuse_target or 0.0,
+            ctx.server_args.model_path,
+        )
     logger.info(
         "sglang-relay: method=%s layers=[%s,%s,%s] capture_layer=%s span_budget=%d side=%.1f MB",
         runtime.cfg.method,

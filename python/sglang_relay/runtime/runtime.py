@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.operating import OperatingPoint
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.decode import capture_forward
@@ -63,8 +64,20 @@ class RelayRuntime:
         )
         if self.cfg.method != "standard":
             self.cfg.schedule(self.num_layers)  # validates the layer range for this model
-        start = relay_sched.l_start
-        self.capture_layer = start if 0 < start < self.num_layers else None
+        starts = {relay_sched.l_start} | settings.frontier.l_starts()
+        starts = {s for s in starts if 0 < s < self.num_layers}
+        if len(starts) > 1:
+            raise ValueError(
+                f"the profile's operating points need hidden states at layers {sorted(starts)}; "
+                "a server stores one layer: profile again or set one l_start"
+            )
+        self.capture_layer = starts.pop() if starts else None
+        # the server's default operating point (raises at start-up if out of reach)
+        self.default_point = (
+            settings.point(settings.reuse_target, self.num_layers)
+            if settings.reuse_target is not None
+            else None
+        )
         influence_layer = relay_sched.l_det if self.cfg.tau_inf is not None else None
         if influence_layer is not None and influence_layer >= self.num_layers:
             influence_layer = None
@@ -115,10 +128,11 @@ class RelayRuntime:
         self.counters["batches_split"] += 1
         return False
 
-    def _config(self, req: Any) -> RelayConfig | None:
-        """``req``'s relay config (None: standard); ValueError on bad options."""
+    def _config(self, req: Any) -> tuple[RelayConfig | None, OperatingPoint | None]:
+        """``req``'s relay config (None: standard) and operating point; ValueError on bad
+        options."""
         return resolve_config(
-            self.cfg,
+            self.settings,
             request_option(req),
             num_layers=self.num_layers,
             capture_layer=self.capture_layer,
@@ -130,7 +144,7 @@ class RelayRuntime:
         known = self._relays.get(key)
         if known is None:
             try:
-                cfg = self._config(req)
+                cfg, _ = self._config(req)
             except ValueError:
                 cfg = None
             known = (
@@ -156,10 +170,11 @@ class RelayRuntime:
         if stats is None:
             stats = RequestStats(self.cfg.method, self.num_layers)
         try:
-            cfg = self._config(req)
+            cfg, point = self._config(req)
         except ValueError as exc:
             return self._publish(req, stats, fallback=f"bad_options: {exc}")
         stats.method = cfg.method if cfg is not None else "standard"
+        stats.point = point.to_dict() if point is not None else None
         if cfg is None:
             return self._publish(req, stats)
         refusal = compat.request_refusal(req)
@@ -275,6 +290,13 @@ class RelayRuntime:
         return {
             "method": self.cfg.method,
             "config": self.cfg.to_dict(),
+            "profile": self.settings.profile_path,
+            "profiled": self.settings.profiled,
+            "reuse_target": self.settings.reuse_target,
+            "operating_points": [t for t, _ in self.settings.frontier.points],
+            "default_point": None
+            if self.default_point is None
+            else {**self.default_point.to_dict(), "config": self.default_point.config.to_dict()},
             "capture_layer": self.capture_layer,
             "extend_attention": self.attention_name,
             "cuda_graphs": self.graphs,

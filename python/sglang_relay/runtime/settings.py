@@ -7,6 +7,10 @@ set them directly:
 * ``SGLANG_RELAY_METHOD``: standard | naive | cacheblend | epic | relay (default relay)
 * ``SGLANG_RELAY_PROFILE``: a profile JSON (default: the profile shipped for the model,
   else the built-in defaults)
+* ``SGLANG_RELAY_REUSE``: the server's default operating point: a reuse target in (0, 1) or
+  a level name (fidelity 0.80, balanced 0.90, speed 0.95), mapped to a config by the
+  profile's frontier (:mod:`sglang_relay.core.operating`); default: the profile's chosen
+  config, or 0.80 on a model without a profile
 * ``SGLANG_RELAY_CONFIG``: JSON object of RelayConfig fields overriding the profile
 * ``SGLANG_RELAY_SPAN_TOKENS``: token budget of recorded spans (default 1/4 of the pool)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
@@ -22,10 +26,20 @@ from importlib import resources
 from pathlib import Path
 
 from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.operating import Frontier, OperatingPoint, parse_target
 
 ENV_METHOD = "SGLANG_RELAY_METHOD"
 ENV_PROFILE = "SGLANG_RELAY_PROFILE"
 ENV_CONFIG = "SGLANG_RELAY_CONFIG"
+ENV_REUSE = "SGLANG_RELAY_REUSE"
+
+# Without a profile nothing is known about the model's layers: no hidden state is stored
+# (no side memory, nothing to calibrate), layer 0 is recomputed densely, value deviation at
+# layer 1 plus the first 16 tokens of each span select, capped for UNPROFILED_REUSE. On the
+# embedded model and both evaluation workloads this sits between the profiled rule and the
+# baselines at 0.80 (docs/fidelity.md, "Models without a profile").
+UNPROFILED = RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, l_suf=0, first_k=16)
+UNPROFILED_REUSE = 0.80
 ENV_SPAN_TOKENS = "SGLANG_RELAY_SPAN_TOKENS"
 ENV_ALLOW_APPROX = "SGLANG_RELAY_ALLOW_APPROX_PREFIX"
 
@@ -36,6 +50,18 @@ class RelaySettings:
     span_tokens: int | None = None
     allow_approx_prefix: bool = False
     profile_path: str | None = None
+    frontier: Frontier = Frontier()
+    reuse_target: float | None = None  # default operating point (None: ``config`` as is)
+    overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
+
+    @property
+    def profiled(self) -> bool:
+        return self.profile_path is not None
+
+    def point(self, target: float, num_layers: int) -> OperatingPoint:
+        """The operating point for ``target`` (ValueError if out of the rule's reach)."""
+        base = RelayConfig.from_dict({**self.config.to_dict(), "method": "relay"})
+        return self.frontier.point(base, target, num_layers)
 
 
 def shipped_profile(model_name: str) -> Path | None:
@@ -49,9 +75,14 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     """Build and validate the settings; raises ValueError with a clear message."""
     env = os.environ if env is None else env
     profile = env.get(ENV_PROFILE) or (str(shipped_profile(model_path) or "") or None)
-    config = RelayConfig()
+    config, frontier = UNPROFILED, Frontier()
     if profile:
-        config, _ = load_profile(profile)
+        config, data = load_profile(profile)
+        frontier = Frontier.from_profile(data)
+    raw_reuse = env.get(ENV_REUSE)
+    reuse = parse_target(raw_reuse) if raw_reuse else None
+    if reuse is None and not profile:
+        reuse = UNPROFILED_REUSE
     method = env.get(ENV_METHOD)
     if method:
         if method in ("cacheblend", "epic"):
@@ -59,6 +90,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         else:
             config = RelayConfig.from_dict({**config.to_dict(), "method": method})
     raw = env.get(ENV_CONFIG)
+    overrides: dict = {}
     if raw:
         try:
             overrides = json.loads(raw)
@@ -67,6 +99,8 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         if not isinstance(overrides, dict):
             raise ValueError(f"{ENV_CONFIG} must be a JSON object")
         config = RelayConfig.from_dict({**config.to_dict(), **overrides})
+    if raw_reuse and config.method != "relay":
+        raise ValueError(f"{ENV_REUSE} applies to method relay; the server runs {config.method}")
     span_tokens = env.get(ENV_SPAN_TOKENS)
     try:
         budget = int(span_tokens) if span_tokens else None
@@ -79,4 +113,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         span_tokens=budget,
         allow_approx_prefix=env.get(ENV_ALLOW_APPROX, "0") == "1",
         profile_path=profile,
+        frontier=frontier,
+        reuse_target=reuse if config.method == "relay" else None,
+        overrides=tuple(overrides.items()),
     )

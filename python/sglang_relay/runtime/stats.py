@@ -33,6 +33,7 @@ class RequestStats:
     recomputed_token_layers: int = 0
     trimmed_tokens: int = 0  # matched tokens left out because their slots were not valid
     fallback: str | None = None
+    point: dict[str, Any] | None = None  # the operating point (reuse target) it ran at
     relayed_from: int | None = None  # first relayed row position (exactness clamp)
     chunk: ChunkUse | None = field(default=None, repr=False)  # figures of the running chunk
     req: Any = field(default=None, repr=False)  # the scheduler's Req (meta_info goes there)
@@ -79,4 +80,5 @@ class RequestStats:
             "reuse_rate": self.reuse_rate,
             "trimmed_tokens": self.trimmed_tokens,
             "fallback": self.fallback,
+            **({"operating_point": self.point} if self.point is not None else {}),
         }

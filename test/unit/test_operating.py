@@ -1,0 +1,159 @@
+"""Operating points: reuse targets -> configs (core/operating.py, settings, per-request
+options). References: METHOD.md's token-layer count done by hand over real selections, and
+brute-force searches over the frontier."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.operating import LEVELS, Frontier, at_target, parse_target, reuse_cap
+from sglang_relay.core.selection import select_tokens
+from sglang_relay.runtime.options import resolve_config
+from sglang_relay.runtime.settings import UNPROFILED, settings_from_env, shipped_profile
+
+EMBEDDED = "/somewhere/SmolLM2-135M-Instruct"
+
+
+def _span_reuse(cfg: RelayConfig, num_layers: int, n: int, rng: random.Random) -> float:
+    """Reuse of one span of ``n`` tokens under ``cfg``, from a real selection, counted by
+    hand: dense layers recompute every token, sparse layers the selected ones."""
+    dev = torch.tensor([rng.random() ** 3 for _ in range(n)])
+    mask = select_tokens(cfg, n, None if not cfg.detects else dev)
+    s, d, e = (x % num_layers for x in (cfg.l_start, cfg.l_det, cfg.l_end))
+    recomputed = n * (d - s) + int(mask.sum()) * (e - d + 1)
+    return 1 - recomputed / (n * num_layers)
+
+
+@pytest.mark.parametrize("num_layers", [24, 30, 32, 80])
+def test_every_span_keeps_the_target(num_layers):
+    rng = random.Random(num_layers)
+    rules = [
+        RelayConfig(l_start=3, l_det=4, l_end=-1, tau_dev=0.0, first_k=24),
+        RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, first_k=16),
+        RelayConfig(l_start=0, l_det=0, l_end=-1, signal="none", first_k=10_000),
+    ]
+    for rule in rules:
+        for target in (0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98):
+            try:
+                cfg = at_target(rule, num_layers, target)
+            except ValueError as exc:
+                dense = rule.l_det - rule.l_start
+                assert dense / num_layers > 1 - target - 1e-3, exc  # only if truly out of reach
+                continue
+            for n in (32, 33, 57, 200, 511, 2048):
+                assert _span_reuse(cfg, num_layers, n, rng) >= target - 1e-9, (rule, target, n)
+            # and the cap is the largest one with that guarantee (3 decimals)
+            looser = cfg.max_ratio + 0.002
+            if looser <= 1:
+                dense = rule.l_det - rule.l_start
+                sparse = num_layers - 1 - rule.l_det + 1
+                assert dense + looser * sparse > (1 - target) * num_layers
+
+
+def test_parse_target():
+    assert parse_target("speed") == LEVELS["speed"] == 0.95
+    assert parse_target("0.875") == 0.875 and parse_target(0.9) == 0.9
+    for bad in (0, 1, 1.5, -0.1, True, "fast-ish", None, [0.9]):
+        with pytest.raises(ValueError, match="reuse target"):
+            parse_target(bad)
+
+
+def _frontier(targets):
+    rows = []
+    for i, t in enumerate(targets):
+        cfg = at_target(RelayConfig(l_start=3, l_det=4, first_k=i), 30, t)
+        rows.append({"target": t, "config": cfg.to_dict()})
+    random.Random(1).shuffle(rows)
+    return Frontier.from_profile({"frontier": rows})
+
+
+def test_point_is_the_smallest_profiled_target_at_or_above():
+    targets = [0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
+    frontier = _frontier(targets)
+    base = RelayConfig(l_start=0, l_det=1)
+    for asked in [0.5, 0.7, 0.71, 0.8, 0.849, 0.85, 0.93, 0.95]:
+        point = frontier.point(base, asked, 30)
+        want = min(t for t in targets if t >= asked)  # brute force
+        assert point.profiled == want and point.target == asked
+        assert point.config.first_k == targets.index(want)
+    beyond = frontier.point(base, 0.96, 30)  # the last rule, cap solved for 0.96
+    assert beyond.profiled is None and beyond.config.first_k == len(targets) - 1
+    assert beyond.config.max_ratio == reuse_cap(beyond.config, 30, 0.96)
+    empty = Frontier().point(base, 0.9, 30)
+    assert empty.profiled is None and empty.config.l_det == 1
+    assert empty.config.max_ratio == reuse_cap(base, 30, 0.9)
+    with pytest.raises(ValueError, match="out of reach"):
+        Frontier().point(RelayConfig(l_start=0, l_det=5), 0.9, 30)
+
+
+def test_bad_frontier_is_refused():
+    with pytest.raises(ValueError, match="capped relay"):
+        Frontier.from_profile({"frontier": [{"target": 0.9, "config": {"method": "relay"}}]})
+    with pytest.raises(ValueError, match="bad profile frontier"):
+        Frontier.from_profile({"frontier": [{"config": {}}]})
+
+
+def test_shipped_profile_frontier():
+    """Every shipped point keeps its target and stores hidden states at one layer at most."""
+    data = json.loads(shipped_profile(EMBEDDED).read_text())
+    frontier = Frontier.from_profile(data)
+    assert [t for t, _ in frontier.points] == sorted(p["target"] for p in data["frontier"])
+    assert len(frontier.l_starts() - {0}) <= 1
+    rng = random.Random(0)
+    for target, cfg in frontier.points:
+        for n in (32, 100, 300, 1000):
+            assert _span_reuse(cfg, 30, n, rng) >= target - 1e-9
+
+
+def test_settings_reuse_and_unprofiled_defaults():
+    plain = settings_from_env(EMBEDDED, {})
+    assert plain.profiled and plain.reuse_target is None and plain.frontier.points
+    fast = settings_from_env(EMBEDDED, {"SGLANG_RELAY_REUSE": "balanced"})
+    assert fast.reuse_target == 0.9
+    other = settings_from_env("/models/Qwen2-0.5B", {})
+    assert not other.profiled and other.reuse_target == 0.8 and other.config == UNPROFILED
+    assert not other.frontier.points
+    point = other.point(0.8, 24)  # no hidden state needed on an unknown model
+    assert point.config.l_start == 0 and _span_reuse(point.config, 24, 300, random.Random()) >= 0.8
+    for env, needle in [
+        ({"SGLANG_RELAY_REUSE": "1.2"}, "reuse target"),
+        ({"SGLANG_RELAY_REUSE": "0.9", "SGLANG_RELAY_METHOD": "epic"}, "applies to method"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            settings_from_env(EMBEDDED, env)
+
+
+def test_request_reuse_option():
+    settings = settings_from_env(EMBEDDED, {})
+    cfg, point = resolve_config(settings, {"reuse": "speed"}, num_layers=30, capture_layer=3)
+    assert point.profiled == 0.95 and cfg == point.config
+    cfg, point = resolve_config(settings, None, num_layers=30, capture_layer=3)
+    assert point is None and cfg == settings.config  # no target: the profile's config
+    over = {"reuse": 0.8, "config": {"first_k": 3}}
+    cfg, point = resolve_config(settings, over, num_layers=30, capture_layer=3)
+    assert cfg.first_k == 3 and cfg.max_ratio == point.config.max_ratio
+    with pytest.raises(ValueError, match="applies to method relay"):
+        resolve_config(settings, {"method": "epic", "reuse": 0.9}, num_layers=30, capture_layer=3)
+    with pytest.raises(ValueError, match="reuse target"):
+        resolve_config(settings, {"reuse": "max"}, num_layers=30, capture_layer=3)
+    assert resolve_config(settings, "off", num_layers=30, capture_layer=3) == (None, None)
+
+
+def test_position_only_rule_is_epics_selection():
+    """``signal="none"`` selects exactly what EPIC's first-k rule selects (by brute force:
+    the first min(k, cap) tokens), without any deviation scores."""
+    for n, k, cap in [(50, 16, None), (300, 24, 0.05), (40, 100, 0.5), (33, 0, None)]:
+        rule = RelayConfig(l_start=0, l_det=0, l_suf=0, signal="none", first_k=k, max_ratio=cap)
+        epic = RelayConfig().for_method("epic")
+        mask = select_tokens(rule, n)
+        want = min(k, n) if cap is None else min(k, n, int(cap * n))
+        assert mask.tolist() == [i < want for i in range(n)]
+        if cap is None:
+            from dataclasses import replace
+
+            assert mask.equal(select_tokens(replace(epic, first_k=k), n))
