@@ -298,3 +298,41 @@ def test_requests_relay_cannot_serve_safely_are_named():
     assert request_refusal(req(multimodal_inputs=object())) == "unsupported_input"
     assert request_refusal(req(session_id="s1")) == "session"
     assert request_refusal(req(sampling_params=SimpleNamespace(beam_width=4))) == "beam_search"
+
+
+def test_budget_reserves_what_the_ledger_allocates():
+    """runtime/budget.py's bytes per slot (reserved from SGLang's KV budget before the pool
+    exists) equals what a SlotLedger of those settings really allocates, per config shape."""
+    from sglang_relay.core.operating import Frontier
+    from sglang_relay.runtime.budget import bytes_per_slot, side_layers
+    from sglang_relay.runtime.settings import RelaySettings
+
+    cases = [
+        (RelayConfig(l_start=3, l_det=4), Frontier(), 3, None),
+        (RelayConfig(l_start=0, l_det=1), Frontier(), None, None),
+        (RelayConfig(l_start=3, l_det=4, tau_inf=1.0), Frontier(), 3, 4),
+        (
+            RelayConfig(l_start=0, l_det=1),
+            Frontier(((0.9, RelayConfig(l_start=2, l_det=3, max_ratio=0.1)),)),
+            2,
+            None,
+        ),
+    ]
+    for cfg, frontier, capture, influence in cases:
+        settings = RelaySettings(config=cfg, frontier=frontier)
+        assert side_layers(settings, 12) == (capture, influence)
+        for dtype in (torch.float32, torch.bfloat16):
+            ledger = SlotLedger(
+                50,
+                "cpu",
+                hidden_size=24 if capture is not None else None,
+                dtype=dtype,
+                influence=influence is not None,
+            )
+            assert bytes_per_slot(settings, 12, 24, dtype.itemsize) * 50 == ledger.nbytes()
+    two = RelaySettings(
+        config=RelayConfig(l_start=3, l_det=4),
+        frontier=Frontier(((0.9, RelayConfig(l_start=2, l_det=3, max_ratio=0.1)),)),
+    )
+    with pytest.raises(ValueError, match="one layer"):
+        side_layers(two, 12)

@@ -130,6 +130,11 @@ REQUEST_LEVEL_KEY_TARGET = (
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
 )
 META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+# the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:
+# relay's side memory is taken out of the budget here (:mod:`.budget`)
+KV_BUDGET_TARGET = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget"
+)
 
 
 # ---- launcher ------------------------------------------------------------------------------
@@ -219,6 +224,8 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "sampling_params", "customized_info", "session_id", "return_hidden_states",
     ),
     "PrefillAdder": ("tree_cache", "can_run_list"),
+    "KVCacheConfigurator": ("server_args", "model_config", "model_dtype", "is_draft_worker"),
+    "MemoryPoolConfig": ("max_total_num_tokens",),
     "TreeCacheBuildContext": (
         "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
     ),

@@ -38,6 +38,7 @@ def register() -> None:
     compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")
     compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
+    compat.register_hook(compat.KV_BUDGET_TARGET, _config_from_budget, "around")
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
@@ -91,6 +92,13 @@ def _add_one_req(original, adder, req, *args, **kwargs):
     if rt is not None and not rt.admits(req, compat.adder_admitted(adder)):
         return compat.add_req_stop()
     return original(adder, req, *args, **kwargs)
+
+
+def _config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
+    """The KV pool's byte budget: relay's side data comes out of it (:mod:`.budget`)."""
+    from sglang_relay.runtime.budget import config_from_budget
+
+    return config_from_budget(original, configurator, budget_bytes, *args, **kwargs)
 
 
 def _request_level_key(original, streamer, key, *args, **kwargs):

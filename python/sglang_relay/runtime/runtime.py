@@ -23,6 +23,7 @@ from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import OperatingPoint
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
+from sglang_relay.runtime.budget import budget_info, side_layers
 from sglang_relay.runtime.decode import capture_forward
 from sglang_relay.runtime.extend import relay_extend
 from sglang_relay.runtime.metrics import RelayCounters
@@ -59,35 +60,22 @@ class RelayRuntime:
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
         self.device = kbuf.device
         weight = self.model.embed_tokens.weight
-        relay_sched = RelayConfig.from_dict({**self.cfg.to_dict(), "method": "relay"}).schedule(
-            self.num_layers
-        )
         if self.cfg.method != "standard":
             self.cfg.schedule(self.num_layers)  # validates the layer range for this model
-        starts = {relay_sched.l_start} | settings.frontier.l_starts()
-        starts = {s for s in starts if 0 < s < self.num_layers}
-        if len(starts) > 1:
-            raise ValueError(
-                f"the profile's operating points need hidden states at layers {sorted(starts)}; "
-                "a server stores one layer: profile again or set one l_start"
-            )
-        self.capture_layer = starts.pop() if starts else None
+        self.capture_layer, self.influence_layer = side_layers(settings, self.num_layers)
         # the server's default operating point (raises at start-up if out of reach)
         self.default_point = (
             settings.point(settings.reuse_target, self.num_layers)
             if settings.reuse_target is not None
             else None
         )
-        influence_layer = relay_sched.l_det if self.cfg.tau_inf is not None else None
-        if influence_layer is not None and influence_layer >= self.num_layers:
-            influence_layer = None
-        self.influence_layer = influence_layer
+        self.kv_budget = budget_info(model_runner)  # side data reserved from the KV budget
         self.ledger = SlotLedger(
             kbuf.shape[0],
             self.device,
             hidden_size=weight.shape[-1] if self.capture_layer is not None else None,
             dtype=weight.dtype,
-            influence=influence_layer is not None,
+            influence=self.influence_layer is not None,
         )
         self.graphs = compat.graphs_enabled(model_runner)  # refused if any is on (modes.py)
         self.attention_name = pick_extend_attention(
@@ -302,6 +290,7 @@ class RelayRuntime:
             "cuda_graphs": self.graphs,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
+            "kv_budget": self.kv_budget,
             "requests_tracked": len(self.requests),
             **self.store.stats(),
             **dict(self.counters),
