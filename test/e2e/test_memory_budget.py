@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from relay_helpers import relay_info, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
