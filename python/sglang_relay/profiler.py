@@ -292,6 +292,7 @@ def run_search(search: Search, num_layers: int, quick: bool) -> dict[str, Any] |
 
 
 FRONTIER_TARGETS = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)
+QUICK_FRONTIER_TARGETS = (0.80, 0.90, 0.95)  # --quick: a request's target maps to the next one up
 
 
 def first_k_rule(num_layers: int, target: float, mean_span: float) -> RelayConfig | None:
@@ -403,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-reuse", type=float, default=0.80, help="reuse constraint")
     p.add_argument(
         "--frontier-targets",
-        default=",".join(f"{t:.2f}" for t in FRONTIER_TARGETS),
-        help="reuse targets of the operating points written into the profile",
+        default=None,
+        help="reuse targets of the operating points written into the profile (default "
+        f"{','.join(f'{t:.2f}' for t in FRONTIER_TARGETS)}; with --quick "
+        f"{','.join(f'{t:.2f}' for t in QUICK_FRONTIER_TARGETS)})",
     )
     p.add_argument(
         "--add-frontier",
@@ -429,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < args.min_reuse < 1.0:
         print("--min-reuse must be in (0, 1)", file=sys.stderr)
         return 2
+    default = QUICK_FRONTIER_TARGETS if args.quick else FRONTIER_TARGETS
+    spec = args.frontier_targets or ",".join(str(t) for t in default)
     try:
-        targets = sorted({float(t) for t in args.frontier_targets.split(",") if t.strip()})
+        targets = sorted({float(t) for t in spec.split(",") if t.strip()})
     except ValueError:
         targets = []
     if not targets or not all(0 < t < 1 for t in targets):

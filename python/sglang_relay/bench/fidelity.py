@@ -51,7 +51,9 @@ from sglang_relay.bench.workload import (
     prepare_relays,
 )
 from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.operating import at_target
 from sglang_relay.core.reference import RefModel, exact_prefill, fidelity, relay_prefill
+from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 QUICK_RELAYS = 32
@@ -244,7 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default=None, help="--frontier: write the tables here")
     p.add_argument("--json", default=None, help="write the rows (with per-relay data) here")
     p.add_argument("--model-path", default=None, help="HF model dir (default: embedded)")
-    p.add_argument("--profile", default=None, help="relay profile JSON (default: shipped)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="relay profile JSON (default: shipped); 'none': the unprofiled rule a server "
+        "runs for a model without a profile",
+    )
     p.add_argument("--n-relays", type=int, default=None, help="number of relays to run")
     p.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}"
@@ -288,9 +295,17 @@ def load_bench_model(args: argparse.Namespace) -> BenchModel:
 
     hf_logging.set_verbosity_error()
     model_dir = Path(args.model_path) if args.model_path else ensure_model()
-    profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
-    relay_cfg = load_profile(profile_path)[0] if profile_path else RelayConfig()
+    if args.profile == "none":
+        profile_path = None
+    else:
+        profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
     ref = load_model(str(model_dir))
+    # without a profile: what a server runs for such a model (the unprofiled rule at 0.80)
+    relay_cfg = (
+        load_profile(profile_path)[0]
+        if profile_path
+        else at_target(UNPROFILED, ref.num_layers, UNPROFILED_REUSE)
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()

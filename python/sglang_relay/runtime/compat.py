@@ -130,6 +130,8 @@ REQUEST_LEVEL_KEY_TARGET = (
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
 )
 META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+# CPU stand-in only (runtime/cpu.py): model-parallel groups without PyNccl
+MODEL_PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 # the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:
 # relay's side memory is taken out of the budget here (:mod:`.budget`)
 KV_BUDGET_TARGET = (

@@ -67,3 +67,19 @@ def apply_server_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     if out.get("max_total_tokens") is None and out.get("mem_fraction_static") is None:
         out["max_total_tokens"] = DEFAULT_CPU_MAX_TOTAL_TOKENS
     return out
+
+
+def cpu_engine_active() -> bool:
+    """Whether this process serves on the CPU (set by :func:`activate`, inherited by the
+    processes SGLang spawns)."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def model_parallel_group_without_pynccl(original, *args, **kwargs):
+    """Around-hook of ``init_model_parallel_group`` on the CPU: SGLang 0.5.23 gives every
+    in-tree platform a PyNccl communicator when the caller does not say otherwise, and
+    PyNccl needs a CUDA device, so ``--tp 2`` on the CPU fails before loading the model.
+    Without it the groups all-reduce through torch.distributed (gloo on the CPU)."""
+    kwargs["use_pynccl"] = False
+    return original(*args, **kwargs)
+

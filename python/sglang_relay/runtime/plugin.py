@@ -39,6 +39,12 @@ def register() -> None:
     compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
     compat.register_hook(compat.KV_BUDGET_TARGET, _config_from_budget, "around")
+    from sglang_relay.runtime import cpu
+
+    if cpu.cpu_engine_active():
+        compat.register_hook(
+            compat.MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
+        )
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
