@@ -82,4 +82,3 @@ def model_parallel_group_without_pynccl(original, *args, **kwargs):
     Without it the groups all-reduce through torch.distributed (gloo on the CPU)."""
     kwargs["use_pynccl"] = False
     return original(*args, **kwargs)
-
