@@ -83,6 +83,42 @@ def generate_ids(url: str, ids: list[int], n: int, relay=None, **extra) -> dict:
     return resp.json()
 
 
+def relay_one_upstream(url: str, ref, cfg, relay=None) -> tuple[dict, object, list[int]]:
+    """Through the server: an upstream of 96 greedy tokens after 40 fixed ids, then a
+    downstream prompt embedding its output (span) between other ids, with ``relay`` as the
+    request's option. Checks the upstream equals the reference executor's greedy decode
+    and that the span was relayed whole, then returns ``(downstream response, the
+    reference executor's relay prefill of the same prompt under cfg, the span)``."""
+    from sglang_relay.core import reference as R
+
+    up_ids = list(range(1000, 1040))
+    upstream = generate_ids(url, up_ids, 96)
+    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+    assert record.output == upstream["output_ids"]  # the same spans on both sides
+    span = record.span_tokens
+    head, tail = list(range(2000, 2023)), list(range(3000, 3011))
+    prompt = head + span + tail
+    served = generate_ids(url, prompt, 4, relay, return_logprob=True, top_logprobs_num=5)
+    info = served["meta_info"]["relay"]
+    assert info["fallback"] is None and info["reused_tokens"] == len(span), info
+    occ = R.SpanOccurrence(len(head), record, 0, len(span))
+    return served, R.relay_prefill(ref, prompt, [occ], cfg), span
+
+
+def assert_matches_reference(served: dict, result, tol: float = 2e-3) -> None:
+    """The server's selection, reuse and first-token logprobs equal the reference's."""
+    import math
+
+    import pytest
+
+    info = served["meta_info"]["relay"]
+    assert sum(result.selected) == pytest.approx(info["selected_tokens"], abs=1)
+    assert result.reuse_rate == pytest.approx(info["reuse_rate"], abs=0.01)
+    ref_lp = result.logits[-1].double().log_softmax(-1)
+    for lp, tid, _ in served["meta_info"]["output_top_logprobs"][0]:
+        assert math.isclose(lp, float(ref_lp[tid]), abs_tol=tol), (tid, lp, float(ref_lp[tid]))
+
+
 def relay_info(url):
     return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["relay"]
 

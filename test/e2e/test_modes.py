@@ -19,7 +19,6 @@ pytestmark = pytest.mark.e2e
 
 # one row per refused option of docs/limitations.md: (flags, words the message must name)
 REFUSED = [
-    (["--tp", "2"], "--tp 2"),
     (["--pp-size", "2"], "--pp-size 2"),
     (["--dp-size", "2"], "--dp-size"),
     (["--attn-dp-size", "2"], "--attn-dp-size"),

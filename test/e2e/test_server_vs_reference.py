@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from relay_helpers import generate_ids
+from relay_helpers import assert_matches_reference, generate_ids, relay_one_upstream
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.settings import settings_from_env
@@ -69,24 +69,7 @@ def test_operating_point_through_the_server_equals_the_reference(server, model_d
     profiled = [t for t, _ in settings.frontier.points]
     assert point.profiled == min(t for t in profiled if t >= target)  # brute force
 
-    up_ids = list(range(1000, 1040))
-    upstream = generate_ids(server.url, up_ids, 96)
-    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
-    assert record.output == upstream["output_ids"]
-    span = record.span_tokens
-    head, tail = list(range(2000, 2023)), list(range(3000, 3011))
-    prompt = head + span + tail
-    served = generate_ids(
-        server.url, prompt, 4, {"reuse": reuse}, return_logprob=True, top_logprobs_num=5
-    )
+    served, result, _ = relay_one_upstream(server.url, ref, point.config, {"reuse": reuse})
     relay = served["meta_info"]["relay"]
-    assert relay["operating_point"] == point.to_dict()
-    assert relay["reused_tokens"] == len(span) and relay["reuse_rate"] >= target
-
-    occ = R.SpanOccurrence(prompt_start=len(head), record=record, span_start=0, length=len(span))
-    result = R.relay_prefill(ref, prompt, [occ], point.config)
-    assert sum(result.selected) == pytest.approx(relay["selected_tokens"], abs=1)
-    assert result.reuse_rate == pytest.approx(relay["reuse_rate"], abs=0.01)
-    ref_lp = result.logits[-1].double().log_softmax(-1)
-    for lp, tid, _ in served["meta_info"]["output_top_logprobs"][0]:
-        assert math.isclose(lp, float(ref_lp[tid]), abs_tol=2e-3), (tid, lp, float(ref_lp[tid]))
+    assert relay["operating_point"] == point.to_dict() and relay["reuse_rate"] >= target
+    assert_matches_reference(served, result)

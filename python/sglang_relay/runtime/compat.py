@@ -226,6 +226,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "sampling_params", "customized_info", "session_id", "return_hidden_states",
     ),
     "PrefillAdder": ("tree_cache", "can_run_list"),
+    "GroupCoordinator": ("world_size", "rank_in_group", "cpu_group", "all_reduce"),
     "KVCacheConfigurator": ("server_args", "model_config", "model_dtype", "is_draft_worker"),
     "MemoryPoolConfig": ("max_total_num_tokens",),
     "TreeCacheBuildContext": (
@@ -275,7 +276,8 @@ def check_model_anatomy(model) -> None:
     layer = model.layers[0] if not missing and len(model.layers) else None
     if layer is not None:
         for path in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.qkv_proj",
-                     "self_attn.rotary_emb", "self_attn.attn", "self_attn.o_proj"):  # fmt: skip
+                     "self_attn.rotary_emb", "self_attn.attn", "self_attn.o_proj",
+                     "mlp.down_proj"):  # fmt: skip
             obj = layer
             for part in path.split("."):
                 obj = getattr(obj, part, None)
@@ -291,6 +293,28 @@ def check_model_anatomy(model) -> None:
             f"sglang-relay cannot re-rotate keys of {type(rope).__name__} "
             f"(supported: {', '.join(sorted(SUPPORTED_ROPE))})"
         )
+
+
+def tp_group():
+    """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group is None or int(group.world_size) <= 1:
+        return None
+    check_surface("GroupCoordinator", group)
+    return group
+
+
+def finish_row_parallel(linear, out):
+    """The TP sum of a row-parallel linear's partial output. SGLang 0.5.23 builds a dense
+    layer's ``o_proj`` / ``down_proj`` with ``reduce_results=False`` and all-reduces in its
+    layer boundaries (``layers/layer_boundary``); the relay loops call the modules
+    themselves, so they reduce here (a no-op under tp 1)."""
+    if getattr(linear, "reduce_results", True):
+        return out
+    group = tp_group()
+    return out if group is None else group.all_reduce(out)
 
 
 def attach_runtime(model, runtime) -> None:

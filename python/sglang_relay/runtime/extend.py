@@ -12,6 +12,7 @@ The batch plan is built by :mod:`.planner`; nothing here calls back into it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
+from sglang_relay.runtime.tp import TPMismatch, TPSync, fingerprint
 from sglang_relay_kernels import gather_rows, scatter_rows, splice_rerotate
 
 
@@ -51,6 +53,7 @@ class BatchPlan:
     kv_pool: object  # SGLang's token_to_kv_pool (get_key_buffer / set_kv_buffer)
     attention: ExtendAttention
     owners: list[RequestStats]  # the requests whose chunks this plan relays
+    tp: TPSync | None = None  # tensor parallel: scores reduced, selections checked
 
 
 def splice(fb, model, plan: BatchPlan) -> None:
@@ -72,7 +75,7 @@ def splice(fb, model, plan: BatchPlan) -> None:
     )
 
 
-def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence) -> None:
+def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=None) -> None:
     """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select
     per matched run; fills ``group.selected`` and each run's ``ChunkUse``."""
     cfg, rows = group.cfg, group.rows
@@ -96,16 +99,22 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence) -> Non
         old = gather_rows(buf.view(buf.shape[0], -1), loc).view(new.shape)
         deviation = kv_deviation(new, old)
         write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
+    scores = None if influence is None else influence[group.src]
+    if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
+        deviation = None if deviation is None else tp.mean(deviation)
+        scores = None if scores is None else tp.mean(scores)
     keep = []
     for lo, hi, use, head in group.segments:
-        scores = None if influence is None else influence[group.src[lo:hi]]
+        seg_scores = None if scores is None else scores[lo:hi]
         dev = None if deviation is None else deviation[lo:hi]
-        mask = select_tokens(cfg, hi - lo, dev, scores, head=head)
+        mask = select_tokens(cfg, hi - lo, dev, seg_scores, head=head)
         keep.append(rows[lo:hi][mask.to(rows.device)])
         chosen = int(keep[-1].numel())
         use.selected += chosen
         use.recomputed_token_layers += chosen * group.sched.sparse_layers
     group.selected = torch.cat(keep) if keep else rows[:0]
+    if tp is not None and not tp.agree(fingerprint(group.selected), "selection"):
+        raise TPMismatch("relay selections differ across tensor-parallel ranks")
 
 
 def _phase(g: SpanGroup, lid: int) -> str:
@@ -115,6 +124,13 @@ def _phase(g: SpanGroup, lid: int) -> str:
     if g.sched.l_det <= lid <= g.sched.l_end and g.selected is not None:
         return "selected"
     return "idle"
+
+
+def plan_fingerprint(plan: BatchPlan) -> list[int]:
+    """What every TP rank must agree on before the plan's first collective."""
+    # str hashes are salted per process: a stable digest of each group's config instead
+    methods = sum(zlib.crc32(repr(g.cfg.to_dict()).encode()) for g in plan.groups)
+    return [len(plan.groups), methods] + fingerprint(plan.span_rows, plan.span_src)
 
 
 def relay_extend(
@@ -143,7 +159,7 @@ def relay_extend(
                 scatter_rows(h, g.rows, gather_rows(ledger.hidden, g.src))
                 r[g.rows] = 0  # the stored stream is h + r: carry it in h
             if lid == g.sched.l_det and lid <= g.sched.l_end:
-                detect_and_select(fb, plan.kv_pool, layer, g, h, r, ledger.influence)
+                detect_and_select(fb, plan.kv_pool, layer, g, h, r, ledger.influence, plan.tp)
         phase = tuple(_phase(g, lid) for g in plan.groups)
         if phase != last_phase:  # the active rows change at group boundaries only
             last_phase = phase

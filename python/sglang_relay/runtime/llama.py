@@ -44,8 +44,10 @@ def run_layer(layer, positions, h, r, fb, attend: Attend):
     q, k, v = qkv(layer.self_attn, positions, x)
     o = attend(q, k, v)
     h, _ = layer.self_attn.o_proj(o)
+    h = compat.finish_row_parallel(layer.self_attn.o_proj, h)
     x, r = layer.post_attention_layernorm(h, r)
-    return layer.mlp(x, forward_batch=fb), r
+    out = layer.mlp(x, forward_batch=fb)
+    return compat.finish_row_parallel(layer.mlp.down_proj, out), r
 
 
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:

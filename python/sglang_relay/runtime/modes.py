@@ -63,11 +63,6 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "--disable-radix-cache (relay is a radix cache)",
             "drop --disable-radix-cache",
         ),
-        (
-            view.tp_size != 1,
-            f"--tp {view.tp_size} (per-rank selections are not reduced yet)",
-            "use --tp 1",
-        ),
         (view.pp_size != 1, f"--pp-size {view.pp_size}", "use --pp-size 1"),
         (
             view.dp_size != 1 or view.enable_dp_attention or view.attn_dp_size != 1,

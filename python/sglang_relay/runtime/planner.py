@@ -25,6 +25,7 @@ from sglang_relay.runtime.extend import BatchPlan, SpanGroup
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanSource, SpanStore
 from sglang_relay.runtime.stats import RequestStats
+from sglang_relay.runtime.tp import TPSync
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Planner:
         kv_pool: Any,
         req_to_token: torch.Tensor,
         attention: ExtendAttention,
+        tp: TPSync | None = None,
     ) -> None:
         self.store = store
         self.ledger = ledger
@@ -68,6 +70,7 @@ class Planner:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.attention = attention
+        self.tp = tp
         self.pending: dict[str, RequestPlan] = {}
 
     def plan_request(
@@ -202,5 +205,6 @@ class Planner:
             kv_pool=self.kv_pool,
             attention=self.attention,
             owners=[p.stats for p in plans if p is not None and p.stats.chunk is not None],
+            tp=self.tp,
         )
         return plan, dropped

@@ -25,7 +25,7 @@ from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.budget import budget_info, side_layers
 from sglang_relay.runtime.decode import capture_forward
-from sglang_relay.runtime.extend import relay_extend
+from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import request_option, resolve_config
 from sglang_relay.runtime.planner import Planner
@@ -33,6 +33,7 @@ from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
+from sglang_relay.runtime.tp import TPMismatch, TPSync
 from sglang_relay_kernels import kernel_family, pick_extend_attention
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class RelayRuntime:
             else None
         )
         self.kv_budget = budget_info(model_runner)  # side data reserved from the KV budget
+        group = compat.tp_group()
+        self.tp = TPSync(group) if group is not None else None
         self.ledger = SlotLedger(
             kbuf.shape[0],
             self.device,
@@ -92,6 +95,7 @@ class RelayRuntime:
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
             attention=extend_attention.build(self.attention_name, self.device),
+            tp=self.tp,
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self._req_checked = False
@@ -228,14 +232,21 @@ class RelayRuntime:
         return original(model, input_ids, positions, fb, *args, **kwargs)
 
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
+        if self.tp is not None and not self.tp.agree(plan_fingerprint(plan), "plan"):
+            # every rank sees the same MIN/MAX, so every rank falls back here together
+            for stats in plan.owners:
+                self._discard(stats, "tp_mismatch: plans differ across ranks")
+            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+            return original(model, input_ids, positions, fb, *args, **kwargs)
         try:
             out = relay_extend(
                 model, input_ids, positions, fb, plan, self.ledger, self.capture_layer
             )
         except Exception as exc:  # the stock forward rewrites every extend row's KV
             logger.exception("relay extend failed; standard prefill for this batch")
+            reason = "tp_mismatch: selections" if isinstance(exc, TPMismatch) else "error"
             for stats in plan.owners:
-                self._discard(stats, f"error: {type(exc).__name__}")
+                self._discard(stats, f"{reason}: {type(exc).__name__}")
             self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
             return original(model, input_ids, positions, fb, *args, **kwargs)
         for stats in plan.owners:
@@ -291,6 +302,7 @@ class RelayRuntime:
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,
+            **(self.tp.stats() if self.tp is not None else {"tp_size": 1}),
             "requests_tracked": len(self.requests),
             **self.store.stats(),
             **dict(self.counters),

@@ -1,0 +1,75 @@
+"""Tensor parallel: every rank runs the same relay plan and selects the same tokens.
+
+Under ``--tp N`` SGLang runs one scheduler per rank, each with its own tree cache, KV pool
+(its slice of the KV heads) and, here, its own relay runtime. The schedulers are replicated
+(rank 0 broadcasts the requests, every rank schedules the same batches), so span stores,
+slot ledgers and plans are equal by construction; the layer loop's collectives (the
+row-parallel ``o_proj`` / ``down_proj`` all-reduces) only work if every rank activates the
+same rows. Two things would break that, and this module closes both:
+
+* **Per-rank scores.** A rank sees only its KV heads, so its per-token deviation (and the
+  attention mass behind influence) differs from its neighbours'. :meth:`TPSync.mean`
+  all-reduces the scores of a span group before selection (one ``[S]`` float32 all-reduce
+  per group per relay extend): every rank then ranks the same numbers.
+* **Drift.** Replication is proven, not assumed: before any collective whose shape depends
+  on the plan, :meth:`TPSync.agree` compares a fingerprint of the plan across ranks (MIN and
+  MAX all-reduces of a few int64 on the CPU group); after selection it compares the
+  selected rows the same way. Every rank sees the same MIN/MAX, so on a mismatch all ranks
+  fall back to SGLang's forward together (``fallback: tp_mismatch``), never one alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+MOD = (1 << 61) - 1
+
+
+def fingerprint(*tensors: torch.Tensor) -> list[int]:
+    """A few int64 summarising index tensors (count, sum, position-weighted sum each)."""
+    out: list[int] = []
+    for t in tensors:
+        v = t.to(torch.int64).flatten().cpu()
+        weights = torch.arange(1, v.numel() + 1, dtype=torch.int64)
+        out += [v.numel(), int(v.sum()) % MOD, int((v * weights).sum()) % MOD]
+    return out
+
+
+class TPSync:
+    """The TP group's view for the relay runtime (one per scheduler process)."""
+
+    def __init__(self, group) -> None:
+        self.group = group  # SGLang's GroupCoordinator for the TP group
+        self.size = int(group.world_size)
+        self.rank = int(group.rank_in_group)
+        self.counters: Counter[str] = Counter()
+
+    def mean(self, scores: torch.Tensor) -> torch.Tensor:
+        """The TP-group mean of per-rank ``[S]`` scores (float32)."""
+        self.counters["tp_score_reductions"] += 1
+        return self.group.all_reduce(scores.float().contiguous()) / self.size
+
+    def agree(self, values: list[int], what: str) -> bool:
+        """Whether every rank holds the same ``values`` (collective: call on every rank)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        lo, hi = t.clone(), t.clone()
+        torch.distributed.all_reduce(
+            lo, op=torch.distributed.ReduceOp.MIN, group=self.group.cpu_group
+        )
+        torch.distributed.all_reduce(
+            hi, op=torch.distributed.ReduceOp.MAX, group=self.group.cpu_group
+        )
+        same = bool(torch.equal(lo, hi))
+        self.counters[f"tp_{what}_checks"] += 1
+        if not same:
+            self.counters[f"tp_{what}_mismatches"] += 1
+        return same
+
+    def stats(self) -> dict[str, int]:
+        return {"tp_size": self.size, "tp_rank": self.rank, **dict(self.counters)}
+
+
+class TPMismatch(RuntimeError):
+    """Ranks disagree on a plan or a selection: every rank falls back together."""
