@@ -157,3 +157,34 @@ def test_position_only_rule_is_epics_selection():
             from dataclasses import replace
 
             assert mask.equal(select_tokens(replace(epic, first_k=k), n))
+
+
+def test_namespaces_and_storing_by_brute_force():
+    """``options.namespace`` / ``stores_spans`` against the rule written out by hand."""
+    from itertools import product
+
+    from sglang_relay.runtime.options import namespace, stores_spans
+
+    methods = [None, "relay", "standard", "off", "epic"]
+    for scope, salt, key, method, store in product(
+        ["shared", "key"], [None, "", "s"], [None, "k"], methods, [None, True, False]
+    ):
+        option: dict = {}
+        if key:
+            option["key"] = key
+        if method:
+            option["method"] = method
+        if store is not None:
+            option["store"] = store
+        opt = option or None
+        ns = namespace(scope, ("lora0", salt), opt)
+        explicit = bool(salt) or bool(key)
+        assert (ns is None) == (scope == "key" and not explicit)
+        if ns is not None:
+            assert ns == ("lora0", salt, key)
+        opted_out = method in ("standard", "off")
+        assert stores_spans(opt) == (store is True if store is not None else not opted_out)
+    assert not stores_spans("off") and stores_spans("relay") and stores_spans(None)
+    for bad in ["", 5, "x" * 300]:
+        with pytest.raises(ValueError, match="relay key"):
+            namespace("shared", (None, None), {"key": bad})

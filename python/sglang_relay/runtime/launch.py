@@ -167,6 +167,7 @@ RELAY_FLAGS = {
     "--relay-profile": "SGLANG_RELAY_PROFILE",
     "--relay-config": "SGLANG_RELAY_CONFIG",
     "--relay-reuse": "SGLANG_RELAY_REUSE",
+    "--relay-scope": "SGLANG_RELAY_SCOPE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
 }
 RELAY_SWITCHES = {"--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX"}

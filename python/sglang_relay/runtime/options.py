@@ -19,6 +19,8 @@ from sglang_relay.core.config import METHODS, RelayConfig
 from sglang_relay.core.operating import OperatingPoint, parse_target
 from sglang_relay.runtime.settings import RelaySettings
 
+OPTION_KEYS = {"method", "config", "reuse", "key", "store"}
+
 
 def resolve_config(
     settings: RelaySettings, option: Any, *, num_layers: int, capture_layer: int | None
@@ -35,14 +37,17 @@ def resolve_config(
         method = server.method
     elif isinstance(option, str):
         method = option
-    elif isinstance(option, dict) and set(option) <= {"method", "config", "reuse"}:
+    elif isinstance(option, dict) and set(option) <= OPTION_KEYS:
         method = option.get("method", server.method if "reuse" not in option else "relay")
         overrides = option.get("config") or {}
         reuse = option.get("reuse")
         if not isinstance(method, str) or not isinstance(overrides, dict):
             raise ValueError("relay option: method must be a string, config an object")
     else:
-        raise ValueError("custom_params.relay must be a method name or {method, config, reuse}")
+        raise ValueError(
+            "custom_params.relay must be a method name or an object with "
+            + ", ".join(sorted(OPTION_KEYS))
+        )
     if method == "off":
         method = "standard"
     if method not in METHODS:
@@ -74,3 +79,33 @@ def request_option(req: Any) -> Any:
     """The raw ``custom_params["relay"]`` of a request (None when absent)."""
     params = getattr(req.sampling_params, "custom_params", None)
     return params.get("relay") if isinstance(params, dict) else None
+
+
+def relay_key(option: Any) -> str | None:
+    """The request's relay key (``custom_params.relay.key``), a non-empty string or None."""
+    key = option.get("key") if isinstance(option, dict) else None
+    if key is not None and (not isinstance(key, str) or not key or len(key) > 256):
+        raise ValueError("relay key must be a non-empty string of at most 256 characters")
+    return key
+
+
+def stores_spans(option: Any) -> bool:
+    """Whether the request's output may become a span: relaying requests store; a request
+    that opted out (``"standard"``/``"off"``) stores only with ``"store": true``."""
+    if isinstance(option, dict):
+        method = option.get("method")
+        if "store" in option:
+            return option["store"] is True
+        return method not in ("standard", "off")
+    return option not in ("standard", "off")
+
+
+def namespace(scope: str, isolation: tuple, option: Any) -> tuple | None:
+    """Who may reuse whose spans: SGLang's isolation keys (``isolation``: the request's
+    ``extra_key`` and ``cache_salt``) plus its relay key. ``None``: the request neither
+    stores nor reuses spans (scope ``key`` without ``cache_salt`` or relay key). A bad key
+    raises ValueError."""
+    key = relay_key(option)
+    if scope == "key" and key is None and isolation[-1] in (None, ""):
+        return None
+    return (*isolation, key)

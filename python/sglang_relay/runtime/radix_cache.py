@@ -39,7 +39,11 @@ class RelayRadixCache(UnifiedRadixCache):
         self._recorded: set[str] = set()  # rids whose span was recorded (until release)
         super().__init__(params)  # calls reset()
         self.relay_architecture = architecture
-        self.relay_counters: dict[str, int] = {"finished_requests": 0, "recorded_spans": 0}
+        self.relay_counters: dict[str, int] = {
+            "finished_requests": 0,
+            "recorded_spans": 0,
+            "unstored_outputs": 0,
+        }
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
         self.relay = runtime
@@ -63,7 +67,10 @@ class RelayRadixCache(UnifiedRadixCache):
             return
         start, tokens, slots, positions, stamps = span
         owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
-        namespace = compat.request_namespace(req)
+        namespace = rt.store_namespace(req)
+        if namespace is None:  # opted out, or no key under scope "key": nothing stored
+            self.relay_counters["unstored_outputs"] += 1
+            return  # as when the store declines a span: SGLang frees the slots
         if rt.store.add(tokens, slots, positions, stamps, namespace, owned=owned) is not None:
             self.relay_counters["recorded_spans"] += 1
             if owned:

@@ -27,7 +27,7 @@ from sglang_relay.runtime.budget import budget_info, side_layers
 from sglang_relay.runtime.decode import capture_forward
 from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
 from sglang_relay.runtime.metrics import RelayCounters
-from sglang_relay.runtime.options import request_option, resolve_config
+from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner
 from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.side_data import SlotLedger
@@ -130,6 +130,20 @@ class RelayRuntime:
             capture_layer=self.capture_layer,
         )
 
+    def namespace(self, req: Any) -> tuple | None:
+        """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
+        a key); ValueError on a bad relay key."""
+        return namespace(self.settings.scope, compat.request_namespace(req), request_option(req))
+
+    def store_namespace(self, req: Any) -> tuple | None:
+        """Where ``req``'s output is stored as a span (None: it is not): its namespace, if
+        it has one and did not opt out of relay without asking to store."""
+        option = request_option(req)
+        try:
+            return self.namespace(req) if stores_spans(option) else None
+        except ValueError:
+            return None
+
     def _relays_in(self, req: Any) -> bool:
         """Whether the rest of ``req``'s input holds a stored span it would relay."""
         key = (req.rid, req.prefix_len)
@@ -137,16 +151,14 @@ class RelayRuntime:
         if known is None:
             try:
                 cfg, _ = self._config(req)
+                ns = self.namespace(req)
             except ValueError:
-                cfg = None
+                cfg = ns = None
             known = (
                 cfg is not None
+                and ns is not None
                 and compat.request_refusal(req) is None
-                and bool(
-                    self.store.index.find(
-                        compat.remaining_input(req), compat.request_namespace(req)
-                    )
-                )
+                and bool(self.store.index.find(compat.remaining_input(req), ns))
             )
             self._relays[key] = known
             while len(self._relays) > 4096:
@@ -172,11 +184,16 @@ class RelayRuntime:
         refusal = compat.request_refusal(req)
         if refusal is not None:
             return self._publish(req, stats, fallback=refusal)
+        try:
+            ns = self.namespace(req)
+        except ValueError as exc:
+            return self._publish(req, stats, fallback=f"bad_options: {exc}")
+        if ns is None:  # scope "key": no cache_salt and no relay key
+            return self._publish(req, stats, fallback="no_relay_key")
         tokens, start, last_chunk = compat.extend_chunk(req)
         if last_chunk:
             tokens = tokens[:-1]  # the last prompt token is always computed normally
-        namespace = compat.request_namespace(req)
-        if self.planner.plan_request(req.rid, cfg, stats, tokens, start, namespace):
+        if self.planner.plan_request(req.rid, cfg, stats, tokens, start, ns):
             self.requests[req.rid] = stats
         self._publish(req, stats)
 
@@ -290,6 +307,7 @@ class RelayRuntime:
             "method": self.cfg.method,
             "config": self.cfg.to_dict(),
             "profile": self.settings.profile_path,
+            "scope": self.settings.scope,
             "profiled": self.settings.profiled,
             "reuse_target": self.settings.reuse_target,
             "operating_points": [t for t, _ in self.settings.frontier.points],

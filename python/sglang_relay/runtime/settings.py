@@ -12,6 +12,10 @@ set them directly:
   profile's frontier (:mod:`sglang_relay.core.operating`); default: the profile's chosen
   config, or 0.80 on a model without a profile
 * ``SGLANG_RELAY_CONFIG``: JSON object of RelayConfig fields overriding the profile
+* ``SGLANG_RELAY_SCOPE``: who may reuse whose spans: ``shared`` (default: every request
+  of the same SGLang isolation keys, ``cache_salt`` / LoRA, and relay key) or ``key``
+  (only requests carrying the same ``cache_salt`` or relay key; requests with neither
+  store and reuse nothing)
 * ``SGLANG_RELAY_SPAN_TOKENS``: token budget of recorded spans (default 1/4 of the pool)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)
@@ -32,6 +36,8 @@ ENV_METHOD = "SGLANG_RELAY_METHOD"
 ENV_PROFILE = "SGLANG_RELAY_PROFILE"
 ENV_CONFIG = "SGLANG_RELAY_CONFIG"
 ENV_REUSE = "SGLANG_RELAY_REUSE"
+ENV_SCOPE = "SGLANG_RELAY_SCOPE"
+SCOPES = ("shared", "key")
 
 # Without a profile nothing is known about the model's layers: no hidden state is stored
 # (no side memory, nothing to calibrate), layer 0 is recomputed densely, value deviation at
@@ -53,6 +59,7 @@ class RelaySettings:
     frontier: Frontier = Frontier()
     reuse_target: float | None = None  # default operating point (None: ``config`` as is)
     overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
+    scope: str = "shared"  # SGLANG_RELAY_SCOPE
 
     @property
     def profiled(self) -> bool:
@@ -101,6 +108,9 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         config = RelayConfig.from_dict({**config.to_dict(), **overrides})
     if raw_reuse and config.method != "relay":
         raise ValueError(f"{ENV_REUSE} applies to method relay; the server runs {config.method}")
+    scope = env.get(ENV_SCOPE) or "shared"
+    if scope not in SCOPES:
+        raise ValueError(f"{ENV_SCOPE} must be one of {', '.join(SCOPES)}; got {scope!r}")
     span_tokens = env.get(ENV_SPAN_TOKENS)
     try:
         budget = int(span_tokens) if span_tokens else None
@@ -116,4 +126,5 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         frontier=frontier,
         reuse_target=reuse if config.method == "relay" else None,
         overrides=tuple(overrides.items()),
+        scope=scope,
     )
