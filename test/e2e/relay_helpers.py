@@ -125,3 +125,19 @@ def relay_info(url):
 
 def first_logprobs(out) -> dict[int, float]:
     return {tid: lp for lp, tid, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+# ---- relay scope tests: one upstream prompt for all, outputs pasted downstream
+SCOPE_UP_IDS = list(range(1000, 1040))  # every upstream asks the same, so outputs are identical
+SCOPE_UP_TOKENS = 48  # spans of 47 tokens (>= min_span 32)
+
+
+def scoped_upstream(url, salt, relay):
+    extra = {"cache_salt": salt} if salt else {}
+    return generate_ids(url, SCOPE_UP_IDS, SCOPE_UP_TOKENS, relay, **extra)["output_ids"]
+
+
+def scoped_downstream(url, span, salt, relay, tag):
+    prompt = [2000 + tag, *range(2001, 2020), *span, *range(3000, 3009)]
+    extra = {"cache_salt": salt} if salt else {}
+    return generate_ids(url, prompt, 4, relay, return_logprob=True, **extra)
