@@ -142,7 +142,12 @@ def humaneval_problems(limit: int | None) -> list[dict[str, Any]]:
     return problems[:limit] if limit else problems
 
 
-def _params(n: int, method: str | None) -> dict[str, Any]:
+# upstream agents every method's pipeline shares: exact prefill, output stored as a span
+# (an opted-out request stores none unless it asks, docs/configuration.md "Relay scope")
+STANDARD_STORED = {"method": "standard", "store": True}
+
+
+def _params(n: int, method: str | dict | None) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0.0}
     if method is not None:
         params["custom_params"] = {"relay": method}
@@ -182,7 +187,7 @@ def run_humaneval(
         head = generate(
             url,
             chat(tok, first["system"], first["template"].format(**values)),
-            _params(int(first["max_new_tokens"]), "standard"),
+            _params(int(first["max_new_tokens"]), STANDARD_STORED),
         )
         values[first["name"]] = head.text.strip()
         per_method: dict[str, list[dict[str, Any]]] = {}
@@ -269,7 +274,7 @@ def run_frontend(
     tasks = case["tasks"][:limit] if limit else case["tasks"]
     records: list[dict[str, Any]] = []
     for item, task in enumerate(tasks):
-        plain = RelayEndpoint(url, relay="standard")
+        plain = RelayEndpoint(url, relay=STANDARD_STORED)
         spec = programs["write"].run(
             system="You are a software architect.",
             user=f"Task:\n{task}\n\nWrite a short design spec.",
