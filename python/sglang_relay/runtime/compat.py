@@ -295,15 +295,22 @@ def check_model_anatomy(model) -> None:
         )
 
 
+_TP_GROUP: list = []  # this process's TP group, looked up once (it is called per layer)
+
+
 def tp_group():
     """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
+    if _TP_GROUP:
+        return _TP_GROUP[0]
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    if group is None or int(group.world_size) <= 1:
+    if group is None:  # not initialised yet: ask again next time
         return None
-    check_surface("GroupCoordinator", group)
-    return group
+    if int(group.world_size) > 1:
+        check_surface("GroupCoordinator", group)
+    _TP_GROUP.append(group if int(group.world_size) > 1 else None)
+    return _TP_GROUP[0]
 
 
 def finish_row_parallel(linear, out):
