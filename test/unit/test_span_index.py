@@ -324,14 +324,15 @@ def test_start_end_window() -> None:
 
 
 def test_hash_collisions_never_produce_wrong_matches() -> None:
-    """With a hash that maps every gram to one of 2 values, every look-up collides."""
+    """With a hash that maps every gram to one of 2 values, every look-up collides (so
+    much work that only the unbounded index gives the exact result)."""
     rng = np.random.default_rng(11)
     orig = span_index_module._gram_hashes
     spans = [rand_tokens(rng, 40) for _ in range(20)]
     with mock.patch.object(
         span_index_module, "_gram_hashes", lambda t, g: orig(t, g) % np.uint64(2)
     ):
-        ix = SpanIndex()
+        ix = SpanIndex(work_per_token=None)
         for i, s in enumerate(spans):
             ix.add(i, s)
         prompt = rand_tokens(rng, 30) + spans[4] + spans[17][5:] + rand_tokens(rng, 30)
@@ -362,7 +363,7 @@ def test_shared_preamble_and_max_bucket() -> None:
     rng = np.random.default_rng(13)
     preamble = rand_tokens(rng, 24)
     spans = [preamble + rand_tokens(rng, 40) for _ in range(300)]
-    exact, capped = SpanIndex(), SpanIndex(max_bucket=4)
+    exact, capped = SpanIndex(work_per_token=None), SpanIndex(max_bucket=4)
     for i, toks in enumerate(spans):
         exact.add(i, toks)
         capped.add(i, toks)
@@ -375,6 +376,78 @@ def test_shared_preamble_and_max_bucket() -> None:
     only_preamble = fresh(0, 10) + preamble + fresh(1, 10)
     assert exact.find(only_preamble) == [SpanMatch(10, 299, 0, 24)]
     assert capped.find(only_preamble) == []
+
+
+def periodic_case(period: int, n_spans: int, span_len: int, prompt_len: int):
+    """Spans of period-``period`` text at every phase, and a prompt of the same text: every
+    prompt position hits about ``n_spans * (span_len / anchor) / period`` genuine entries."""
+    rng = np.random.default_rng(period)
+    base = rng.integers(0, 50_000, period)
+    spans = [base[(np.arange(span_len) + i) % period].tolist() for i in range(n_spans)]
+    prompt = base[np.arange(prompt_len) % period].tolist()
+    return spans, prompt
+
+
+def test_crafted_prompt_work_is_bounded_and_results_stay_valid() -> None:
+    """Periodic text against periodic spans: unbounded, the work grows with the entries per
+    position; bounded, it stays within the pace (an independent count: the stated bound)
+    while what is returned is still verified, and most of the prompt is still matched."""
+    spans, prompt = periodic_case(257, 40, 1024, 6000)
+    stored = [(i, t, None) for i, t in enumerate(spans)]
+    exact = SpanIndex(min_match=32, anchor=16, max_bucket=64, work_per_token=None)
+    bounded = SpanIndex(min_match=32, anchor=16, max_bucket=64, work_per_token=4.0, work_slack=0)
+    for sid, toks, _ in stored:
+        exact.add(sid, toks)
+        bounded.add(sid, toks)
+    want = reference_find(stored, prompt, None, 32, 0, None)
+    assert exact.find(prompt) == want
+    assert not exact.last_find_truncated
+    got = bounded.find(prompt)
+    assert bounded.last_find_truncated
+    assert_valid(bounded, prompt, got)
+    assert bounded.last_find_work <= 4.0 * len(prompt) + work_overrun(stored)
+    assert exact.last_find_work > 3 * bounded.last_find_work  # the bound did something
+    assert sum(m.length for m in got) >= 0.9 * sum(m.length for m in want)
+
+
+def test_default_bound_leaves_pasted_prompts_exact() -> None:
+    """A prompt made entirely of pieces of stored spans (the relay case at its densest)
+    stays far under the default pace: no bucket is skipped, the result is exact."""
+    rng = np.random.default_rng(21)
+    spans = [rand_tokens(rng, 512) for _ in range(150)]
+    stored = [(i, t, None) for i, t in enumerate(spans)]
+    ix = SpanIndex(min_match=32, anchor=16, max_bucket=64)  # the runtime's settings
+    for sid, toks, _ in stored:
+        ix.add(sid, toks)
+    prompt: list[int] = []
+    while len(prompt) < 3000:
+        toks = spans[int(rng.integers(0, len(spans)))]
+        i = int(rng.integers(0, 400))
+        prompt += toks[i : i + int(rng.integers(32, 112))]
+    got = ix.find(prompt)
+    assert not ix.last_find_truncated
+    assert ix.last_find_work < 4.0 * len(prompt) / 4  # >= 4x headroom under the pace
+    assert got == reference_find(stored, prompt, None, 32, 0, None)
+
+
+def test_removing_spans_that_share_one_gram_in_any_order() -> None:
+    """Identical degenerate spans (one gram at every anchor) removed in random order: the
+    shared bucket shrinks entry by entry and the index stays consistent."""
+    rng = np.random.default_rng(22)
+    ix = SpanIndex(min_match=32, anchor=16, work_per_token=None)
+    stored = []
+    for sid in range(40):
+        toks = [7] * int(rng.integers(32, 300))
+        ix.add(sid, toks)
+        stored.append((sid, toks, None))
+    prompt = [1] * 5 + [7] * 100 + [2] * 5
+    for k, sid in enumerate(rng.permutation(40).tolist()):
+        assert ix.remove(sid)
+        stored = [x for x in stored if x[0] != sid]
+        assert ix.num_entries == total_bucket_entries(ix)
+        if k % 8 == 7:  # the brute-force reference is slow
+            assert ix.find(prompt) == reference_find(stored, prompt, None, 32, 0, None)
+    assert ix._tables == {}
 
 
 @pytest.mark.parametrize(
@@ -398,7 +471,7 @@ def scenarios(draw: st.DrawFn) -> tuple:
     namespace = draw(st.sampled_from(namespaces))  # the one queried; most spans share it
     rare = st.sampled_from([False, False, False, True])
 
-    ix = SpanIndex(min_match=min_match, anchor=anchor)
+    ix = SpanIndex(min_match=min_match, anchor=anchor, work_per_token=None)  # exact
     stored: list[tuple[int, list[int], Hashable]] = []  # in add order
     n_ops = draw(st.integers(1, 9))
     next_id = 0
@@ -455,6 +528,13 @@ def scenarios(draw: st.DrawFn) -> tuple:
     return ix, stored, prompt, namespace, start, end
 
 
+def work_overrun(stored: list) -> int:
+    """What one verification may add past the pace: 16 plus its compared tokens / 64 (both
+    directions, at most the longest span each)."""
+    longest = max((len(toks) for _, toks, _ in stored), default=0)
+    return 16 + 2 * longest // 64 + 1
+
+
 def check_against_reference(scenario: tuple) -> None:
     ix, stored, prompt, namespace, start, end = scenario
     got = ix.find(prompt, namespace, start=start, end=end)
@@ -471,6 +551,20 @@ def check_against_reference(scenario: tuple) -> None:
     got = capped.find(prompt, namespace, start=start, end=end)
     assert_valid(capped, prompt, got)
     assert all(start <= m.prompt_start and m.prompt_start + m.length <= stop for m in got)
+    # Under a tight work bound (no slack) results stay valid, the work stays within the
+    # stated bound, and a find that skipped nothing is exact.
+    for pace in (0.5, 2.0, 8.0):
+        bounded = SpanIndex(
+            min_match=ix.min_match, anchor=ix.anchor, work_per_token=pace, work_slack=0
+        )
+        for sid, toks, ns in stored:
+            bounded.add(sid, toks, ns)
+        got = bounded.find(prompt, namespace, start=start, end=end)
+        assert_valid(bounded, prompt, got)
+        assert all(start <= m.prompt_start and m.prompt_start + m.length <= stop for m in got)
+        if not bounded.last_find_truncated:
+            assert got == reference_find(stored, prompt, namespace, ix.min_match, start, end)
+        assert bounded.last_find_work <= pace * max(0, stop - start) + work_overrun(stored)
 
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -492,7 +586,7 @@ def test_find_equals_brute_force_under_hash_collisions(scenario: tuple) -> None:
     ):
         # Rebuild the index under the bad hash (entries must be hashed consistently).
         ix, stored, prompt, namespace, start, end = scenario
-        bad = SpanIndex(min_match=ix.min_match, anchor=ix.anchor)
+        bad = SpanIndex(min_match=ix.min_match, anchor=ix.anchor, work_per_token=None)
         for sid, toks, ns in stored:
             bad.add(sid, toks, ns)
         check_against_reference((bad, stored, prompt, namespace, start, end))

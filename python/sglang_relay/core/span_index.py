@@ -51,8 +51,23 @@ through hash-bucket collisions and genuinely shared grams: if ``k`` stored spans
 same anchored gram (a common preamble, say), each occurrence of that gram in the prompt
 costs ``k`` candidate checks. ``max_bucket`` bounds that cost by skipping such grams, at the
 price of exactness in the rare case where a match consists of common grams only.
-``add``/``remove`` cost ``O(len(span))``. Memory: the tokens themselves (8 bytes each) plus
-about ``len(span) / anchor`` dict entries per span.
+``add``/``remove`` cost ``O(len(span))`` (a bucket shared by many anchors is an insertion-ordered
+dict, so removing one entry is ``O(1)`` however common the gram). Memory: the tokens
+themselves (8 bytes each) plus about ``len(span) / anchor`` dict entries per span.
+
+*Work bound.* A crafted prompt can still make every position hit many entries that are all
+genuine (periodic text against periodic spans, many near-copies of one text): up to
+``max_bucket`` candidates per prompt token, each compared token by token. ``find`` therefore
+keeps a work account (1 per candidate examined, plus 16 and 1 per 64 compared tokens for
+each verification: measured, a verification costs about 20 examined candidates) and paces it: before examining a bucket at window position ``i`` the account
+may not exceed ``work_per_token * (i + 1) + work_slack``; a bucket that would overrun the
+pace is skipped like a stop-gram. Total work is therefore at most
+``work_per_token * n + work_slack`` plus one verification's cost for an ``n``-token
+window, plus one dict look-up per position (verifications compare in blocks growing 4x
+from 64 tokens, so their cost follows the run found, not the span's length). Skipping never produces a wrong match (every
+match is still verified); it can only miss or shorten matches, and only in prompts whose
+buckets are dense enough to overrun the pace (``last_find_truncated`` tells).
+``work_per_token=None`` disables the bound (exact greedy result always).
 
 The index is not thread-safe; callers serialise ``add``/``remove``/``find``.
 """
@@ -126,6 +141,28 @@ def _gram_hashes(tokens: np.ndarray, gram: int) -> np.ndarray:
     return h
 
 
+def _equal_run(
+    a: np.ndarray, i: int, b: np.ndarray, j: int, limit: int, step: int
+) -> tuple[int, int]:
+    """Length of the run ``a[i + step*k] == b[j + step*k]`` for ``k = 0, 1, ...`` (at most
+    ``limit``) and the number of tokens compared. Compares in blocks that grow 4x from 64,
+    so the cost follows the run's length rather than ``limit``."""
+    done, block = 0, 64
+    while done < limit:
+        n = min(block, limit - done)
+        if step > 0:
+            x, y = a[i + done : i + done + n], b[j + done : j + done + n]
+        else:  # backwards: compare a[i-done-n+1 .. i-done] from its end
+            x = a[i - done - n + 1 : i - done + 1][::-1]
+            y = b[j - done - n + 1 : j - done + 1][::-1]
+        bad = np.flatnonzero(x != y)
+        if bad.size:
+            return done + int(bad[0]), done + n
+        done += n
+        block *= 4
+    return limit, limit
+
+
 class SpanIndex:
     """Index of token spans; :meth:`find` locates runs of stored spans inside a prompt.
 
@@ -143,17 +180,28 @@ class SpanIndex:
             through its other anchors (the match extends back over the common part), but
             a match whose every anchored gram is common is no longer guaranteed to be found,
             so the output may then differ from the exact greedy result.
+        work_per_token: pace of :meth:`find`'s work account per window token (see the
+            module docstring, "Work bound"); ``None`` disables the bound. The default (4)
+            is about 10x what a prompt made entirely of pasted spans uses (0.35 per token).
+        work_slack: work allowed ahead of the pace (lets a short prompt verify its few
+            candidates whatever their number).
 
     Raises:
         ValueError: unless ``anchor >= 1`` and ``min_match >= 2 * anchor - 1``. This is the
             exact condition under which every run of ``min_match`` tokens contains a whole
             anchored gram, i.e. under which anchor sampling never misses a match. Also if
-            ``max_bucket < 1``.
+            ``max_bucket < 1``, ``work_per_token <= 0`` or ``work_slack < 0``.
         TypeError: if an argument is not an ``int``.
     """
 
     def __init__(
-        self, min_match: int = 16, anchor: int = 8, *, max_bucket: int | None = None
+        self,
+        min_match: int = 16,
+        anchor: int = 8,
+        *,
+        max_bucket: int | None = None,
+        work_per_token: float | None = 4.0,
+        work_slack: int = 4096,
     ) -> None:
         for name, value in (("min_match", min_match), ("anchor", anchor)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -164,6 +212,10 @@ class SpanIndex:
             if max_bucket < 1:
                 raise ValueError(f"max_bucket must be >= 1 or None; got {max_bucket}")
             max_bucket = int(max_bucket)
+        if work_per_token is not None and not work_per_token > 0:
+            raise ValueError(f"work_per_token must be > 0 or None; got {work_per_token}")
+        if work_slack < 0:
+            raise ValueError(f"work_slack must be >= 0; got {work_slack}")
         min_match, anchor = int(min_match), int(anchor)
         if anchor < 1:
             raise ValueError(f"anchor must be >= 1; got {anchor}")
@@ -175,7 +227,11 @@ class SpanIndex:
         self._min_match = min_match
         self._anchor = anchor
         self._max_bucket = max_bucket
+        self._work_per_token = None if work_per_token is None else float(work_per_token)
+        self._work_slack = int(work_slack)
         self._last_candidates = 0
+        self._last_work = 0
+        self._last_truncated = False
         self._next_seq = 0
         self._seq_of: dict[int, int] = {}  # span_id -> sequence number (= add order)
         self._spans: dict[int, tuple[int, np.ndarray, Hashable]] = {}  # seq -> (id, toks, ns)
@@ -198,6 +254,22 @@ class SpanIndex:
     def max_bucket(self) -> int | None:
         """Bucket size above which a gram is skipped by :meth:`find` (``None``: never)."""
         return self._max_bucket
+
+    @property
+    def work_per_token(self) -> float | None:
+        """Pace of :meth:`find`'s work bound (``None``: unbounded)."""
+        return self._work_per_token
+
+    @property
+    def last_find_work(self) -> int:
+        """Diagnostic: the work account of the last :meth:`find` (see "Work bound")."""
+        return self._last_work
+
+    @property
+    def last_find_truncated(self) -> bool:
+        """Whether the last :meth:`find` skipped a bucket to keep its work bound (its result
+        is then valid but may miss or shorten matches)."""
+        return self._last_truncated
 
     @property
     def last_find_candidates(self) -> int:
@@ -275,9 +347,9 @@ class SpanIndex:
             if cur is None:
                 table[h] = entry
             elif type(cur) is int:
-                table[h] = [cur, entry]
+                table[h] = {cur: None, entry: None}  # ordered, O(1) removal
             else:
-                cur.append(entry)
+                cur[entry] = None
         self._num_entries += len(hashes)
 
     def remove(self, span_id: int) -> bool:
@@ -298,9 +370,9 @@ class SpanIndex:
             if type(cur) is int:
                 del table[h]
             else:
-                cur.remove(entry)
+                del cur[entry]
                 if len(cur) == 1:
-                    table[h] = cur[0]
+                    table[h] = next(iter(cur))
         self._num_entries -= len(hashes)
         if not table:
             del self._tables[namespace]
@@ -341,7 +413,8 @@ class SpanIndex:
         """
         if start < 0 or (end is not None and end < 0):
             raise ValueError(f"start and end must be >= 0; got start={start}, end={end}")
-        self._last_candidates = 0
+        self._last_candidates = self._last_work = 0
+        self._last_truncated = False
         table = self._tables.get(namespace)
         if not table:
             return []
@@ -355,7 +428,9 @@ class SpanIndex:
         hashes = _gram_hashes(arr[start:stop], a).tolist()
         spans = self._spans
         max_bucket = self._max_bucket
-        checked = 0
+        pace, slack = self._work_per_token, self._work_slack
+        work = checked = 0
+        truncated = False
         covered: dict[tuple[int, int], int] = {}  # (seq, off - q) -> end of its computed run
         runs: list[tuple[int, int, int, int]] = []  # (run start, run end, seq, off - q)
         for i, cur in enumerate(map(table.get, hashes)):
@@ -365,6 +440,10 @@ class SpanIndex:
                 cur = (cur,)
             elif max_bucket is not None and len(cur) > max_bucket:
                 continue  # stop-gram (opt-in): too common to be worth verifying
+            if pace is not None and work + len(cur) > pace * (i + 1) + slack:
+                truncated = True  # over the work pace: skip this bucket (never wrong)
+                continue
+            work += len(cur)
             q = start + i
             for entry in cur:
                 seq = entry >> _OFF_BITS
@@ -373,23 +452,21 @@ class SpanIndex:
                 key = (seq, diag)
                 if covered.get(key, -1) > q:
                     continue  # inside a run already computed on this diagonal
+                if pace is not None and work > pace * (i + 1) + slack:
+                    truncated = True
+                    break
                 checked += 1
                 toks = spans[seq][1]
-                n_fwd = min(stop - q, len(toks) - off)
-                bad = np.flatnonzero(arr[q : q + n_fwd] != toks[off : off + n_fwd])
-                fwd = int(bad[0]) if bad.size else n_fwd
+                fwd, cost = _equal_run(arr, q, toks, off, min(stop - q, len(toks) - off), 1)
+                work += 16 + cost // 64
                 if fwd < a:
                     continue  # hash collision: the anchored gram itself differs
-                n_back = min(q - start, off)
-                back = n_back
-                if n_back:
-                    bad = np.flatnonzero(arr[q - n_back : q] != toks[off - n_back : off])
-                    if bad.size:
-                        back = n_back - 1 - int(bad[-1])
+                back, cost = _equal_run(arr, q - 1, toks, off - 1, min(q - start, off), -1)
+                work += cost // 64
                 covered[key] = q + fwd
                 if fwd + back >= min_match:
                     runs.append((q - back, q + fwd, seq, diag))
-        self._last_candidates = checked
+        self._last_candidates, self._last_work, self._last_truncated = checked, work, truncated
         if not runs:
             return []
 

@@ -383,9 +383,17 @@ def extend_chunk(req) -> tuple[list[int], int, bool]:
     return tokens, start, end >= total
 
 
-def remaining_input(req) -> list[int]:
-    """The input tokens a waiting request still has to prefill (after its prefix match)."""
-    return list(req.full_untruncated_fill_ids[req.prefix_len :])
+def remaining_input(req, limit: int | None = None) -> list[int]:
+    """The input tokens a waiting request still has to prefill (after its prefix match),
+    at most ``limit`` of them."""
+    end = None if limit is None else req.prefix_len + limit
+    return list(req.full_untruncated_fill_ids[req.prefix_len : end])
+
+
+def chunk_size(model_runner) -> int | None:
+    """``--chunked-prefill-size`` (None when prefill is not chunked)."""
+    size = getattr(model_runner.server_args, "chunked_prefill_size", None)
+    return int(size) if size is not None and int(size) > 0 else None
 
 
 def adder_tree_cache(adder):

@@ -100,6 +100,9 @@ class RelayRuntime:
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self._req_checked = False
         self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
+        # the admission check looks at the next chunk only (what the plan will see), so a
+        # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
+        self.admit_window = compat.chunk_size(model_runner)
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
 
     @property
@@ -158,7 +161,7 @@ class RelayRuntime:
                 cfg is not None
                 and ns is not None
                 and compat.request_refusal(req) is None
-                and bool(self.store.index.find(compat.remaining_input(req), ns))
+                and self.store.any_match(compat.remaining_input(req, self.admit_window), ns)
             )
             self._relays[key] = known
             while len(self._relays) > 4096:

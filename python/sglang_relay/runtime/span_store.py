@@ -73,6 +73,8 @@ class SpanStore:
         self.owned_tokens = 0
         self.release_slots = release_slots
         self._next_id = 1
+        self.scans = 0  # index look-ups (admission checks and plans)
+        self.scans_truncated = 0  # ... that hit the index's work bound (see SpanIndex)
 
     # ---- recording ------------------------------------------------------------------
     def add(
@@ -131,11 +133,21 @@ class SpanStore:
             self.drop(span_id, release=release)
 
     # ---- lookup ---------------------------------------------------------------------
+    def _matches(self, tokens: list[int], namespace: Hashable) -> list:
+        matches = self.index.find(tokens, namespace)
+        self.scans += 1
+        self.scans_truncated += self.index.last_find_truncated
+        return matches
+
+    def any_match(self, tokens: list[int], namespace: Hashable) -> bool:
+        """Whether ``tokens`` hold a run of a recorded span (no LRU touch)."""
+        return bool(self._matches(tokens, namespace))
+
     def find(self, tokens: list[int], namespace: Hashable) -> list[SpanSource]:
         """Matched runs of recorded spans inside ``tokens`` (same namespace only).
         Validity is the caller's to check (:class:`SlotLedger`), at use time."""
         out = []
-        for m in self.index.find(tokens, namespace):
+        for m in self._matches(tokens, namespace):
             span = self.spans.get(m.span_id)
             if span is None:
                 continue
@@ -160,4 +172,6 @@ class SpanStore:
             "span_tokens": self.num_tokens,
             "owned_span_tokens": self.owned_tokens,
             "span_token_budget": self.max_tokens,
+            "match_scans": self.scans,
+            "match_scans_truncated": self.scans_truncated,
         }
