@@ -142,7 +142,9 @@ def cases(args: argparse.Namespace):
     text = rng.integers(0, VOCAB, 1024)
     for sid in range(MAX_BUCKET):
         copy = text.copy()
-        copy[(np.arange(sid % 40, 1024, 40))] = rng.integers(0, VOCAB, len(range(sid % 40, 1024, 40)))
+        copy[(np.arange(sid % 40, 1024, 40))] = rng.integers(
+            0, VOCAB, len(range(sid % 40, 1024, 40))
+        )
         ix.add(sid, copy)
     fill_random(ix, rng, args, start_id=MAX_BUCKET)
     yield "near-dup", ix, np.tile(text, n // 1024 + 1)[:n]
@@ -187,11 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     prefill = prefill_us_per_token(args)
     mode = "unbounded" if args.unbounded else "bounded (default work_per_token)"
-    print(f"find() on {args.prompt_len}-token prompts, index ~{args.index_tokens} span tokens, {mode}")
+    print(
+        f"find() on {args.prompt_len}-token prompts, index ~{args.index_tokens} span tokens, {mode}"
+    )
     if prefill is not None:
-        print(f"standard prefill, embedded model, {args.prefill_len} tokens: {prefill:.0f} us/token")
+        print(
+            f"standard prefill, embedded model, {args.prefill_len} tokens: {prefill:.0f} us/token"
+        )
     print(f"GPU reference (not measured): {args.gpu_us_per_token:.0f} us/token")
-    head = f"{'case':<16}{'find s':>9}{'us/tok':>9}{'work':>11}{'verif':>9}{'trunc':>7}{'matched':>9}"
+    head = (
+        f"{'case':<16}{'find s':>9}{'us/tok':>9}{'work':>11}{'verif':>9}{'trunc':>7}{'matched':>9}"
+    )
     head += f"{'%cpu-prefill':>14}{'%gpu-ref':>10}"
     print(head)
     rows = {}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import requests
-from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, relay_info
+from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, generate_ids, relay_info
 
 pytestmark = pytest.mark.e2e
 
@@ -218,3 +218,27 @@ def test_prometheus_counters(server, upstream):
     lines = [line for line in text.splitlines() if line.startswith("sglang_relay:events_total")]
     counts = {line.split('event="')[1].split('"')[0]: float(line.split()[-1]) for line in lines}
     assert counts.get("relay_extends", 0) >= 1 and counts.get("relayed_tokens", 0) >= 80, lines
+
+
+def test_a_short_run_of_an_output_is_not_relayed_but_the_whole_output_is(server):
+    """Relatedness: a 40-token run from the middle of a 160-token output (25 % of it, a
+    shared idiom or boilerplate) is not relayed: standard prefill, said and counted, the
+    same tokens and logprobs as a standard request. The whole output pasted is relayed."""
+    k = next(_unique)
+    up = generate_ids(server.url, [500 + k, *range(1000, 1039)], 160)["output_ids"]
+    head, tail = [600 + k, *range(2001, 2023)], list(range(3000, 3011))
+    before = relay_info(server.url).get("unrelated_matches", 0)
+
+    quoted = head + up[60:100] + tail
+    got = generate_ids(server.url, quoted, 4, return_logprob=True, top_logprobs_num=5)
+    info = got["meta_info"]["relay"]
+    assert info["fallback"] == "unrelated_match" and info["reused_tokens"] == 0, info
+    want = generate_ids(
+        server.url, [700 + k, *quoted[1:]], 4, "standard", return_logprob=True, top_logprobs_num=5
+    )
+    assert got["output_ids"] == want["output_ids"]
+    assert relay_info(server.url)["unrelated_matches"] >= before + 1
+
+    pasted = generate_ids(server.url, [800 + k, *head[1:], *up, *tail], 4)
+    info = pasted["meta_info"]["relay"]
+    assert info["fallback"] is None and info["reused_tokens"] >= 150, info

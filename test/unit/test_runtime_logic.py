@@ -168,7 +168,7 @@ def test_plan_batch_trims_rewritten_slots_and_missing_hidden_states():
     prompt = [1, 2, 3, 4, 5, *span_tokens, 6, 7]
     stats = RequestStats("relay", L)
     stats.req = SimpleNamespace(rid="r")
-    assert planner.plan_request("r", RELAY, stats, prompt[:-1], 0, "ns")
+    assert planner.plan_request("r", RELAY, stats, prompt[:-1], 0, "ns") == (True, 0)
     out_loc = torch.arange(600, 600 + len(prompt))
     plan, dropped = planner.plan_batch(_fb(["r"], [0], [len(prompt)], out_loc))
     assert dropped == []

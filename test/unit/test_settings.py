@@ -36,11 +36,20 @@ def test_method_then_overrides():
         ({"SGLANG_RELAY_METHOD": "magic"}, "method must be one of"),
         ({"SGLANG_RELAY_SPAN_TOKENS": "-5"}, "must be > 0"),
         ({"SGLANG_RELAY_PROFILE": "/nonexistent.json"}, "cannot read relay profile"),
+        ({"SGLANG_RELAY_MIN_SHARE": "half"}, "MIN_SHARE must be a number"),
+        ({"SGLANG_RELAY_MIN_SHARE": "1.5"}, r"MIN_SHARE must be in \[0, 1\]"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, needle):
     with pytest.raises(ValueError, match=needle):
         settings_from_env(EMBEDDED, env)
+
+
+def test_min_share_default_and_override():
+    assert settings_from_env(EMBEDDED, {}).min_share == 0.5
+    assert settings_from_env(EMBEDDED, {"SGLANG_RELAY_MIN_SHARE": "0"}).min_share == 0.0
+    _, env = split_relay_flags(["--relay-min-share", "0.3"])
+    assert env == {"SGLANG_RELAY_MIN_SHARE": "0.3"}
 
 
 def test_relay_flags_are_split_from_sglang_flags():

@@ -593,3 +593,24 @@ def test_find_equals_brute_force_under_hash_collisions(scenario: tuple) -> None:
         for sid, _, _ in stored:
             assert bad.remove(sid)
         assert bad.num_entries == 0 and bad._tables == {}
+
+
+# --------------------------------------------------------------------------- relatedness
+
+
+def test_related_spans_by_share_and_by_long_quote() -> None:
+    from sglang_relay.core.span_index import related_spans
+
+    lengths = {1: 200, 2: 200, 3: 1000, 4: 100}
+    matches = [
+        SpanMatch(0, 1, 60, 40),  # 20 % of span 1 only: boilerplate-like, unrelated
+        SpanMatch(50, 2, 0, 60),  # span 2 pasted with an edit: 60 + 45 = 52.5 %, related
+        SpanMatch(111, 2, 61, 45),
+        SpanMatch(200, 3, 100, 300),  # 30 % of a long span, but a 300-token quote: related
+        SpanMatch(600, 4, 0, 50),  # exactly half of span 4: related (>=)
+    ]
+    assert related_spans(matches, lengths, 0.5) == {2, 3, 4}
+    assert related_spans(matches, lengths.__getitem__, 0.5, quote_tokens=400) == {2, 4}
+    assert related_spans(matches, lengths, 0.0) == {1, 2, 3, 4}  # 0: every match
+    assert related_spans(matches, lengths, 1.0) == {3}
+    assert related_spans([], lengths, 0.5) == set()

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from sglang_relay.core.reference import RefModel, SpanOccurrence, UpstreamRecord, generate
-from sglang_relay.core.span_index import SpanIndex
+from sglang_relay.core.span_index import SpanIndex, related_spans
+from sglang_relay.runtime.settings import DEFAULT_MIN_SHARE
 
 CACHE_FORMAT = 2
 
@@ -155,13 +156,20 @@ def output_text(tok: Any, rec: UpstreamRecord, stop_ids: Sequence[int]) -> str:
 
 
 def find_spans(
-    prompt: Sequence[int], records: Sequence[UpstreamRecord], match_min: int
+    prompt: Sequence[int],
+    records: Sequence[UpstreamRecord],
+    match_min: int,
+    min_share: float = DEFAULT_MIN_SHARE,
 ) -> list[SpanOccurrence]:
-    """Span occurrences in ``prompt`` (never its last token), found as the runtime does."""
-    index = SpanIndex(min_match=match_min, anchor=max(1, match_min // 2))  # as the runtime
+    """Span occurrences in ``prompt`` (never its last token), found as the runtime does:
+    the same index settings and the same relatedness rule."""
+    index = SpanIndex(min_match=match_min, anchor=max(1, match_min // 2), max_bucket=64)
     for i, rec in enumerate(records):
         index.add(i, rec.span_tokens)
     matches = index.find(list(prompt), end=len(prompt) - 1)
+    if min_share > 0:
+        keep = related_spans(matches, lambda i: len(records[i].span_tokens), min_share)
+        matches = [m for m in matches if m.span_id in keep]
     return [
         SpanOccurrence(m.prompt_start, records[m.span_id], m.span_start, m.length) for m in matches
     ]

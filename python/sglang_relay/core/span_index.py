@@ -59,14 +59,15 @@ themselves (8 bytes each) plus about ``len(span) / anchor`` dict entries per spa
 genuine (periodic text against periodic spans, many near-copies of one text): up to
 ``max_bucket`` candidates per prompt token, each compared token by token. ``find`` therefore
 keeps a work account (1 per candidate examined, plus 16 and 1 per 64 compared tokens for
-each verification: measured, a verification costs about 20 examined candidates) and paces it: before examining a bucket at window position ``i`` the account
-may not exceed ``work_per_token * (i + 1) + work_slack``; a bucket that would overrun the
-pace is skipped like a stop-gram. Total work is therefore at most
-``work_per_token * n + work_slack`` plus one verification's cost for an ``n``-token
-window, plus one dict look-up per position (verifications compare in blocks growing 4x
-from 64 tokens, so their cost follows the run found, not the span's length). Skipping never produces a wrong match (every
-match is still verified); it can only miss or shorten matches, and only in prompts whose
-buckets are dense enough to overrun the pace (``last_find_truncated`` tells).
+each verification: measured, a verification costs about 20 examined candidates) and paces
+it: before examining a bucket at window position ``i`` the account may not exceed
+``work_per_token * (i + 1) + work_slack``; a bucket that would overrun the pace is skipped
+like a stop-gram. Total work is therefore at most ``work_per_token * n + work_slack`` plus
+one verification's cost for an ``n``-token window, plus one dict look-up per position
+(verifications compare in blocks growing 4x from 64 tokens, so their cost follows the run
+found, not the span's length). Skipping never produces a wrong match (every match is still
+verified); it can only miss or shorten matches, and only in prompts whose buckets are dense
+enough to overrun the pace (``last_find_truncated`` tells).
 ``work_per_token=None`` disables the bound (exact greedy result always).
 
 The index is not thread-safe; callers serialise ``add``/``remove``/``find``.
@@ -75,12 +76,12 @@ The index is not thread-safe; callers serialise ``add``/``remove``/``find``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SpanIndex", "SpanMatch"]
+__all__ = ["QUOTE_TOKENS", "SpanIndex", "SpanMatch", "related_spans"]
 
 # splitmix64 finalizer constants and the polynomial base (odd, so multiplication is a bijection).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -139,6 +140,38 @@ def _gram_hashes(tokens: np.ndarray, gram: int) -> np.ndarray:
         h *= _BASE
         h += x[j : j + n]
     return h
+
+
+# A verbatim run this long is a deliberate quote of an output, whatever share of it.
+QUOTE_TOKENS = 256
+
+
+def related_spans(
+    matches: Sequence[SpanMatch],
+    span_length: dict[int, int] | Callable[[int], int],
+    min_share: float,
+    quote_tokens: int = QUOTE_TOKENS,
+) -> set[int]:
+    """Ids of the spans that ``matches`` (the matches of one whole prompt) relate to.
+
+    Relay's use case is an output pasted into a later prompt: whole, or most of it, or a
+    long quote of it. A short run that merely equals part of a stored output (a license
+    header, a common idiom, boilerplate that two unrelated outputs share) is not. A span
+    is *related* when the prompt holds at least ``min_share`` of its tokens (all its
+    matches together: a paste with an edit in the middle is two matches) or one match of
+    at least ``quote_tokens`` tokens. ``min_share`` 0 relates every match.
+    """
+    length = span_length.__getitem__ if isinstance(span_length, dict) else span_length
+    total: dict[int, int] = {}
+    longest: dict[int, int] = {}
+    for m in matches:
+        total[m.span_id] = total.get(m.span_id, 0) + m.length
+        longest[m.span_id] = max(longest.get(m.span_id, 0), m.length)
+    return {
+        sid
+        for sid, n in total.items()
+        if n >= min_share * length(sid) or longest[sid] >= quote_tokens
+    }
 
 
 def _equal_run(

@@ -168,6 +168,7 @@ RELAY_FLAGS = {
     "--relay-config": "SGLANG_RELAY_CONFIG",
     "--relay-reuse": "SGLANG_RELAY_REUSE",
     "--relay-scope": "SGLANG_RELAY_SCOPE",
+    "--relay-min-share": "SGLANG_RELAY_MIN_SHARE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
 }
 RELAY_SWITCHES = {"--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX"}

@@ -13,7 +13,7 @@ Two steps, paired like FlashInfer's plan/run:
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,10 +81,17 @@ class Planner:
         tokens: list[int],
         prefix_len: int,
         namespace: Hashable,
-    ) -> bool:
+        related: Callable[[], set[int]] | None = None,
+    ) -> tuple[bool, int]:
         """Find spans in this chunk's ``tokens`` (they start at row position
-        ``prefix_len``); returns whether any matched."""
+        ``prefix_len``), keeping those of spans in ``related()`` (None: all). Returns
+        whether any was kept and the number of matches left out as unrelated."""
         sources = self.store.find(tokens, namespace)
+        unrelated = 0
+        if sources and related is not None:
+            ids = related()
+            kept = [s for s in sources if s.span_id in ids]
+            unrelated, sources = len(sources) - len(kept), kept
         heads = [self._continued(stats, s, prefix_len) for s in sources]
         stats.open_run = None
         for s, head in zip(sources, heads, strict=True):
@@ -92,9 +99,9 @@ class Planner:
                 end = prefix_len + len(tokens)
                 stats.open_run = (s.span_id, s.span_start + s.length, end, head + s.length)
         if not sources:
-            return False
+            return False, unrelated
         self.pending[rid] = RequestPlan(cfg, prefix_len, sources, heads, stats)
-        return True
+        return True, unrelated
 
     @staticmethod
     def _continued(stats: RequestStats, s: SpanSource, prefix_len: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import OperatingPoint
+from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.budget import budget_info, side_layers
@@ -100,6 +101,7 @@ class RelayRuntime:
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self._req_checked = False
         self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
+        self._related_memo: OrderedDict[str, set[int]] = OrderedDict()  # rid -> span ids
         # the admission check looks at the next chunk only (what the plan will see), so a
         # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
         self.admit_window = compat.chunk_size(model_runner)
@@ -148,7 +150,8 @@ class RelayRuntime:
             return None
 
     def _relays_in(self, req: Any) -> bool:
-        """Whether the rest of ``req``'s input holds a stored span it would relay."""
+        """Whether the next chunk of ``req``'s input holds a related stored span it would
+        relay (what its plan will find)."""
         key = (req.rid, req.prefix_len)
         known = self._relays.get(key)
         if known is None:
@@ -157,16 +160,29 @@ class RelayRuntime:
                 ns = self.namespace(req)
             except ValueError:
                 cfg = ns = None
-            known = (
-                cfg is not None
-                and ns is not None
-                and compat.request_refusal(req) is None
-                and self.store.any_match(compat.remaining_input(req, self.admit_window), ns)
-            )
+            known = False
+            if cfg is not None and ns is not None and compat.request_refusal(req) is None:
+                window = compat.remaining_input(req, self.admit_window)
+                ids = {m.span_id for m in self.store.matches(window, ns)}
+                if ids and self.settings.min_share > 0:
+                    ids &= self._related(req, ns)
+                known = bool(ids)
             self._relays[key] = known
             while len(self._relays) > 4096:
                 self._relays.popitem(last=False)
         return known
+
+    def _related(self, req: Any, ns: Any) -> set[int]:
+        """The stored spans ``req``'s prompt relates to (see ``related_spans``): decided
+        once per request, on its whole remaining input, so every chunk agrees."""
+        related = self._related_memo.get(req.rid)
+        if related is None:
+            matches = self.store.matches(compat.remaining_input(req), ns)
+            related = related_spans(matches, self.store.span_length, self.settings.min_share)
+            self._related_memo[req.rid] = related
+            while len(self._related_memo) > 4096:
+                self._related_memo.popitem(last=False)
+        return related
 
     def plan(self, req: Any) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
@@ -196,8 +212,21 @@ class RelayRuntime:
         tokens, start, last_chunk = compat.extend_chunk(req)
         if last_chunk:
             tokens = tokens[:-1]  # the last prompt token is always computed normally
-        if self.planner.plan_request(req.rid, cfg, stats, tokens, start, ns):
+        planned, unrelated = self.planner.plan_request(
+            req.rid,
+            cfg,
+            stats,
+            tokens,
+            start,
+            ns,
+            related=(lambda: self._related(req, ns)) if self.settings.min_share > 0 else None,
+        )
+        if unrelated:
+            self.counters["unrelated_matches"] += unrelated
+        if planned:
             self.requests[req.rid] = stats
+        elif unrelated:  # every match was to an unrelated span
+            return self._publish(req, stats, fallback="unrelated_match")
         self._publish(req, stats)
 
     def plan_failed(self, req: Any) -> None:
@@ -297,6 +326,7 @@ class RelayRuntime:
         """The request's row is gone: forget its plan and stats."""
         self.planner.forget(rid)
         self.requests.pop(rid, None)
+        self._related_memo.pop(rid, None)
 
     def reset(self) -> None:
         """``flush_cache``: the allocator is cleared right after; forget, do not free."""
@@ -311,6 +341,7 @@ class RelayRuntime:
             "config": self.cfg.to_dict(),
             "profile": self.settings.profile_path,
             "scope": self.settings.scope,
+            "min_share": self.settings.min_share,
             "profiled": self.settings.profiled,
             "reuse_target": self.settings.reuse_target,
             "operating_points": [t for t, _ in self.settings.frontier.points],

@@ -16,6 +16,9 @@ set them directly:
   of the same SGLang isolation keys, ``cache_salt`` / LoRA, and relay key) or ``key``
   (only requests carrying the same ``cache_salt`` or relay key; requests with neither
   store and reuse nothing)
+* ``SGLANG_RELAY_MIN_SHARE``: relatedness rule: a stored span relays into a prompt only
+  if the prompt holds at least this share of it (default 0.5) or a run of at least 256
+  of its tokens (:func:`sglang_relay.core.span_index.related_spans`); 0 relays any match
 * ``SGLANG_RELAY_SPAN_TOKENS``: token budget of recorded spans (default 1/4 of the pool)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)
@@ -37,6 +40,8 @@ ENV_PROFILE = "SGLANG_RELAY_PROFILE"
 ENV_CONFIG = "SGLANG_RELAY_CONFIG"
 ENV_REUSE = "SGLANG_RELAY_REUSE"
 ENV_SCOPE = "SGLANG_RELAY_SCOPE"
+ENV_MIN_SHARE = "SGLANG_RELAY_MIN_SHARE"
+DEFAULT_MIN_SHARE = 0.5  # real relays: every pasted output >= 0.72 (docs/configuration.md)
 SCOPES = ("shared", "key")
 
 # Without a profile nothing is known about the model's layers: no hidden state is stored
@@ -60,6 +65,7 @@ class RelaySettings:
     reuse_target: float | None = None  # default operating point (None: ``config`` as is)
     overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
     scope: str = "shared"  # SGLANG_RELAY_SCOPE
+    min_share: float = DEFAULT_MIN_SHARE  # SGLANG_RELAY_MIN_SHARE
 
     @property
     def profiled(self) -> bool:
@@ -111,6 +117,13 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     scope = env.get(ENV_SCOPE) or "shared"
     if scope not in SCOPES:
         raise ValueError(f"{ENV_SCOPE} must be one of {', '.join(SCOPES)}; got {scope!r}")
+    raw_share = env.get(ENV_MIN_SHARE)
+    try:
+        min_share = float(raw_share) if raw_share else DEFAULT_MIN_SHARE
+    except ValueError as exc:
+        raise ValueError(f"{ENV_MIN_SHARE} must be a number; got {raw_share!r}") from exc
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"{ENV_MIN_SHARE} must be in [0, 1]; got {min_share}")
     span_tokens = env.get(ENV_SPAN_TOKENS)
     try:
         budget = int(span_tokens) if span_tokens else None
@@ -127,4 +140,5 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         reuse_target=reuse if config.method == "relay" else None,
         overrides=tuple(overrides.items()),
         scope=scope,
+        min_share=min_share,
     )

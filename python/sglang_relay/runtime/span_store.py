@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_relay.core.span_index import SpanIndex
+from sglang_relay.core.span_index import SpanIndex, SpanMatch
 
 
 @dataclass(slots=True)
@@ -133,21 +133,21 @@ class SpanStore:
             self.drop(span_id, release=release)
 
     # ---- lookup ---------------------------------------------------------------------
-    def _matches(self, tokens: list[int], namespace: Hashable) -> list:
+    def matches(self, tokens: list[int], namespace: Hashable) -> list[SpanMatch]:
+        """The index's matches in ``tokens`` (no LRU touch, no slots)."""
         matches = self.index.find(tokens, namespace)
         self.scans += 1
         self.scans_truncated += self.index.last_find_truncated
         return matches
 
-    def any_match(self, tokens: list[int], namespace: Hashable) -> bool:
-        """Whether ``tokens`` hold a run of a recorded span (no LRU touch)."""
-        return bool(self._matches(tokens, namespace))
+    def span_length(self, span_id: int) -> int:
+        return self.spans[span_id].num_tokens
 
     def find(self, tokens: list[int], namespace: Hashable) -> list[SpanSource]:
         """Matched runs of recorded spans inside ``tokens`` (same namespace only).
         Validity is the caller's to check (:class:`SlotLedger`), at use time."""
         out = []
-        for m in self._matches(tokens, namespace):
+        for m in self.matches(tokens, namespace):
             span = self.spans.get(m.span_id)
             if span is None:
                 continue
