@@ -48,6 +48,26 @@ def test_span_across_chunk_boundaries_matches_standard_when_fully_recomputed(sma
     _pool_balanced(small_server.url)
 
 
+def test_streamed_relay_reports_one_relay_object_in_every_chunk(small_server, tok):
+    """A streamed, relayed, chunked prefill: every chunk's ``meta_info.relay`` is one
+    object (SGLang completes later chunks from its accumulated list; the plug-in unwraps
+    it), and the last one says what the request reused."""
+    import json
+
+    k = next(_unique)
+    a = generate(small_server.url, chat(tok, f"Writer {k}.", "Describe a harbour."), n=120)
+    prompt = chat(tok, f"Editor {k}.", f"Draft:\n\n{a['text']}\n\nEdit it.")
+    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 6}}
+    infos = []
+    with requests.post(small_server.url + "/generate", json=body, stream=True, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                infos.append(json.loads(line[len(b"data:") :])["meta_info"].get("relay"))
+    assert len(infos) >= 2
+    assert all(isinstance(info, dict) for info in infos), infos
+    assert infos[-1]["spans_matched"] >= 1 and infos[-1]["reused_tokens"] >= 80
+
+
 def test_relay_and_plain_requests_in_one_batch(small_server, tok):
     k = next(_unique)
     a = generate(small_server.url, chat(tok, f"Poet {k}.", "Write about rivers."), n=120)

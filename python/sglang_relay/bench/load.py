@@ -2,14 +2,21 @@
 
 Bounded in time; every figure comes from the server's own counters or from the clients:
 
-1. **Load**: ``--chains`` concurrent agent chains (upstream -> downstream relaying it ->
-   sometimes a third agent relaying both) for ``--duration`` seconds, in a KV pool small
-   enough that spans are evicted mid-chain. Mixed in: clients that abort mid-prefill (a
-   read timeout shorter than the prefill, then a closed connection), clients that
-   disconnect from a stream after the first chunk, and requests with malformed relay
-   options. Reported: requests served, client aborts, errors that were not the client's
-   doing (must be 0), fallbacks by reason, and the pool balance once idle (leaked slots =
-   total - available - evictable - protected, must be 0).
+1. **Load** (a soak with ``--duration 1800``): ``--chains`` concurrent agent chains
+   (upstream -> downstream relaying it -> sometimes a third agent relaying both) for
+   ``--duration`` seconds, in a KV pool small enough that spans are evicted mid-chain.
+   Chains differ in who they are: unsalted, salted (``cache_salt``, 4 tenants), with a
+   relay key, with an opted-out upstream (``"standard"``: stores nothing, so its
+   downstream must not relay) or an opted-out downstream (``"off"``). Mixed in: clients
+   that abort mid-prefill (a read timeout shorter than the prefill, then a closed
+   connection), clients that disconnect from a stream after the first chunk, and requests
+   with malformed relay options. Downstream agents stream, so the client measures TTFT.
+   Reported: requests served, client aborts, errors that were not the client's doing
+   (must be 0), fallbacks by reason, relays into the wrong namespace (must be 0), the pool
+   balance once idle (leaked slots = total - available - evictable - protected, must
+   be 0), and per ``--window`` seconds: requests, relay hit rate (relayed / downstream
+   requests that could relay), p50/p99 TTFT of relaying downstream agents, server RSS and
+   relay side memory (sampled every few seconds).
 2. **Evicted spans**: an upstream output is pushed out of the pool by other traffic, then
    relayed: the request must be served by standard prefill (no span or ``span_evicted``)
    and its output must equal the standard one.
@@ -40,16 +47,49 @@ COUNTERS = {"finished_requests", "recorded_spans", "spans_matched", "relay_exten
 TOPICS = ["queues", "hash maps", "B-trees", "TCP", "garbage collection", "ray tracing"]
 
 
-def _post(url: str, text: str, n: int, relay: Any = None, timeout: float = 300.0) -> dict:
+def _body(text: str, n: int, relay: Any, salt: str | None, stream: bool = False) -> dict:
     params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0, "ignore_eos": n >= 64}
     if relay is not None:
         params["custom_params"] = {"relay": relay}
-    resp = requests.post(
-        url + "/generate", json={"text": text, "sampling_params": params}, timeout=timeout
-    )
+    body: dict[str, Any] = {"text": text, "sampling_params": params, "stream": stream}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def _post(
+    url: str,
+    text: str,
+    n: int,
+    relay: Any = None,
+    timeout: float = 300.0,
+    salt: str | None = None,
+) -> dict:
+    resp = requests.post(url + "/generate", json=_body(text, n, relay, salt), timeout=timeout)
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
     return resp.json()
+
+
+def _post_stream(
+    url: str, text: str, n: int, relay: Any = None, salt: str | None = None
+) -> tuple[dict, float]:
+    """The final streamed response and the time to its first chunk (TTFT, client side)."""
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    body = _body(text, n, relay, salt, stream=True)
+    with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        for line in resp.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[len(b"data:") :])
+    if last is None or ttft is None:
+        raise RuntimeError("stream ended without a chunk")
+    return last, ttft
 
 
 def relay_state(url: str) -> dict[str, Any]:
@@ -71,14 +111,18 @@ def leaked_slots(url: str, settle_s: float = 30.0) -> tuple[int, dict[str, int]]
 
 
 class LoadStats:
-    def __init__(self) -> None:
+    def __init__(self, start: float) -> None:
+        self.start = start
         self.lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.errors: list[str] = []
         self.reused_tokens = 0
+        # one row per downstream request: (seconds since start, could relay, relayed, ttft)
+        self.downstream: list[tuple[float, bool, bool, float | None]] = []
+        self.samples: list[dict[str, Any]] = []  # server RSS / side memory over time
 
-    def served(self, out: dict[str, Any]) -> None:
+    def served(self, out: dict[str, Any]) -> dict[str, Any]:
         relay = out["meta_info"].get("relay") or {}
         with self.lock:
             self.counts["served"] += 1
@@ -87,6 +131,16 @@ class LoadStats:
                 self.counts["relayed"] += 1
             if relay.get("fallback"):
                 self.fallbacks[str(relay["fallback"]).split(":")[0]] += 1
+        return relay
+
+    def down(self, out: dict[str, Any], could: bool, ttft: float | None) -> None:
+        relay = self.served(out)
+        relayed = bool(relay.get("spans_matched"))
+        with self.lock:
+            self.downstream.append((time.monotonic() - self.start, could, relayed, ttft))
+            if relayed and not could:
+                self.counts["wrong_namespace_relays"] += 1
+                self.errors.append(f"relayed a span it may not see: {relay}")
 
     def add(self, key: str, error: str | None = None) -> None:
         with self.lock:
@@ -95,21 +149,46 @@ class LoadStats:
                 self.errors.append(error)
 
 
+def _identity(rng: random.Random, k: int) -> tuple[str | None, dict[str, Any], Any, bool]:
+    """Who a chain is: (cache_salt, relay option extras, upstream relay option, whether
+    its downstream may relay the upstream's output)."""
+    roll = rng.random()
+    if roll < 0.3:  # a tenant with a cache_salt: spans shared among that tenant only
+        return f"tenant-{rng.randrange(4)}", {}, None, True
+    if roll < 0.4:  # a chain key
+        return None, {"key": f"chain-{k}"}, {"key": f"chain-{k}"}, True
+    if roll < 0.5:  # the upstream opted out, in a namespace of its own: it stores nothing,
+        # so its downstream has nothing to relay (a relay there would be a leak)
+        key = f"solo-{k}"
+        return None, {"key": key}, {"method": "standard", "key": key}, False
+    return None, {}, None, True
+
+
 def _chain(url: str, tok: Any, rng: random.Random, stats: LoadStats, k: int) -> None:
     topic = rng.choice(TOPICS)
-    up = _post(url, chat_prompt(tok, f"Writer {k}.", f"Explain {topic}."), rng.randint(96, 200))
+    salt, extras, up_relay, could = _identity(rng, k)
+    up = _post(
+        url,
+        chat_prompt(tok, f"Writer {k}.", f"Explain {topic}."),
+        rng.randint(96, 200),
+        relay=up_relay,
+        salt=salt,
+    )
     stats.served(up)
+    down_relay = dict(extras) if extras else None
+    if rng.random() < 0.05:  # the downstream opts out
+        down_relay, could = "off", False
     prompt = chat_prompt(tok, f"Editor {k}.", f"Draft:\n\n{up['text']}\n\nImprove the draft.")
     roll = rng.random()
     if roll < 0.1:  # abort mid-prefill: give up before the prefill can finish
         try:
-            _post(url, prompt, 64, timeout=0.05)
+            _post(url, prompt, 64, relay=down_relay, timeout=0.05, salt=salt)
             stats.add("abort_too_late")
         except requests.exceptions.Timeout:
             stats.add("client_aborts")
         return
     if roll < 0.2:  # disconnect from a stream after the first chunk
-        body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 200}}
+        body = _body(prompt, 200, down_relay, salt, stream=True)
         with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
             for line in resp.iter_lines():
                 if line.startswith(b"data:"):
@@ -117,25 +196,95 @@ def _chain(url: str, tok: Any, rng: random.Random, stats: LoadStats, k: int) -> 
         stats.add("client_disconnects")
         return
     if roll < 0.3:
-        out = _post(url, prompt, 16, relay=rng.choice(BAD_OPTIONS))
+        out = _post(url, prompt, 16, relay=rng.choice(BAD_OPTIONS), salt=salt)
         if not str(out["meta_info"]["relay"].get("fallback", "")).startswith("bad_options"):
             stats.add("errors", "malformed options were not refused")
         stats.served(out)
         return
-    down = _post(url, prompt, rng.choice([16, 48]))
-    stats.served(down)
+    down, ttft = _post_stream(url, prompt, rng.choice([16, 48]), relay=down_relay, salt=salt)
+    stats.down(down, could, ttft)
     if roll > 0.7:
         third = chat_prompt(
             tok, f"Reviewer {k}.", f"Draft:\n\n{up['text']}\n\nEdit:\n\n{down['text']}\n\nJudge."
         )
-        stats.served(_post(url, third, 16))
+        stats.served(_post(url, third, 16, relay=down_relay, salt=salt))
 
 
-def run_load(url: str, tok: Any, chains: int, duration: float, seed: int = 0) -> dict[str, Any]:
-    stats = LoadStats()
-    deadline = time.monotonic() + duration
+def _sample(url: str, pid: int | None, stats: LoadStats) -> None:
+    import psutil
+
+    rss = None
+    if pid is not None:
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+            rss = sum(p.memory_info().rss for p in procs if p.is_running())
+        except psutil.Error:
+            rss = None
+    state = relay_state(url)
+    row = {
+        "t": round(time.monotonic() - stats.start, 1),
+        "rss_mb": None if rss is None else round(rss / 2**20, 1),
+        "side_mb": round(state.get("side_bytes", 0) / 2**20, 2),
+        "spans": state.get("spans"),
+        "span_tokens": state.get("span_tokens"),
+        "requests_tracked": state.get("requests_tracked"),
+    }
+    with stats.lock:
+        stats.samples.append(row)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+
+
+def windows(stats: LoadStats, window: float, elapsed: float) -> list[dict[str, Any]]:
+    """Per-window figures: hit rate, TTFT percentiles, memory."""
+    out = []
+    n = max(1, int(elapsed // window + (elapsed % window > 0.5 * window)))
+    for w in range(n):
+        lo, hi = w * window, (w + 1) * window if w < n - 1 else float("inf")
+        rows = [r for r in stats.downstream if lo <= r[0] < hi]
+        could = [r for r in rows if r[1]]
+        ttfts = [r[3] for r in could if r[2] and r[3] is not None]
+        mem = [s for s in stats.samples if lo <= s["t"] < hi]
+        rss = [s["rss_mb"] for s in mem if s["rss_mb"] is not None]
+        out.append(
+            {
+                "window": w,
+                "from_s": lo,
+                "downstream": len(rows),
+                "could_relay": len(could),
+                "hit_rate": round(sum(r[2] for r in could) / len(could), 3) if could else None,
+                "ttft_p50_s": _pct(ttfts, 0.5),
+                "ttft_p99_s": _pct(ttfts, 0.99),
+                "rss_mb_max": max(rss) if rss else None,
+                "side_mb_max": max((s["side_mb"] for s in mem), default=None),
+                "span_tokens_max": max((s["span_tokens"] or 0 for s in mem), default=None),
+            }
+        )
+    return out
+
+
+def run_load(
+    url: str,
+    tok: Any,
+    chains: int,
+    duration: float,
+    seed: int = 0,
+    *,
+    window: float = 300.0,
+    pid: int | None = None,
+    sample_every: float = 10.0,
+) -> dict[str, Any]:
+    start = time.monotonic()
+    stats = LoadStats(start)
+    deadline = start + duration
     counter = iter(range(10**9))
     lock = threading.Lock()
+    done = threading.Event()
 
     def worker(w: int) -> None:
         rng = random.Random(seed * 1000 + w)
@@ -148,11 +297,21 @@ def run_load(url: str, tok: Any, chains: int, duration: float, seed: int = 0) ->
             except Exception as exc:  # noqa: BLE001 - every failure is a reported figure
                 stats.add("errors", f"{type(exc).__name__}: {exc}"[:300])
 
+    def sampler() -> None:
+        while not done.wait(sample_every):
+            try:
+                _sample(url, pid, stats)
+            except Exception as exc:  # noqa: BLE001
+                stats.add("errors", f"sampler {type(exc).__name__}: {exc}"[:300])
+
     before = relay_state(url)
-    start = time.monotonic()
+    _sample(url, pid, stats)
+    threading.Thread(target=sampler, daemon=True).start()
     with cf.ThreadPoolExecutor(chains) as pool:
         list(pool.map(worker, range(chains)))
+    done.set()
     elapsed = time.monotonic() - start
+    _sample(url, pid, stats)
     leaked, pool_after = leaked_slots(url)
     after = relay_state(url)
     healthy = requests.get(url + "/health", timeout=30).status_code == 200
@@ -161,15 +320,19 @@ def run_load(url: str, tok: Any, chains: int, duration: float, seed: int = 0) ->
         for k, v in after.items()
         if isinstance(v, int) and not isinstance(v, bool)
     }
+    per_window = windows(stats, window, elapsed)
+    rates = [w["hit_rate"] for w in per_window if w["hit_rate"] is not None]
     return {
         "chains_concurrent": chains,
         "duration_s": round(elapsed, 1),
+        "window_s": window,
         "chains_completed": stats.counts["chains"],
         "requests_served": stats.counts["served"],
         "requests_relayed": stats.counts["relayed"],
         "reused_tokens": stats.reused_tokens,
         "client_aborts": stats.counts["client_aborts"],
         "client_disconnects": stats.counts["client_disconnects"],
+        "wrong_namespace_relays": stats.counts["wrong_namespace_relays"],
         "errors": len(stats.errors),
         "error_samples": stats.errors[:5],
         "fallbacks": dict(stats.fallbacks),
@@ -177,6 +340,9 @@ def run_load(url: str, tok: Any, chains: int, duration: float, seed: int = 0) ->
         "leaked_slots": leaked,
         "pool_after": pool_after,
         "healthy_after": healthy,
+        "windows": per_window,
+        "hit_rate_first_last": [rates[0], rates[-1]] if rates else None,
+        "memory_samples": stats.samples,
     }
 
 
@@ -229,7 +395,7 @@ def run_restart(server_args: list[str], tok: Any) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    load, ev, rs = result["load"], result["evicted"], result["restart"]
+    load, ev, rs = result["load"], result.get("evicted"), result.get("restart")
     rows = [
         ("concurrent chains", load["chains_concurrent"]),
         ("duration (s)", load["duration_s"]),
@@ -239,6 +405,7 @@ def markdown(result: dict[str, Any]) -> str:
         ("client aborts mid-prefill", load["client_aborts"]),
         ("client disconnects mid-stream", load["client_disconnects"]),
         ("errors not caused by the client", load["errors"]),
+        ("relays into a namespace that stored nothing", load["wrong_namespace_relays"]),
         ("fallbacks by reason", json.dumps(load["fallbacks"], sort_keys=True)),
         (
             "spans recorded / still stored after the load (the rest were evicted)",
@@ -247,25 +414,64 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         ("leaked KV slots after the load", load["leaked_slots"]),
         ("server healthy after the load", load["healthy_after"]),
-        ("evicted span relayed: served exactly by standard prefill", ev["served_exactly"]),
-        (
-            "evicted span relayed: spans matched / fallback",
-            f"{ev['spans_matched']} / {ev['fallback']}",
-        ),
-        ("restart between agents: same output as standard", rs["same_as_standard"]),
-        ("restart between agents: leaked KV slots", rs["leaked_slots"]),
     ]
+    if ev is not None:
+        rows += [
+            ("evicted span relayed: served exactly by standard prefill", ev["served_exactly"]),
+            (
+                "evicted span relayed: spans matched / fallback",
+                f"{ev['spans_matched']} / {ev['fallback']}",
+            ),
+        ]
+    if rs is not None:
+        rows += [
+            ("restart between agents: same output as standard", rs["same_as_standard"]),
+            ("restart between agents: leaked KV slots", rs["leaked_slots"]),
+        ]
     lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    lines += [
+        "",
+        f"| window ({load['window_s']:.0f} s) | downstream | could relay | hit rate "
+        "| TTFT p50 s | TTFT p99 s | server RSS MB (max) | side MB | span tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in load["windows"]:
+        lines.append(
+            f"| {w['window']} | {w['downstream']} | {w['could_relay']} | {w['hit_rate']} "
+            f"| {w['ttft_p50_s']} | {w['ttft_p99_s']} | {w['rss_mb_max']} "
+            f"| {w['side_mb_max']} | {w['span_tokens_max']} |"
+        )
     return "\n".join(lines)
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """What is wrong with a run (empty: nothing)."""
+    load, ev, rs = result["load"], result.get("evicted"), result.get("restart")
+    bad = []
+    if load["errors"]:
+        bad.append(f"{load['errors']} errors: {load['error_samples']}")
+    if load["leaked_slots"]:
+        bad.append(f"{load['leaked_slots']} leaked KV slots")
+    if not load["healthy_after"]:
+        bad.append("server unhealthy after the load")
+    if ev is not None and not ev["served_exactly"]:
+        bad.append("an evicted span's relay did not equal standard prefill")
+    if rs is not None and not (rs["same_as_standard"] and rs["leaked_slots"] == 0):
+        bad.append("the restarted chain differed from standard or leaked slots")
+    return bad
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay bench load", description=__doc__)
     parser.add_argument("--chains", type=int, default=16)
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
+    parser.add_argument("--window", type=float, default=300.0, help="report window (s)")
     parser.add_argument("--pool-tokens", type=int, default=4000, help="KV pool (tokens)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--model-path", help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "--no-faults", action="store_true", help="skip the evicted-span and restart sections"
+    )
     args, server_flags = parser.parse_known_args(argv)
 
     from transformers import AutoTokenizer
@@ -285,16 +491,26 @@ def main(argv: list[str]) -> int:
         *server_flags,
     ]
     server = ServerProcess(server_args).start()
+    evicted = restart = None
     try:
         print(f"[load] {args.chains} chains for {args.duration:.0f}s ...", flush=True)
-        load = run_load(server.url, tok, args.chains, args.duration)
-        print("[load] evicted-span relay ...", flush=True)
-        evicted = run_evicted(server.url, tok, args.pool_tokens)
+        load = run_load(
+            server.url,
+            tok,
+            args.chains,
+            args.duration,
+            window=min(args.window, args.duration),
+            pid=server.proc.pid,
+        )
+        if not args.no_faults:
+            print("[load] evicted-span relay ...", flush=True)
+            evicted = run_evicted(server.url, tok, args.pool_tokens)
         log = server.log_tail(200)
     finally:
         server.stop()
-    print("[load] restart between agents ...", flush=True)
-    restart = run_restart(server_args, tok)
+    if not args.no_faults:
+        print("[load] restart between agents ...", flush=True)
+        restart = run_restart(server_args, tok)
     result = {
         "load": load,
         "evicted": evicted,
@@ -305,12 +521,7 @@ def main(argv: list[str]) -> int:
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    ok = (
-        load["errors"] == 0
-        and load["leaked_slots"] == 0
-        and load["healthy_after"]
-        and evicted["served_exactly"]
-        and restart["same_as_standard"]
-        and restart["leaked_slots"] == 0
-    )
-    return 0 if ok else 1
+    bad = verdict(result)
+    for line in bad:
+        print(f"[load] FAILED: {line}")
+    return 1 if bad else 0

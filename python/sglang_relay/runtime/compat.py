@@ -130,6 +130,11 @@ REQUEST_LEVEL_KEY_TARGET = (
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
 )
 META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+# every response a client gets (streamed or not) comes out of this async generator; a
+# streamed chunk that did not carry new relay info gets SGLang's raw accumulated list
+STREAM_RESPONSE_TARGET = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response"
+)
 # CPU stand-in only (runtime/cpu.py): model-parallel groups without PyNccl
 MODEL_PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 # the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:

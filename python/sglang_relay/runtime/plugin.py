@@ -38,6 +38,7 @@ def register() -> None:
     compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")
     compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
+    compat.register_hook(compat.STREAM_RESPONSE_TARGET, _unwrapped_responses, "around")
     compat.register_hook(compat.KV_BUDGET_TARGET, _config_from_budget, "around")
     from sglang_relay.runtime import cpu
 
@@ -113,9 +114,22 @@ def _request_level_key(original, streamer, key, *args, **kwargs):
     return original(streamer, key, *args, **kwargs)
 
 
-def _unwrap_meta_info(result, manager, meta_info, *args, **kwargs):
-    """``meta_info["relay"]`` arrives as a one-element list (request-level info): unwrap."""
-    value = meta_info.get(RELAY_INFO_KEY)
+def _unwrap(meta_info) -> None:
+    """``meta_info["relay"]`` arrives as a list (request-level info, accumulated): unwrap."""
+    value = meta_info.get(RELAY_INFO_KEY) if isinstance(meta_info, dict) else None
     if isinstance(value, list) and value:
         meta_info[RELAY_INFO_KEY] = value[-1]
+
+
+def _unwrap_meta_info(result, manager, meta_info, *args, **kwargs):
+    _unwrap(meta_info)
     return result
+
+
+async def _unwrapped_responses(original, manager, *args, **kwargs):
+    """Every response the client gets has ``meta_info["relay"]`` as one object, also the
+    streamed chunks SGLang completes from its accumulated list (chunked prefills)."""
+    async for out in original(manager, *args, **kwargs):
+        if isinstance(out, dict):
+            _unwrap(out.get("meta_info"))
+        yield out
