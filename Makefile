@@ -28,7 +28,7 @@ serve: setup
 	$(PY) -m sglang_relay.cli serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q test kernels/tests $(ARGS)
+	$(PY) -m pytest -q --durations=25 test kernels/tests $(ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q test/unit $(ARGS)
