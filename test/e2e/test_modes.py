@@ -100,30 +100,33 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
 
 
 # ---- supported modes, end to end --------------------------------------------------------
-METHODS = ("relay", "cacheblend", "epic", "naive")
 
 
 def _long_upstream(url, tok, k, n=520):
     return generate(url, chat(tok, f"Historian {k}.", "Write a long history of bridges."), n=n)
 
 
-@pytest.mark.parametrize("chunk", [32, 128])
+# EPIC and naive cross 64-token chunks in test_relay_stress.py (its server's chunk size)
+CHUNK_METHODS = {32: ("relay", "cacheblend")}
+
+
+@pytest.mark.parametrize("chunk", sorted(CHUNK_METHODS))
 def test_spans_over_many_chunks_relay_in_every_chunk_for_every_method(model_dir, tok, chunk):
-    """A 520-token span under 32- and 128-token chunks: middle chunks are span rows only
+    """A 420-token span under 32-token chunks (min_span): middle chunks are span rows only
     (the relay profile starts at layer 3, so no row runs layers 0-2 there), every chunk
     relays, and recomputing everything still equals standard prefill exactly."""
     args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
     args += ["--chunked-prefill-size", str(chunk)]
     with running_server(args) as server:
-        a = _long_upstream(server.url, tok, chunk)
+        a = _long_upstream(server.url, tok, chunk, n=420)
         prompt = chat(tok, f"Editor {chunk}.", f"Draft:\n\n{a['text']}\n\nShorten it.")
-        for method in METHODS:
+        for method in CHUNK_METHODS[chunk]:
             info = generate(server.url, prompt, relay=method)["meta_info"]["relay"]
             assert info["fallback"] is None, (method, info)
-            assert info["spans_matched"] >= 400 // chunk, (method, info)
-            assert info["reused_tokens"] >= 400, (method, info)
+            assert info["spans_matched"] >= 300 // chunk, (method, info)
+            assert info["reused_tokens"] >= 320, (method, info)
         oracle = generate(server.url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
-        assert oracle["meta_info"]["relay"]["reused_tokens"] >= 400
+        assert oracle["meta_info"]["relay"]["reused_tokens"] >= 320
         std = generate(server.url, prompt, relay="standard")
         assert oracle["output_ids"] == std["output_ids"]
         stats = relay_info(server.url)
