@@ -32,7 +32,6 @@ REFUSED = [
     (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill"),
     (["--enable-deterministic-inference"], "--enable-deterministic-inference"),
-    (["--enable-torch-compile"], "--enable-torch-compile"),
     (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--dllm-algorithm", "LowConfidence"], "--dllm-algorithm"),
     (["--enable-hisparse"], "--enable-hisparse"),

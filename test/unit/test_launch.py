@@ -44,8 +44,8 @@ def test_gpu_machine_gets_no_cpu_flags():
     assert "--sleep-on-idle" not in argv
     assert argv.count("--disable-prefill-cuda-graph") == 1  # relay extends run eager
     assert flag_value(argv, "--attention-backend") == "flashinfer"
-    # decode graphs would skip the hidden-state capture (the runtime refuses them)
-    assert flag_value(argv, "--cuda-graph-backend-decode") == "disabled"
+    # decode graphs stay on: relay's decode capture runs inside them
+    assert flag_value(argv, "--cuda-graph-backend-decode") is None
     plain = build_server_argv([], cpu=False, model_path="/m", relay=False)
     assert "--disable-prefill-cuda-graph" not in plain
     assert "--cuda-graph-backend-decode" not in plain
@@ -133,15 +133,34 @@ def test_cli_absurd_profile_is_one_error_line(model_dir, tmp_path, config, needl
 
 
 def test_graph_settings_that_would_skip_relay_are_refused():
-    """SGLang captures graphs before the relay runtime exists: a replayed decode would skip
-    the slot stamps and the hidden-state capture, a replayed prefill the relay extend."""
+    """A replayed decode graph runs relay's decode capture only if it was installed before
+    SGLang captured the graphs, and never accumulates influence scores; relay extends never
+    run inside a prefill graph."""
     from sglang_relay.runtime.modes import graph_refusal
 
-    decode = graph_refusal({"decode": True, "prefill": False})
-    assert decode is not None and "--cuda-graph-backend-decode disabled" in decode
-    prefill = graph_refusal({"decode": False, "prefill": True})
-    assert prefill is not None and "--disable-prefill-cuda-graph" in prefill
-    assert graph_refusal({"decode": False, "prefill": False}) is None
+    decode, prefill = {"decode": True, "prefill": False}, {"decode": False, "prefill": True}
+    assert graph_refusal(decode, capture_in_graph=True, influence=False) is None
+    missed = graph_refusal(decode, capture_in_graph=False, influence=False)
+    assert missed is not None and "--cuda-graph-backend-decode disabled" in missed
+    assert "--enable-torch-compile" in missed and "serve without relay" in missed
+    influence = graph_refusal(decode, capture_in_graph=True, influence=True)
+    assert influence is not None and "tau_inf" in influence
+    assert graph_refusal(decode | {"decode": False}, capture_in_graph=False, influence=True) is None
+    refused = graph_refusal(prefill, capture_in_graph=True, influence=False)
+    assert refused is not None and "--disable-prefill-cuda-graph" in refused
+
+
+def test_settings_that_need_eager_decode_turn_decode_graphs_off_on_a_gpu(model_dir):
+    """Influence scores (tau_inf) need eager decode: serve turns decode graphs off on a GPU
+    unless the user chose a decode graph mode; the shipped profile keeps them."""
+    from sglang_relay.runtime.launch import check_relay_settings, eager_decode_flags
+
+    assert check_relay_settings({}, str(model_dir)) is False
+    env = {"SGLANG_RELAY_CONFIG": '{"tau_inf": 0.5}'}
+    assert check_relay_settings(env, str(model_dir)) is True
+    assert eager_decode_flags([], cpu=False) == ["--cuda-graph-backend-decode", "disabled"]
+    assert eager_decode_flags(["--cuda-graph-backend-decode", "full"], cpu=False) == []
+    assert eager_decode_flags([], cpu=True) == []  # CPU decode graphs are opt-in
 
 
 def test_cuda_graph_config_falls_back_to_the_legacy_flag():

@@ -108,6 +108,34 @@ def test_every_allocator_free_path_then_reuse_invalidates_the_span():
     assert checked == names and len(names) == 7
 
 
+def test_page_size_refusal_reason_a_token_free_releases_its_whole_page():
+    """Why ``--page-size`` > 1 stays refused (docs/limitations.md): relay gives back the
+    slots of spans it owns (a relayed request's outputs) and clamps the tree at the first
+    relayed token, both at token granularity. SGLang 0.5.23's paged allocator frees whole
+    pages: giving back one output token that shares its page with the request's prompt
+    tail (held by the tree) frees the prompt tail's slots too, so the next allocation
+    overwrites KV the tree still serves."""
+    pytest.importorskip("sglang")
+    from sglang_relay.runtime import cpu
+
+    cpu.activate()
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    page = 16
+    alloc = PagedTokenToKVPoolAllocator(
+        4 * page, page, torch.float32, "cpu", kvcache=None, need_sort=False
+    )
+    row = alloc.alloc(2 * page)  # one request: prompt of 20 tokens, outputs after it
+    prompt, outputs = row[:20], row[20:]
+    before = alloc.available_size()
+    alloc.free(outputs[:1])  # give back one owned output token (slot 20, page 1)
+    freed = alloc.available_size() - before
+    assert freed == page  # the whole page went back, not one slot
+    again = alloc.alloc(alloc.available_size())
+    shared = set(prompt[page:].tolist()) & set(again.tolist())
+    assert shared == set(prompt[page:].tolist())  # the prompt tail is handed out again
+
+
 def _store():
     released = []
     store = SpanStore(min_match=8, max_tokens=100, release_slots=released.append)

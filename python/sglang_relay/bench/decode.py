@@ -3,7 +3,9 @@
 The relay backend stores each decoded token's hidden state at ``l_start`` (one indexed
 copy per decode step, in its own layer loop). This measures what that costs: the same
 greedy generations on a plain server and on a relay server, alternating servers between
-rounds, reporting output tokens per second (batch 1 and a concurrent batch).
+rounds, reporting output tokens per second (batch 1 and a concurrent batch). With
+``--graph`` it measures both in eager and in graph-mode decode (relay's decode capture runs
+inside the captured graphs), side by side in one run.
 """
 
 from __future__ import annotations
@@ -30,47 +32,78 @@ def _round(url: str, batch: int, tokens: int, salt: str) -> float:
     return batch * tokens / (time.perf_counter() - start)
 
 
+def graph_flags(batches: list[int], *, cpu: bool, graph: bool) -> list[str]:
+    """Server flags for eager or graph-mode decode. On a CPU graph decode is SGLang's CPU
+    graph runner (torch.compile per batch size, opt-in); on a GPU decode CUDA graphs are
+    SGLang's default and eager decode is opted into."""
+    if not cpu:
+        return [] if graph else ["--cuda-graph-backend-decode", "disabled"]
+    if not graph:
+        return []
+    sizes = [str(b) for b in sorted(set(batches))]
+    return ["--enable-torch-compile", "--cuda-graph-bs-decode", *sizes,
+            "--torch-compile-max-bs", str(max(batches))]  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay bench decode", description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="also measure graph-mode decode (CPU graph runner / CUDA graphs) beside eager",
+    )
     parser.add_argument("--json", help="write raw rows here")
     parser.add_argument("--model-path", help="model directory (default: the embedded model)")
-    args, server_flags = parser.parse_known_args(argv)
+    args, server_flags = parser.parse_known_args(argv)  # other flags (--tp 2...) go to SGLang
 
     from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.runtime import cpu
     from sglang_relay.runtime.launch import ServerProcess
 
     model_path = args.model_path or str(ensure_model())
     batches = [int(b) for b in args.batches.split(",")]
-    samples: dict[tuple[str, int], list[float]] = {}
+    on_cpu = not cpu.cuda_available()
+    modes = [("eager", False), *([("graph", True)] if args.graph else [])]
+    samples: dict[tuple[str, str, int], list[float]] = {}
     for rnd in range(args.rounds):
-        for name, extra in (("plain", ["--no-relay"]), ("relay", [])):
-            with ServerProcess(["--model-path", model_path, *extra, *server_flags]) as server:
-                _round(server.url, 1, 8, f"warm{rnd}")
-                for b in batches:
-                    tps = _round(server.url, b, args.tokens, f"{name}{rnd}")
-                    samples.setdefault((name, b), []).append(tps)
-            print(f"[decode] round {rnd + 1}/{args.rounds} {name} done", flush=True)
+        for mode, graph in modes:
+            flags = graph_flags(batches, cpu=on_cpu, graph=graph)
+            for name, extra in (("plain", ["--no-relay"]), ("relay", [])):
+                argv_ = ["--model-path", model_path, *extra, *flags, *server_flags]
+                with ServerProcess(argv_) as server:
+                    _round(server.url, 1, 8, f"warm{rnd}")
+                    for b in batches:
+                        tps = _round(server.url, b, args.tokens, f"{name}{rnd}")
+                        samples.setdefault((mode, name, b), []).append(tps)
+                print(f"[decode] round {rnd + 1}/{args.rounds} {mode} {name} done", flush=True)
     rows: list[dict[str, Any]] = []
-    for b in batches:
-        plain = statistics.median(samples[("plain", b)])
-        relay = statistics.median(samples[("relay", b)])
-        rows.append(
-            {
+    for mode, _ in modes:
+        for b in batches:
+            plain = statistics.median(samples[(mode, "plain", b)])
+            relay = statistics.median(samples[(mode, "relay", b)])
+            row = {
+                "decode": mode,
                 "batch": b,
                 "plain_tokens_per_s": round(plain, 1),
                 "relay_tokens_per_s": round(relay, 1),
                 "relay_over_plain": round(relay / plain, 3),
                 "rounds": args.rounds,
+                "server_flags": server_flags,
             }
-        )
-    print("| batch | plain tok/s | relay tok/s | relay / plain |\n|---|---|---|---|")
+            if mode == "graph":
+                eager = statistics.median(samples[("eager", "relay", b)])
+                row["relay_graph_over_eager"] = round(relay / eager, 3)
+            rows.append(row)
+    print("| decode | batch | plain tok/s | relay tok/s | relay / plain | relay graph / eager |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['batch']} | {r['plain_tokens_per_s']} | {r['relay_tokens_per_s']} | "
-            f"{r['relay_over_plain']} |"
+            f"| {r['decode']} | {r['batch']} | {r['plain_tokens_per_s']} | "
+            f"{r['relay_tokens_per_s']} | {r['relay_over_plain']} | "
+            f"{r.get('relay_graph_over_eager', '')} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

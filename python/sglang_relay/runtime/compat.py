@@ -8,9 +8,12 @@ modules) is named here, behind small typed adapters. At start-up
 :func:`check_model_anatomy` that the served model has the modules the relay loops call;
 either fails loudly instead of serving "nothing relayed, no error".
 
-The plug-in replaces no attribute of an SGLang object. It adds exactly one, the runtime
-reference ``MODEL_RUNTIME_ATTR`` on the served model, so the model-forward hook can reach
-the runtime without a module-level registry.
+The plug-in replaces no attribute of an SGLang object. It adds two to the served model,
+the runtime reference ``MODEL_RUNTIME_ATTR`` and the decode capture ``MODEL_CAPTURE_ATTR``
+(installed before SGLang captures decode graphs), so the model-forward hook reaches them
+without a module-level registry. On a CPU-only machine the stand-in (``runtime/cpu.py``,
+``runtime/cpu_graph.py``) also re-registers the ``torch_native`` attention backend factory
+for servers that compile their decode forwards.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from sglang_relay.runtime.modes import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCH
 from sglang_relay.runtime.modes import ServerView  # noqa: E402
 
 MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
+MODEL_CAPTURE_ATTR = "_sglang_relay_decode_capture"
 SUPPORTED_ROPE = frozenset(
     {
         "RotaryEmbedding",
@@ -88,7 +92,9 @@ def attention_backend_name(model_runner) -> str | None:
 
 def graphs_enabled(model_runner) -> dict[str, bool]:
     """Whether decode / prefill batches may replay captured graphs (CUDA or CPU runner)."""
-    return {phase: cuda_graphs_enabled(model_runner, phase) for phase in ("decode", "prefill")}
+    out = {phase: cuda_graphs_enabled(model_runner, phase) for phase in ("decode", "prefill")}
+    out["decode"] = out["decode"] or decode_graphs_captured(model_runner)
+    return out
 
 
 def cuda_graphs_enabled(model_runner, phase: str) -> bool:
@@ -108,6 +114,38 @@ def cuda_graphs_enabled(model_runner, phase: str) -> bool:
         args = getattr(model_runner, "server_args", None)
         return not getattr(args, "disable_cuda_graph", True)
     return getattr(cfg, phase).backend != Backend.DISABLED
+
+
+# ---- CPU graph stand-in (runtime/cpu_graph.py) ---------------------------------------------
+def torch_native_backend_class():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend
+
+
+def attention_backend_factory(name: str):
+    """SGLang's registered factory for attention backend ``name``."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    return ATTENTION_BACKENDS[name]
+
+
+def register_attention_backend(name: str, factory) -> None:
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    register_attention_backend(name)(factory)
+
+
+def torch_compile_enabled(model_runner=None) -> bool:
+    """Whether this server compiles its decode forwards (``--enable-torch-compile``: the
+    CPU graph runner on a CPU)."""
+    from sglang.srt.runtime_context import get_flags
+
+    try:
+        return bool(get_flags().capture.enable_torch_compile)
+    except (ValueError, AttributeError):  # not published (e.g. outside a scheduler)
+        args = getattr(model_runner, "server_args", None)
+        return bool(getattr(args, "enable_torch_compile", False))
 
 
 def kv_write_loc(loc):
@@ -137,6 +175,16 @@ STREAM_RESPONSE_TARGET = (
 )
 # CPU stand-in only (runtime/cpu.py): model-parallel groups without PyNccl
 MODEL_PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+# decode graphs are captured here, before the relay runtime exists: the decode capture is
+# installed on the model first (runtime/decode.py)
+CAPTURE_DECODE_GRAPH_TARGET = (
+    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph"
+)
+# every forward of the model runner: counts the decode forwards that replayed a graph
+MODEL_RUNNER_FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+# CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
+# sgl_kernel CPU ops, which must exist as torch operators first
+CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
 # the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:
 # relay's side memory is taken out of the budget here (:mod:`.budget`)
 KV_BUDGET_TARGET = (
@@ -218,7 +266,11 @@ def quantization_of(obj) -> str | None:
 # model runner and the dataclasses; the first planned request and the first admission for
 # the scheduler's objects). A missing name fails loudly, never as "nothing relayed".
 SURFACE: dict[str, tuple[str, ...]] = {
-    "ModelRunner": ("model", "token_to_kv_pool", "req_to_token_pool", "server_args"),
+    "ModelRunner": (
+        "model", "token_to_kv_pool", "req_to_token_pool", "server_args",
+        "decode_cuda_graph_captured",
+    ),
+    "ModelRunnerOutput": ("can_run_graph",),
     "ForwardBatch": (
         "forward_mode", "rids", "out_cache_loc", "positions", "req_pool_indices", "seq_lens",
         "extend_prefix_lens_cpu", "extend_seq_lens_cpu",
@@ -261,9 +313,11 @@ def check_startup_surface(ctx, model_runner) -> None:
     """The parts of the contract checkable before any request: fail the start-up if not."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
 
     check_surface("TreeCacheBuildContext", ctx)
     check_surface("ModelRunner", model_runner)
+    check_surface("ModelRunnerOutput", ModelRunnerOutput)
     check_surface("ForwardBatch", ForwardBatch)
     check_surface("ScheduleBatch", ScheduleBatch)
 
@@ -336,6 +390,30 @@ def attach_runtime(model, runtime) -> None:
 def runtime_of(model):
     """The relay runtime serving ``model`` in this process, if any."""
     return getattr(model, MODEL_RUNTIME_ATTR, None)
+
+
+def attach_decode_capture(model, capture) -> None:
+    setattr(model, MODEL_CAPTURE_ATTR, capture)
+
+
+def decode_capture_of(model):
+    """The decode capture installed on ``model`` before graph capture, if any."""
+    return getattr(model, MODEL_CAPTURE_ATTR, None)
+
+
+def capturing_graph() -> bool:
+    """Whether this forward is being traced or captured into a graph (torch.compile by the
+    CPU graph runner, or a CUDA graph capture): only tensor ops may run."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def decode_graphs_captured(model_runner) -> bool:
+    """Whether the runner captured decode graphs (CUDA graphs or the CPU graph runner)."""
+    return bool(model_runner.decode_cuda_graph_captured)
 
 
 def forward_mode_name(fb) -> str:

@@ -8,14 +8,107 @@ needs hidden states. SGLang runs mixed batches (``--enable-mixed-chunk``: decode
 appended to a prefill) as extend batches, and re-prefills a retracted request's outputs as
 extend tokens; both keep their hidden states this way, so every output token, whichever
 batch produced it, is stamped valid (:class:`~sglang_relay.runtime.side_data.SlotLedger`).
+
+Decode graphs (CUDA graphs, SGLang's CPU graph runner) capture the decode forward once, at
+model-runner init, before the relay runtime exists. :class:`DecodeCapture` is the part of
+the runtime a decode forward needs (the ledger's static buffers and the capture layer);
+:func:`install_decode_capture` builds it and hangs it on the model just before SGLang
+captures its decode graphs, so the captured forward already stamps and stores exactly as
+eager decode does. Its forward is tensor ops on static buffers indexed by
+``out_cache_loc`` (no host sync, no Python state that a replay would freeze), and eager
+decode runs the same function, so graph and eager decode store the same side data.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from sglang_relay.runtime import compat
 from sglang_relay.runtime.llama import run_layer, stream
 from sglang_relay.runtime.side_data import SlotLedger
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCapture:
+    """What every decode forward writes besides KV: stamps, and the hidden state entering
+    ``capture_layer`` (None: stamps only). Graph-safe: see the module doc."""
+
+    def __init__(self, ledger: SlotLedger, capture_layer: int | None) -> None:
+        self.ledger = ledger
+        self.capture_layer = capture_layer
+
+    def matches(self, capture_layer: int | None, hidden_size: int | None, slots: int) -> bool:
+        """Whether this capture stores what a runtime with these needs needs."""
+        hidden = self.ledger.hidden
+        return (
+            self.capture_layer == capture_layer
+            and self.ledger.influence is None
+            and self.ledger.stamps.shape[0] == slots
+            and (hidden.shape[1] if hidden is not None else None) == hidden_size
+        )
+
+    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+        if self.capture_layer is None:
+            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+            return original(model, input_ids, positions, fb, *args, **kwargs)
+        return capture_forward(
+            model,
+            input_ids,
+            positions,
+            fb,
+            self.ledger,
+            capture_layer=self.capture_layer,
+            influence_layer=None,
+            pool=None,
+            req_to_token=None,
+            decode=True,
+        )
+
+
+def install_decode_capture(model_runner) -> DecodeCapture | None:
+    """Before SGLang captures decode graphs: build the ledger and the decode capture of a
+    relay server and attach them to the served model (the runtime adopts them later).
+    None when the server is not a relay server, or its settings are refused later anyway
+    (the cache factory says why), or influence scores are on (not graph-safe: refused
+    with decode graphs)."""
+    from sglang_relay.runtime.budget import side_layers
+    from sglang_relay.runtime.plugin import BACKEND_NAME
+    from sglang_relay.runtime.settings import settings_from_env
+
+    args = model_runner.server_args
+    if getattr(args, "radix_cache_backend", None) != BACKEND_NAME or getattr(
+        model_runner, "is_draft_worker", False
+    ):
+        return None
+    model = compat.inner_model(model_runner)
+    try:
+        settings = settings_from_env(args.model_path)
+        capture_layer, influence_layer = side_layers(settings, len(model.layers))
+    except ValueError:
+        return None
+    if influence_layer is not None:
+        return None
+    existing = compat.decode_capture_of(model)
+    if existing is not None:
+        return existing
+    kbuf = model_runner.token_to_kv_pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id)
+    weight = model.embed_tokens.weight
+    ledger = SlotLedger(
+        kbuf.shape[0],
+        kbuf.device,
+        hidden_size=weight.shape[-1] if capture_layer is not None else None,
+        dtype=weight.dtype,
+    )
+    capture = DecodeCapture(ledger, capture_layer)
+    compat.attach_decode_capture(model, capture)
+    logger.info(
+        "sglang-relay: decode capture installed before graph capture (capture_layer=%s)",
+        capture_layer,
+    )
+    return capture
 
 
 def capture_forward(model, input_ids, positions, fb, ledger: SlotLedger, *, capture_layer,

@@ -75,18 +75,8 @@ def build_server_argv(
         # relay extends run their own layer loop, eager: a captured prefill graph would
         # replay the stock forward instead
         out.append("--disable-prefill-cuda-graph")
-    if (
-        relay
-        and not cpu
-        and not any(
-            has_flag(out, f)
-            for f in ("--cuda-graph-backend-decode", "--disable-cuda-graph", "--cuda-graph-config")
-        )
-    ):
-        # decode stores each token's hidden state at l_start in the relay's own loop; SGLang
-        # captures its graphs before the plug-in's runtime exists, so a replayed graph would
-        # skip that capture (the runtime refuses such a server rather than serve stale KV)
-        out += ["--cuda-graph-backend-decode", "disabled"]
+    # decode graphs stay on: relay's decode capture is installed before SGLang captures
+    # them and runs inside every replay (runtime/decode.py); see eager_decode_flags
     if relay and not cpu and not has_flag(out, "--attention-backend"):
         # the relay extend has fused paths for flashinfer and triton only; SGLang's own
         # default on Hopper/Blackwell (fa3, trtllm_mha) would leave it on pure torch
@@ -200,8 +190,9 @@ def split_relay_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, env
 
 
-def check_relay_settings(env: dict[str, str], model_path: str) -> None:
-    """Validate the relay settings the scheduler will read; one clear error if wrong."""
+def check_relay_settings(env: dict[str, str], model_path: str) -> bool:
+    """Validate the relay settings the scheduler will read; one clear error if wrong.
+    Returns whether they need eager decode (influence scores: the profile's ``tau_inf``)."""
     from sglang_relay.runtime.settings import settings_from_env
 
     try:
@@ -213,6 +204,17 @@ def check_relay_settings(env: dict[str, str], model_path: str) -> None:
                 settings.point(settings.reuse_target, int(layers))
     except (ValueError, KeyError) as exc:
         raise RelayError(f"relay settings: {exc}") from exc
+    return settings.config.tau_inf is not None
+
+
+def eager_decode_flags(argv: list[str], *, cpu: bool) -> list[str]:
+    """Flags that turn decode graphs off, for settings that need eager decode (influence
+    scores accumulate in a per-request host loop no graph can hold), unless the user chose
+    the decode graph mode. On the CPU decode graphs are opt-in (--enable-torch-compile)."""
+    chosen = ("--cuda-graph-backend-decode", "--disable-cuda-graph", "--cuda-graph-config")
+    if cpu or any(has_flag(argv, f) for f in chosen):
+        return []
+    return ["--cuda-graph-backend-decode", "disabled"]
 
 
 def check_server_mode(argv: list[str]) -> None:
@@ -246,8 +248,8 @@ def prepare(argv: list[str]) -> list[str]:
     relay = flag_value(out, "--radix-cache-backend") == "relay"
     model_path = flag_value(out, "--model-path") or ""
     check_model_path(model_path, relay=relay)
-    if relay:
-        check_relay_settings(relay_env, model_path)
+    if relay and check_relay_settings(relay_env, model_path):
+        out += eager_decode_flags(out, cpu=cpu_mode)
     os.environ.update(relay_env)  # reaches the spawned scheduler
     if relay:
         check_server_mode(out)

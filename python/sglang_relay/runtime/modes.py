@@ -72,7 +72,8 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (
             view.page_size != 1,
-            f"--page-size {view.page_size} (spans are token-granular)",
+            f"--page-size {view.page_size} (relay owns and frees KV slots per token; "
+            "SGLang frees whole pages)",
             "use --page-size 1",
         ),
         (
@@ -128,11 +129,6 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "--enable-hisparse (stages KV outside model forwards)",
             "drop --enable-hisparse",
         ),
-        (
-            view.enable_torch_compile,
-            "--enable-torch-compile (compiled forwards skip relay's slot stamps)",
-            "drop --enable-torch-compile",
-        ),
     ]
     for refused, what, way_out in checks:
         if refused:
@@ -140,16 +136,27 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
     return None
 
 
-def graph_refusal(graphs: dict[str, bool]) -> str | None:
-    """Refuse captured graphs (CUDA graphs, the CPU graph runner). SGLang captures them
-    before the relay runtime exists, so a replayed decode would skip the slot stamps and
-    the hidden-state capture, and a replayed prefill the relay extend: stale KV, served
-    silently. ``graphs``: whether ``decode`` / ``prefill`` batches may replay a graph."""
-    if graphs.get("decode"):
+def graph_refusal(
+    graphs: dict[str, bool], *, capture_in_graph: bool, influence: bool
+) -> str | None:
+    """Refuse captured graphs that would skip relay's work. ``graphs``: whether ``decode`` /
+    ``prefill`` batches may replay a graph (CUDA graphs, the CPU graph runner);
+    ``capture_in_graph``: the decode capture (stamps, hidden states) was installed before
+    SGLang captured its decode graphs, so replays run it; ``influence``: the profile
+    accumulates influence scores, a per-request host loop no graph can hold."""
+    if graphs.get("decode") and influence:
         return (
-            "sglang-relay stamps every decoded token's KV slot (and stores its hidden state) "
-            "in the forward, which captured decode graphs would skip; add "
-            f"--cuda-graph-backend-decode disabled (sglang-relay serve does on a GPU), {OUT}"
+            "sglang-relay accumulates influence scores (the profile's tau_inf) in eager "
+            "decode only, and captured decode graphs would skip it; use a profile without "
+            "tau_inf, or add --cuda-graph-backend-decode disabled (on a CPU: drop "
+            f"--enable-torch-compile), {OUT}"
+        )
+    if graphs.get("decode") and not capture_in_graph:
+        return (
+            "sglang-relay's decode capture was not installed before SGLang captured its "
+            "decode graphs, so a replay would skip the slot stamps and hidden states; add "
+            "--cuda-graph-backend-decode disabled (on a CPU: drop --enable-torch-compile), "
+            f"{OUT}"
         )
     if graphs.get("prefill"):
         return (

@@ -33,6 +33,8 @@ def register() -> None:
     compat.register_hook(compat.INTERNAL_STATE_TARGET, _add_relay_state, "after")
     for target in compat.MODEL_FORWARD_TARGETS:
         compat.register_hook(target, _model_forward, "around")
+    compat.register_hook(compat.CAPTURE_DECODE_GRAPH_TARGET, _before_decode_graphs, "before")
+    compat.register_hook(compat.MODEL_RUNNER_FORWARD_TARGET, _after_runner_forward, "after")
     compat.register_hook(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
     compat.register_hook(compat.MIX_WITH_RUNNING_TARGET, _after_mix, "after")
     compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")
@@ -46,6 +48,11 @@ def register() -> None:
         compat.register_hook(
             compat.MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
         )
+        from sglang_relay.runtime import cpu_graph
+
+        cpu_graph.register_graph_backend()
+        fake_target = compat.CPU_GRAPH_FAKE_TARGET
+        compat.register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
@@ -60,13 +67,48 @@ def _add_relay_state(result, controller, *args, **kwargs):
 
 
 def _model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
-    """Every forward of a Llama/Qwen2 model: through the relay runtime if it serves it."""
-    from sglang_relay.runtime.compat import runtime_of
+    """Every forward of a Llama/Qwen2 model: through the relay runtime if it serves it.
 
-    rt = runtime_of(model)
+    A forward being captured into a decode graph (and a decode before the runtime exists)
+    runs the decode capture installed before graph capture: it never reads the runtime, so
+    what is captured does not depend on when the runtime was built."""
+    from sglang_relay.runtime import compat
+
+    fb = forward_batch
+    if compat.capturing_graph():
+        capture = compat.decode_capture_of(model)
+        if capture is None:
+            return original(model, input_ids, positions, fb, *args, **kwargs)
+        return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
+    rt = compat.runtime_of(model)
     if rt is None:
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    return rt.forward(original, model, input_ids, positions, forward_batch, *args, **kwargs)
+        capture = compat.decode_capture_of(model)
+        if capture is not None and compat.forward_mode_name(fb) == "DECODE":
+            return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
+        return original(model, input_ids, positions, fb, *args, **kwargs)
+    return rt.forward(original, model, input_ids, positions, fb, *args, **kwargs)
+
+
+def _before_decode_graphs(*args, **kwargs):
+    """Before SGLang captures decode graphs: install relay's decode capture (:mod:`.decode`)."""
+    from sglang_relay.runtime.decode import install_decode_capture
+
+    runner = kwargs.get("model_runner", args[0] if args else None)
+    if runner is not None:
+        install_decode_capture(runner)
+
+
+def _after_runner_forward(result, runner, *args, **kwargs):
+    """A decode forward that replayed a captured graph did not come through the runtime's
+    forward: count it there (and drop plans no extend will run)."""
+    from sglang_relay.runtime import compat
+
+    if result.can_run_graph:
+        rt = compat.runtime_of(compat.inner_model(runner))
+        fb = kwargs.get("forward_batch", args[0] if args else None)
+        if rt is not None and fb is not None:
+            rt.graph_forward(compat.forward_mode_name(fb))
+    return result
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):

@@ -204,7 +204,11 @@ def build_relay_cache(ctx: Any) -> Any:
         release_slots=allocator.free,
         prometheus=bool(getattr(ctx.params, "enable_metrics", False)),
     )
-    graphs = modes.graph_refusal(runtime.graphs)
+    graphs = modes.graph_refusal(
+        runtime.graphs,
+        capture_in_graph=runtime.capture_in_graph,
+        influence=runtime.influence_layer is not None,
+    )
     if graphs is not None:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)

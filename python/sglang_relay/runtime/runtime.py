@@ -25,7 +25,7 @@ from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.budget import budget_info, side_layers
-from sglang_relay.runtime.decode import capture_forward
+from sglang_relay.runtime.decode import DecodeCapture, capture_forward
 from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
@@ -74,14 +74,28 @@ class RelayRuntime:
         self.kv_budget = budget_info(model_runner)  # side data reserved from the KV budget
         group = compat.tp_group()
         self.tp = TPSync(group) if group is not None else None
-        self.ledger = SlotLedger(
-            kbuf.shape[0],
-            self.device,
-            hidden_size=weight.shape[-1] if self.capture_layer is not None else None,
-            dtype=weight.dtype,
-            influence=self.influence_layer is not None,
+        hidden_size = weight.shape[-1] if self.capture_layer is not None else None
+        # decode graphs were captured with the decode capture installed before them: adopt
+        # its ledger, so graph replays and this runtime share the same side data
+        self.decode_capture = compat.decode_capture_of(self.model)
+        self.capture_in_graph = self.decode_capture is not None and self.decode_capture.matches(
+            self.capture_layer, hidden_size, kbuf.shape[0]
         )
-        self.graphs = compat.graphs_enabled(model_runner)  # refused if any is on (modes.py)
+        if self.capture_in_graph and self.influence_layer is None:
+            self.ledger = self.decode_capture.ledger
+        else:
+            self.ledger = SlotLedger(
+                kbuf.shape[0],
+                self.device,
+                hidden_size=hidden_size,
+                dtype=weight.dtype,
+                influence=self.influence_layer is not None,
+            )
+            self.capture_in_graph = False
+            self.decode_capture = DecodeCapture(self.ledger, self.capture_layer)
+            compat.attach_decode_capture(self.model, self.decode_capture)
+        # refused (modes.graph_refusal) when a captured graph would skip relay's work
+        self.graphs = compat.graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
             compat.attention_backend_name(model_runner), self.device
         )
@@ -264,6 +278,11 @@ class RelayRuntime:
         else:  # plans cannot run in any other mode
             for plan in self.planner.take_pending():
                 self._discard(plan.stats, f"{mode.lower()}_batch")
+        if mode == "DECODE" and self.influence_layer is None and not embeds:
+            # the same function decode graphs captured: eager and graph decode agree
+            return self.decode_capture.forward(
+                original, model, input_ids, positions, fb, *args, **kwargs
+            )
         if mode in ("EXTEND", "DECODE") and self.captures and not embeds:
             return capture_forward(
                 model,
@@ -279,6 +298,12 @@ class RelayRuntime:
             )
         self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
         return original(model, input_ids, positions, fb, *args, **kwargs)
+
+    def graph_forward(self, mode: str) -> None:
+        """A ``mode`` forward replayed a captured graph (the decode capture ran inside it)."""
+        self.counters[f"graph_forwards_{mode.lower()}"] += 1
+        for plan in self.planner.take_pending():  # plans run in eager extends only
+            self._discard(plan.stats, f"{mode.lower()}_batch")
 
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
         if self.tp is not None and not self.tp.agree(plan_fingerprint(plan), "plan"):
@@ -351,6 +376,7 @@ class RelayRuntime:
             "capture_layer": self.capture_layer,
             "extend_attention": self.attention_name,
             "cuda_graphs": self.graphs,
+            "capture_in_graph": self.capture_in_graph,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,

@@ -28,6 +28,7 @@ class SlotLedger:
 
     Tensors (device of the KV pool):
         stamps: ``[pool_slots]`` int64; ``generation << 1 | has_hidden``; 0 = never written.
+        generation: ``[1]`` int64, advanced once per stamped forward.
         hidden: ``[pool_slots, hidden_size]`` model dtype, the residual stream entering
             ``l_start`` (None when no method of this server needs it).
         influence: ``[pool_slots]`` float32 attention mass received (None unless tau_inf).
@@ -51,22 +52,26 @@ class SlotLedger:
         self.influence = (
             torch.zeros(pool_slots, dtype=torch.float32, device=device) if influence else None
         )
-        self.generation = 0
+        # the generation lives on the device and is advanced by tensor ops only, so a
+        # captured decode graph (CUDA graph, the CPU graph runner) advances it on every
+        # replay: a Python counter would be frozen into the graph as a constant
+        self.generation = torch.zeros(1, dtype=torch.int64, device=device)
 
     # ---- writing (every forward) ---------------------------------------------------------
     def stamp(self, loc: torch.Tensor, *, with_hidden: bool) -> None:
         """The forward about to run writes KV into ``loc`` (``[n]`` slots); with
-        ``with_hidden`` it also stores their hidden states (the caller writes them)."""
-        self.generation += 1
-        if loc.numel():
-            value = (self.generation << 1) | (HIDDEN_BIT if with_hidden else 0)
-            self.stamps[loc.to(torch.int64)] = value
+        ``with_hidden`` it also stores their hidden states (the caller writes them).
+        Pure tensor ops without host syncs: safe inside captured graphs."""
+        self.generation.add_(1)
+        value = self.generation * 2 + (HIDDEN_BIT if with_hidden else 0)
+        loc = loc.to(torch.int64)
+        self.stamps.index_copy_(0, loc, value.expand(loc.shape[0]))
 
     def store_hidden(self, loc: torch.Tensor, stream: torch.Tensor) -> None:
         """Store ``stream`` (``[n, hidden]``) for ``loc``; call in the forward that stamped
         ``loc`` with ``with_hidden=True``."""
         assert self.hidden is not None
-        self.hidden[loc] = stream.to(self.hidden.dtype)
+        self.hidden.index_copy_(0, loc.to(torch.int64), stream.to(self.hidden.dtype))
 
     # ---- checking (record time and use time) -----------------------------------------------
     def snapshot(self, slots: torch.Tensor) -> torch.Tensor:
@@ -91,5 +96,5 @@ class SlotLedger:
 
     def reset(self) -> None:
         """``flush_cache``: forget every stamp (no span survives a flush)."""
-        self.generation += 1
+        self.generation.add_(1)
         self.stamps.zero_()

@@ -1,0 +1,92 @@
+"""Graph-mode decode, unit level: the slot ledger's writes work inside a compiled (captured)
+function without being frozen into it, and the CPU graph stand-in's decode attention equals
+a float64 brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from sglang_relay.runtime.side_data import HIDDEN_BIT, SlotLedger
+
+
+def test_compiled_decode_step_advances_stamps_on_every_call_without_recompiling():
+    """A captured decode replays the same code for every step: the generation must live in
+    a tensor the graph advances, not in a Python value the graph would hold constant (and
+    that torch.compile would guard on, recompiling every step)."""
+    ledger = SlotLedger(16, "cpu", hidden_size=4, dtype=torch.float32)
+
+    def step(loc, h):
+        ledger.stamp(loc, with_hidden=True)
+        ledger.store_hidden(loc, h)
+        return h * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=False, backend="inductor")
+    expected_stamps = [0] * 16  # brute force: generation g stamps (g << 1) | HIDDEN_BIT
+    expected_hidden = torch.zeros(16, 4)
+    snapshots = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for g in range(1, 6):
+            loc = torch.tensor([g, 10])  # slot 10 is rewritten by every step
+            h = torch.full((2, 4), float(g))
+            compiled(loc, h)
+            for slot in loc.tolist():
+                expected_stamps[slot] = (g << 1) | HIDDEN_BIT
+                expected_hidden[slot] = float(g)
+            assert ledger.stamps.tolist() == expected_stamps
+            assert torch.equal(ledger.hidden, expected_hidden)
+            snapshots.append(ledger.snapshot(torch.tensor([1, 10])))
+    # a span recorded after step 1 is still valid on slot 1, stale on rewritten slot 10
+    assert ledger.unchanged(torch.tensor([1, 10]), snapshots[0]).tolist() == [True, False]
+    assert SlotLedger.has_hidden(snapshots[-1]).all()
+    torch._dynamo.reset()
+
+
+def _brute_force_decode(q, k_cache, v_cache, req_to_token, rows, lens, scaling):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+        for h in range(q.shape[1]):
+            slots = req_to_token[row, :n].long()
+            k = k_cache[slots, h // group].double()  # [n, D]
+            v = v_cache[slots, h // group].double()
+            logits = (k @ q[i, h].double()) * scaling
+            w = torch.exp(logits - logits.max())
+            out[i, h] = (w / w.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
+def test_cpu_graph_decode_attention_equals_brute_force(hq, hkv):
+    from sglang_relay.runtime.cpu_graph import paged_decode_attention
+
+    torch.manual_seed(0)
+    d, slots = 8, 64
+    k_cache, v_cache = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+    req_to_token = torch.randint(1, slots, (5, 32), dtype=torch.int32)
+    rows, lens = [3, 0, 4], [17, 1, 32]
+    q = torch.randn(3, hq, d)
+    out = torch.empty_like(q)
+    args = (torch.tensor(rows), torch.tensor(lens), 0.35)
+    paged_decode_attention(q, out, k_cache, v_cache, req_to_token, *args)
+    want = _brute_force_decode(q, k_cache, v_cache, req_to_token, rows, lens, 0.35)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+
+    # inside a compiled function the op is opaque: same result, no recompiles on new lengths
+    def attend(q, req_pool_indices, seq_lens):
+        o = torch.empty_like(q)
+        rows, lens = req_pool_indices, seq_lens
+        paged_decode_attention(q, o, k_cache, v_cache, req_to_token, rows, lens, 0.35)
+        return o * 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, dynamic=False)
+    compiled(q, *args[:2])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        lens2 = [5, 30, 2]
+        got = compiled(q, torch.tensor(rows), torch.tensor(lens2))
+    want2 = _brute_force_decode(q, k_cache, v_cache, req_to_token, rows, lens2, 0.35)
+    assert torch.allclose(got.double(), want2, atol=1e-5)
+    torch._dynamo.reset()
