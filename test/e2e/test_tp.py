@@ -1,16 +1,25 @@
-"""Tensor parallel on the CPU: ``--tp 2`` (two ranks over gloo, one core each) relays what
-the Hugging Face reference executor computes, its all-selected oracle equals standard
-prefill, and both ranks checked each plan and selection against each other.
+"""Tensor parallel and graph-mode decode on the CPU, in one server: ``--tp 2`` (two ranks over
+gloo, one core each) with decode forwards captured by SGLang's CPU graph runner
+(``--enable-torch-compile``: torch.compile per batch size, captured at model-runner init
+like CUDA graphs, before the relay runtime exists).
 
-The embedded model has 9 attention heads (not divisible by 2), so this builds a small
-random Llama (8 heads, 4 KV heads, 8 layers) with untied embeddings and a wide init, whose
-greedy outputs are diverse enough for exact span matching."""
+* The upstream is decoded by graph replays: its greedy output equals the Hugging Face
+  reference executor's, and its span carries valid stamps and hidden states (captured at
+  layer 2 inside the graph): it relays whole, and the relay computes what the reference
+  computes from its own decode.
+* A batch larger than the captured size decodes eagerly through the same capture and
+  agrees with the reference too.
+* The all-selected oracle equals standard prefill; both ranks checked each plan and
+  selection against each other.
+
+The embedded model has 9 attention heads (not divisible by 2), so this serves a small
+random Llama (8 heads, 4 KV heads, 8 layers: ``sglang_relay.bench.models.random_llama``)
+whose greedy outputs are diverse enough for exact span matching."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,48 +37,57 @@ from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# a stored hidden state at layer 2 (so the capture path runs under TP too), detection at 3
+# a stored hidden state at layer 2 (so the capture runs under TP and inside the graphs),
+# detection at 3
 RELAY_CONFIG = {"l_start": 2, "l_det": 3, "first_k": 4, "tau_dev": 1.0, "l_suf": 0}
+# one captured batch size keeps the compile short on 2 cores; batches of 2+ decode eagerly
+GRAPH_ARGS = [
+    "--enable-torch-compile",
+    "--cuda-graph-bs-decode",
+    "1",
+    "--torch-compile-max-bs",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def tp_model(model_dir, tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from sglang_relay.bench.models import random_llama
 
-    out = tmp_path_factory.mktemp("tp") / "RandomLlama-tp"
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
-    for f in Path(model_dir).iterdir():  # the embedded model's tokenizer
-        if "token" in f.name:
-            shutil.copy(f, out / f.name)
-    return out
+    return random_llama(tmp_path_factory.mktemp("tp") / "RandomLlama-tp", model_dir)
 
 
-def test_tp2_relay_equals_the_reference(tp_model):
+def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_RELAY_CONFIG": json.dumps(RELAY_CONFIG)}
     settings = settings_from_env(str(tp_model), env)
     args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]
-    with running_server(args, env=env) as server:
+    with running_server([*args, *GRAPH_ARGS], env=env) as server:
+        info = relay_info(server.url)
+        assert info["tp_size"] == 2 and info["capture_layer"] == 2
+        assert info["cuda_graphs"]["decode"] is True and info["capture_in_graph"] is True
+
         ref = R.load_model(str(tp_model))
         point = settings.point(settings.reuse_target, ref.num_layers)
         assert point.config.l_start == 2 and point.config.l_det == 3
         served, result, span = relay_one_upstream(server.url, ref, point.config)
         assert_matches_reference(served, result)
         assert R.greedy_continue(ref, result, 4) == served["output_ids"]
+        graphs = relay_info(server.url)
+        assert graphs["graph_forwards_decode"] >= 95  # the upstream's 96 tokens, bs 1
+        assert graphs.get("forwards_decode", 0) == 0  # nothing decoded eagerly so far
+
+        # two upstreams in one batch: above the captured size, so eager decode
+        ups = [list(range(1100 + 7 * i, 1140 + 7 * i)) for i in range(2)]
+        outs = generate_ids(server.url, ups, 64)
+        records = R.generate(ref, ups, 64)
+        assert [r.output for r in records] == [o["output_ids"] for o in outs]
+        head, tail = list(range(2100, 2117)), list(range(3000, 3011))
+        prompt = head + records[1].span_tokens + tail
+        down = generate_ids(server.url, prompt, 2, return_logprob=True, top_logprobs_num=5)
+        assert down["meta_info"]["relay"]["reused_tokens"] == len(records[1].span_tokens)
+        occ = R.SpanOccurrence(len(head), records[1], 0, len(records[1].span_tokens))
+        assert_matches_reference(down, R.relay_prefill(ref, prompt, [occ], point.config))
+        assert relay_info(server.url)["forwards_decode"] >= 60
 
         # all-selected oracle == standard prefill, under TP too
         prompt2 = list(range(4000, 4017)) + span + list(range(3000, 3011))
@@ -84,11 +102,10 @@ def test_tp2_relay_equals_the_reference(tp_model):
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, want, strict=True))
 
         info = relay_info(server.url)
-        assert info["tp_size"] == 2
         # every relay extend compared its plan, and every detected group its selection,
         # across the two ranks; they never differed
-        assert info["tp_plan_checks"] >= 2 and info.get("tp_plan_mismatches", 0) == 0
-        assert info["tp_selection_checks"] >= 1 and info.get("tp_selection_mismatches", 0) == 0
-        assert info.get("fallback_tp_mismatch", 0) == 0
+        assert info["tp_plan_checks"] >= 3 and info.get("tp_plan_mismatches", 0) == 0
+        assert info["tp_selection_checks"] >= 2 and info.get("tp_selection_mismatches", 0) == 0
+        assert info.get("fallback_tp_mismatch", 0) == 0 and info.get("fallbacks", 0) == 0
         pool = info["pool"]  # no leaked slots: SGLang's conservation law when idle
         assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"]

@@ -57,13 +57,22 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--json", help="write raw rows here")
     parser.add_argument("--model-path", help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "--random-llama",
+        action="store_true",
+        help="serve a random 8-head Llama (splits over --tp 2; timings only)",
+    )
     args, server_flags = parser.parse_known_args(argv)  # other flags (--tp 2...) go to SGLang
 
-    from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.bench.models import random_llama
+    from sglang_relay.embedded_model import default_model_dir, ensure_model
     from sglang_relay.runtime import cpu
     from sglang_relay.runtime.launch import ServerProcess
 
     model_path = args.model_path or str(ensure_model())
+    if args.random_llama:
+        out = default_model_dir().parent / "RandomLlama-tp"
+        model_path = str(random_llama(out, ensure_model()))
     batches = [int(b) for b in args.batches.split(",")]
     on_cpu = not cpu.cuda_available()
     modes = [("eager", False), *([("graph", True)] if args.graph else [])]
@@ -92,6 +101,7 @@ def main(argv: list[str]) -> int:
                 "relay_over_plain": round(relay / plain, 3),
                 "rounds": args.rounds,
                 "server_flags": server_flags,
+                "model": Path(model_path).name,
             }
             if mode == "graph":
                 eager = statistics.median(samples[("eager", "relay", b)])
