@@ -41,12 +41,13 @@ class DecodeCapture:
         self.capture_layer = capture_layer
 
     def matches(self, capture_layer: int | None, hidden_size: int | None, slots: int) -> bool:
-        """Whether this capture stores what a runtime with these needs needs."""
+        """Whether this capture stores what a runtime with these needs needs (a ledger
+        sized before a post-capture shrink of the KV pool still covers every slot)."""
         hidden = self.ledger.hidden
         return (
             self.capture_layer == capture_layer
             and self.ledger.influence is None
-            and self.ledger.stamps.shape[0] == slots
+            and self.ledger.stamps.shape[0] >= slots
             and (hidden.shape[1] if hidden is not None else None) == hidden_size
         )
 
