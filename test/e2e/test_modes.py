@@ -20,7 +20,6 @@ pytestmark = pytest.mark.e2e
 # one row per refused option of docs/limitations.md: (flags, words the message must name)
 REFUSED = [
     (["--pp-size", "2"], "--pp-size 2"),
-    (["--dp-size", "2"], "--dp-size"),
     (["--attn-dp-size", "2"], "--attn-dp-size"),
     (["--page-size", "16"], "--page-size 16"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),

@@ -182,6 +182,15 @@ CAPTURE_DECODE_GRAPH_TARGET = (
 )
 # every forward of the model runner: counts the decode forwards that replayed a graph
 MODEL_RUNNER_FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+# data parallel (runtime/dp_routing.py): the controller launches its ranks in __init__, and
+# routes every request through maybe_external_dp_rank_routing first
+DP_CONTROLLER_INIT_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__"
+)
+DP_ROUTING_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController."
+    "maybe_external_dp_rank_routing"
+)
 # CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
 # sgl_kernel CPU ops, which must exist as torch operators first
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
@@ -286,6 +295,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "GroupCoordinator": ("world_size", "rank_in_group", "cpu_group", "all_reduce"),
     "KVCacheConfigurator": ("server_args", "model_config", "model_dtype", "is_draft_worker"),
     "MemoryPoolConfig": ("max_total_num_tokens",),
+    "DataParallelController": ("dp_budget", "_active_workers", "refresh_load_budget"),
     "TreeCacheBuildContext": (
         "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
     ),
@@ -414,6 +424,22 @@ def capturing_graph() -> bool:
 def decode_graphs_captured(model_runner) -> bool:
     """Whether the runner captured decode graphs (CUDA graphs or the CPU graph runner)."""
     return bool(model_runner.decode_cuda_graph_captured)
+
+
+def dp_loads(controller) -> tuple[list[int], list[int]]:
+    """(running + waiting requests per DP rank, the ranks that take work) as SGLang's
+    controller sees them (its load snapshot, refreshed at most every 20 ms)."""
+    check_surface("DataParallelController", controller)
+    controller.refresh_load_budget()
+    return list(controller.dp_budget.total_requests), list(controller._active_workers)
+
+
+def dp_rank() -> tuple[int, int]:
+    """(this scheduler's DP rank, its TP rank)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return int(parallel.dp_rank or 0), int(parallel.tp_rank or 0)
 
 
 def forward_mode_name(fb) -> str:

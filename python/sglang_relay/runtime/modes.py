@@ -65,10 +65,10 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (view.pp_size != 1, f"--pp-size {view.pp_size}", "use --pp-size 1"),
         (
-            view.dp_size != 1 or view.enable_dp_attention or view.attn_dp_size != 1,
-            "data parallel (--dp-size, --attn-dp-size, --enable-dp-attention: spans are "
-            "per rank and requests are not routed to them yet)",
-            "run one server per rank behind sglang-router",
+            view.enable_dp_attention or view.attn_dp_size != 1,
+            "data-parallel attention (--attn-dp-size, --enable-dp-attention: ranks share "
+            "one batch, relay plans per rank)",
+            "use --dp-size N (one scheduler per rank, routed to its spans)",
         ),
         (
             view.page_size != 1,

@@ -35,6 +35,12 @@ def register() -> None:
         compat.register_hook(target, _model_forward, "around")
     compat.register_hook(compat.CAPTURE_DECODE_GRAPH_TARGET, _before_decode_graphs, "before")
     compat.register_hook(compat.MODEL_RUNNER_FORWARD_TARGET, _after_runner_forward, "after")
+    from sglang_relay.runtime import dp_routing
+
+    compat.register_hook(
+        compat.DP_CONTROLLER_INIT_TARGET, dp_routing.before_controller_init, "before"
+    )
+    compat.register_hook(compat.DP_ROUTING_TARGET, dp_routing.route_request, "around")
     compat.register_hook(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
     compat.register_hook(compat.MIX_WITH_RUNNING_TARGET, _after_mix, "after")
     compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")

@@ -16,6 +16,7 @@ Data path of one relayed request: docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -26,6 +27,8 @@ from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.budget import budget_info, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward
+from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
+from sglang_relay.runtime.dp_routing import FingerprintPublisher
 from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
@@ -38,6 +41,16 @@ from sglang_relay.runtime.tp import TPMismatch, TPSync
 from sglang_relay_kernels import kernel_family, pick_extend_attention
 
 logger = logging.getLogger(__name__)
+
+
+def dp_publisher() -> FingerprintPublisher | None:
+    """This rank's fingerprint publisher when a DP controller routes by spans (its endpoint
+    is in the environment); TP rank 0 of each DP rank speaks for the rank."""
+    endpoint = os.environ.get(DP_ENDPOINT_ENV)
+    if not endpoint:
+        return None
+    dp, tp = compat.dp_rank()
+    return FingerprintPublisher(endpoint, dp) if tp == 0 else None
 
 
 class RelayRuntime:
@@ -99,8 +112,12 @@ class RelayRuntime:
         self.attention_name = pick_extend_attention(
             compat.attention_backend_name(model_runner), self.device
         )
+        self.publisher = dp_publisher()  # None unless a DP controller routes by fingerprints
         self.store = SpanStore(
-            min_match=self.cfg.min_span, max_tokens=span_budget, release_slots=release_slots
+            min_match=self.cfg.min_span,
+            max_tokens=span_budget,
+            release_slots=release_slots,
+            listener=self.publisher,
         )
         self.planner = Planner(
             self.store,
@@ -381,6 +398,8 @@ class RelayRuntime:
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,
             **(self.tp.stats() if self.tp is not None else {"tp_size": 1}),
+            "dp_rank": compat.dp_rank()[0],
+            "dp_fingerprints_sent": self.publisher.sent if self.publisher is not None else 0,
             "requests_tracked": len(self.requests),
             **self.store.stats(),
             **dict(self.counters),

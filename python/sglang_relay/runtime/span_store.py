@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,7 @@ class SpanStore:
         min_match: int,
         max_tokens: int,
         release_slots: Callable[[torch.Tensor], None],
+        listener: Any = None,
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"span token budget must be > 0; got {max_tokens}")
@@ -72,6 +73,9 @@ class SpanStore:
         self.num_tokens = 0
         self.owned_tokens = 0
         self.release_slots = release_slots
+        # told of every add and drop (``added(span_id, tokens)``, ``dropped_span(span_id)``):
+        # the DP fingerprint publisher (:mod:`.dp_routing`)
+        self.listener = listener
         self._next_id = 1
         self.scans = 0  # index look-ups (admission checks and plans)
         self.scans_truncated = 0  # ... that hit the index's work bound (see SpanIndex)
@@ -98,6 +102,8 @@ class SpanStore:
         self.spans[span_id] = Span(span_id, namespace, slots, positions, stamps, len(tokens), owned)
         self.num_tokens += len(tokens)
         self.owned_tokens += len(tokens) if owned else 0
+        if self.listener is not None:
+            self.listener.added(span_id, tokens)
         while self.num_tokens > self.max_tokens and len(self.spans) > 1:
             self.drop(next(iter(self.spans)))
         return span_id
@@ -110,6 +116,8 @@ class SpanStore:
             return 0
         self.index.remove(span_id)
         self.num_tokens -= span.num_tokens
+        if self.listener is not None:
+            self.listener.dropped_span(span_id)
         if not span.owned:
             return 0
         self.owned_tokens -= span.num_tokens

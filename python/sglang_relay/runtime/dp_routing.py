@@ -1,0 +1,226 @@
+"""Route each request to the data-parallel rank that holds its relayable tokens (``--dp-size N``).
+
+With ``--dp-size N`` every rank is its own scheduler with its own span store, so a
+downstream agent whose request lands on another rank than its upstream's pays full prefill.
+SGLang 0.5.23's ``DataParallelController`` honours ``req.routed_dp_rank`` in
+``maybe_external_dp_rank_routing`` before any load-balance method, and loads plug-ins in
+its process, so routing needs no router of our own:
+
+* every rank publishes fingerprints of the spans it stores (a hash of the 32-token window
+  at every 16th token of the span, :func:`window_hashes`) when it adds or drops one, over
+  one ZMQ PUSH socket to the controller (:class:`FingerprintPublisher`);
+* the controller (:class:`DPRouter`) keeps which ranks hold each fingerprint; for a request
+  without a rank it hashes every 32-token window of the prompt and counts the matches per
+  rank (each ~16 relayable tokens). The rank with the most wins unless its queue (running
+  + waiting requests, SGLang's load snapshot) exceeds the least-loaded rank's by more than
+  ``max_imbalance`` requests (``SGLANG_RELAY_DP_MAX_IMBALANCE``, default 8): then the
+  configured load-balance method decides (``fallback_overloaded``);
+* a request with a routing key (``X-SMG-Routing-Key`` / ``routing_key``) and no match goes
+  to a stable hash of the key, so all agents of a keyed chain meet on one rank;
+* otherwise the configured method decides (``fallback``).
+
+Fingerprints carry no namespace: routing only chooses where a request runs, and the rank
+still relays from the request's own namespace only (:mod:`.options`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import uuid
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 32  # tokens per fingerprint (the span store's min_span)
+STRIDE = 16  # a span publishes the window at every 16th token
+ENDPOINT_ENV = "SGLANG_RELAY_DP_ENDPOINT"
+IMBALANCE_ENV = "SGLANG_RELAY_DP_MAX_IMBALANCE"
+ROUTING_ENV = "SGLANG_RELAY_DP_ROUTING"  # 0: off (SGLang's load-balance method alone)
+DEFAULT_MAX_IMBALANCE = 8
+_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: the polynomial hash is a bijection per term
+
+
+def _powers() -> np.ndarray:
+    out = np.empty(WINDOW, dtype=np.uint64)
+    acc = np.uint64(1)
+    with np.errstate(over="ignore"):
+        for i in range(WINDOW - 1, -1, -1):
+            out[i] = acc
+            acc = acc * _BASE
+    return out
+
+
+_POWERS = _powers()
+
+
+def window_hashes(tokens, stride: int = 1) -> np.ndarray:
+    """``uint64`` hashes of the ``WINDOW``-token windows of ``tokens`` starting at every
+    ``stride``-th position (none if shorter than a window); identical in every process."""
+    ids = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    if ids.shape[0] < WINDOW:
+        return np.empty(0, dtype=np.uint64)
+    windows = np.lib.stride_tricks.sliding_window_view(ids, WINDOW)[::stride]
+    with np.errstate(over="ignore"):
+        return (windows * _POWERS).sum(axis=1, dtype=np.uint64)
+
+
+class FingerprintPublisher:
+    """The rank side: tells the controller which span fingerprints this rank holds."""
+
+    def __init__(self, endpoint: str, rank: int) -> None:
+        import zmq
+
+        self.rank = rank
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.connect(endpoint)
+        self.sent = 0
+        self.dropped = 0  # messages the socket could not take (controller gone or slow)
+
+    def _send(self, message: tuple) -> None:
+        import zmq
+
+        try:
+            self._sock.send(pickle.dumps(message), flags=zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.ZMQError:
+            self.dropped += 1  # routing degrades to the load-balance method, never wrong
+
+    def added(self, span_id: int, tokens: list[int]) -> None:
+        self._send((self.rank, "add", span_id, window_hashes(tokens, STRIDE)))
+
+    def dropped_span(self, span_id: int) -> None:
+        self._send((self.rank, "drop", span_id, None))
+
+
+class DPRouter:
+    """The controller side: fingerprints per rank, and the routing decision."""
+
+    def __init__(self, num_ranks: int, endpoint: str, *, max_imbalance: int) -> None:
+        import zmq
+
+        self.num_ranks = num_ranks
+        self.endpoint = endpoint
+        self.max_imbalance = max_imbalance
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.holders: dict[int, Counter[int]] = {}  # fingerprint -> rank -> windows held
+        self.spans: dict[tuple[int, int], np.ndarray] = {}  # (rank, span id) -> fingerprints
+        self.decisions: Counter[str] = Counter()
+
+    # ---- fingerprints ---------------------------------------------------------------
+    def drain(self) -> None:
+        """Apply every fingerprint message the ranks sent since the last call."""
+        import zmq
+
+        while True:
+            try:
+                raw = self._sock.recv(flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            rank, op, span_id, hashes = pickle.loads(raw)
+            self.apply(rank, op, span_id, hashes)
+
+    def apply(self, rank: int, op: str, span_id: int, hashes: np.ndarray | None) -> None:
+        key = (rank, span_id)
+        if op == "add":
+            self.spans[key] = hashes
+            for h in hashes.tolist():
+                self.holders.setdefault(h, Counter())[rank] += 1
+        elif op == "drop":
+            for h in self.spans.pop(key, np.empty(0, dtype=np.uint64)).tolist():
+                ranks = self.holders.get(h)
+                if ranks is None:
+                    continue
+                ranks[rank] -= 1
+                if ranks[rank] <= 0:
+                    del ranks[rank]
+                if not ranks:
+                    del self.holders[h]
+
+    def held_tokens(self, tokens) -> Counter[int]:
+        """Per rank, the prompt tokens it holds as stored spans (~``STRIDE`` per matched
+        window: a span's windows are ``STRIDE`` apart)."""
+        found: Counter[int] = Counter()
+        if not self.holders:
+            return found
+        for h in set(window_hashes(tokens).tolist()):
+            for rank in self.holders.get(h, ()):
+                found[rank] += STRIDE
+        return found
+
+    # ---- routing --------------------------------------------------------------------
+    def route(
+        self, tokens, routing_key: str | None, loads: list[int], active: list[int]
+    ) -> int | None:
+        """The rank for a request (None: let the configured load-balance method decide).
+        ``loads``: running + waiting requests per rank; ``active``: ranks that take work."""
+        self.drain()
+        held = {r: n for r, n in self.held_tokens(tokens).items() if r in active}
+        if held:
+            rank = max(held, key=lambda r: (held[r], -loads[r]))
+            if loads[rank] - min(loads[r] for r in active) <= self.max_imbalance:
+                self.decisions["matched"] += 1
+                return rank
+            self.decisions["fallback_overloaded"] += 1
+            return None
+        if routing_key and active:
+            digest = hashlib.blake2b(routing_key.encode(), digest_size=8).digest()
+            self.decisions["key"] += 1
+            return active[int.from_bytes(digest, "little") % len(active)]
+        self.decisions["fallback"] += 1
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "fingerprints": len(self.holders),
+            "spans": len(self.spans),
+            **{f"routed_{k}": v for k, v in self.decisions.items()},
+        }
+
+
+# ---- controller process hooks ---------------------------------------------------------------
+_ROUTER: list[DPRouter] = []  # the controller process's router (at most one)
+
+
+def before_controller_init(controller, server_args, port_args, *args, **kwargs) -> None:
+    """Before the DP controller launches its ranks: bind the fingerprint socket and tell the
+    ranks where it is (the environment is inherited by the spawned schedulers)."""
+    from sglang_relay.runtime.plugin import BACKEND_NAME
+
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME or _ROUTER:
+        return
+    if os.environ.get(ROUTING_ENV, "1") == "0":  # SGLang's load-balance method alone
+        logger.info("sglang-relay: DP routing by span fingerprints is off (%s=0)", ROUTING_ENV)
+        return
+    name = f"sglang-relay-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    endpoint = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/{name}"
+    imbalance = int(os.environ.get(IMBALANCE_ENV, DEFAULT_MAX_IMBALANCE))
+    _ROUTER.append(DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance))
+    os.environ[ENDPOINT_ENV] = endpoint
+    logger.info("sglang-relay: routing DP requests by span fingerprints (%s)", endpoint)
+
+
+def route_request(original, controller, req, *args, **kwargs):
+    """Around ``maybe_external_dp_rank_routing``: pick the rank holding ``req``'s spans."""
+    if _ROUTER and getattr(req, "routed_dp_rank", None) is None:
+        tokens = getattr(req, "input_ids", None)
+        if tokens:
+            from sglang_relay.runtime import compat
+
+            loads, active = compat.dp_loads(controller)
+            rank = _ROUTER[0].route(tokens, getattr(req, "routing_key", None), loads, active)
+            if rank is not None:
+                req.routed_dp_rank = rank
+            if sum(_ROUTER[0].decisions.values()) % 256 == 1:
+                logger.info("sglang-relay DP routing: %s", _ROUTER[0].stats())
+    return original(controller, req, *args, **kwargs)
