@@ -91,3 +91,20 @@ def test_ranks_publish_to_the_controller_over_zmq(tmp_path):
         time.sleep(0.01)
     assert router.spans == {} and router.holders == {}
     assert pub.sent == 2 and pub.dropped == 0
+
+
+def test_the_decision_rides_with_the_request_to_its_rank():
+    from types import SimpleNamespace
+
+    from sglang_relay.runtime import compat
+
+    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None))
+    assert compat.dp_route(req) is None
+    compat.tag_dp_route(req, "matched")
+    assert compat.dp_route(req) == "matched"
+    req.sampling_params.custom_params["relay"] = {"reuse": 0.9}  # the user's own options stay
+    compat.tag_dp_route(req, "key")
+    assert req.sampling_params.custom_params == {
+        "relay": {"reuse": 0.9},
+        compat.DP_ROUTE_KEY: "key",
+    }

@@ -434,6 +434,23 @@ def dp_loads(controller) -> tuple[list[int], list[int]]:
     return list(controller.dp_budget.total_requests), list(controller._active_workers)
 
 
+DP_ROUTE_KEY = "__sglang_relay_dp_route"  # private custom_params key: controller -> rank
+
+
+def tag_dp_route(req, decision: str) -> None:
+    """Record the DP controller's routing decision on a tokenized request."""
+    sp = req.sampling_params
+    params = sp.custom_params if isinstance(sp.custom_params, dict) else {}
+    params[DP_ROUTE_KEY] = decision
+    sp.custom_params = params
+
+
+def dp_route(req) -> str | None:
+    """The DP controller's routing decision for a scheduler request (None: no DP routing)."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    return params.get(DP_ROUTE_KEY) if isinstance(params, dict) else None
+
+
 def dp_rank() -> tuple[int, int]:
     """(this scheduler's DP rank, its TP rank)."""
     from sglang.srt.runtime_context import get_parallel

@@ -19,6 +19,10 @@ its process, so routing needs no router of our own:
   to a stable hash of the key, so all agents of a keyed chain meet on one rank;
 * otherwise the configured method decides (``fallback``).
 
+The decision rides with the request to its rank (a private ``custom_params`` key, as
+SGLang's own renderer does for reasoning delimiters), which counts it:
+``dp_routed_<decision>`` in ``get_server_info`` and on ``/metrics`` per rank.
+
 Fingerprints carry no namespace: routing only chooses where a request runs, and the rank
 still relays from the request's own namespace only (:mod:`.options`).
 """
@@ -116,6 +120,7 @@ class DPRouter:
         self.holders: dict[int, Counter[int]] = {}  # fingerprint -> rank -> windows held
         self.spans: dict[tuple[int, int], np.ndarray] = {}  # (rank, span id) -> fingerprints
         self.decisions: Counter[str] = Counter()
+        self.last_decision: str | None = None
 
     # ---- fingerprints ---------------------------------------------------------------
     def drain(self) -> None:
@@ -169,16 +174,17 @@ class DPRouter:
         if held:
             rank = max(held, key=lambda r: (held[r], -loads[r]))
             if loads[rank] - min(loads[r] for r in active) <= self.max_imbalance:
-                self.decisions["matched"] += 1
-                return rank
-            self.decisions["fallback_overloaded"] += 1
-            return None
+                return self._decided("matched", rank)
+            return self._decided("fallback_overloaded", None)
         if routing_key and active:
             digest = hashlib.blake2b(routing_key.encode(), digest_size=8).digest()
-            self.decisions["key"] += 1
-            return active[int.from_bytes(digest, "little") % len(active)]
-        self.decisions["fallback"] += 1
-        return None
+            return self._decided("key", active[int.from_bytes(digest, "little") % len(active)])
+        return self._decided("fallback", None)
+
+    def _decided(self, decision: str, rank: int | None) -> int | None:
+        self.decisions[decision] += 1
+        self.last_decision = decision
+        return rank
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -212,15 +218,19 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
 
 def route_request(original, controller, req, *args, **kwargs):
     """Around ``maybe_external_dp_rank_routing``: pick the rank holding ``req``'s spans."""
-    if _ROUTER and getattr(req, "routed_dp_rank", None) is None:
-        tokens = getattr(req, "input_ids", None)
-        if tokens:
-            from sglang_relay.runtime import compat
+    from sglang_relay.runtime import compat
 
+    if _ROUTER and getattr(req, "input_ids", None):
+        router = _ROUTER[0]
+        if getattr(req, "routed_dp_rank", None) is not None:
+            decision = "explicit"  # the client chose (routed_dp_rank / X-Data-Parallel-Rank)
+        else:
             loads, active = compat.dp_loads(controller)
-            rank = _ROUTER[0].route(tokens, getattr(req, "routing_key", None), loads, active)
+            rank = router.route(req.input_ids, getattr(req, "routing_key", None), loads, active)
             if rank is not None:
                 req.routed_dp_rank = rank
-            if sum(_ROUTER[0].decisions.values()) % 256 == 1:
-                logger.info("sglang-relay DP routing: %s", _ROUTER[0].stats())
+            decision = router.last_decision
+            if sum(router.decisions.values()) % 256 == 1:
+                logger.info("sglang-relay DP routing: %s", router.stats())
+        compat.tag_dp_route(req, decision)  # counted by the rank (get_server_info, metrics)
     return original(controller, req, *args, **kwargs)

@@ -133,6 +133,7 @@ class RelayRuntime:
         self._req_checked = False
         self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
         self._related_memo: OrderedDict[str, set[int]] = OrderedDict()  # rid -> span ids
+        self._routes_counted: OrderedDict[str, bool] = OrderedDict()  # DP decisions counted
         # the admission check looks at the next chunk only (what the plan will see), so a
         # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
         self.admit_window = compat.chunk_size(model_runner)
@@ -220,6 +221,12 @@ class RelayRuntime:
         if not self._req_checked:
             compat.check_surface("Req", req)  # raises: counted, logged, standard prefill
             self._req_checked = True
+        route = compat.dp_route(req)
+        if route is not None and req.rid not in self._routes_counted:
+            self._routes_counted[req.rid] = True
+            self.counters[f"dp_routed_{route}"] += 1
+            while len(self._routes_counted) > 4096:
+                self._routes_counted.popitem(last=False)
         stats = self.requests.get(req.rid)
         if stats is None:
             stats = RequestStats(self.cfg.method, self.num_layers)
@@ -400,6 +407,7 @@ class RelayRuntime:
             **(self.tp.stats() if self.tp is not None else {"tp_size": 1}),
             "dp_rank": compat.dp_rank()[0],
             "dp_fingerprints_sent": self.publisher.sent if self.publisher is not None else 0,
+            "dp_fingerprints_dropped": self.publisher.dropped if self.publisher else 0,
             "requests_tracked": len(self.requests),
             **self.store.stats(),
             **dict(self.counters),
