@@ -10,7 +10,10 @@ Supported and tested end to end (test/e2e): chunked prefill (any chunk size, spa
 chunks), ``--enable-mixed-chunk`` (decode rows of mixed batches run the capture forward),
 the overlap schedule (on by default; the stamps are written inside the forward),
 retraction (re-prefilled outputs carry no hidden state: their runs are trimmed), eviction,
-aborts, input logprobs and hidden states (per request: standard prefill).
+aborts, input logprobs and hidden states (per request: standard prefill), tensor parallel,
+data parallel (``--dp-size``: requests routed to their spans' rank, :mod:`.dp_routing`) and
+graph-mode decode (the decode capture is installed before SGLang captures its graphs,
+:mod:`.decode`; refused only by :func:`graph_refusal`).
 """
 
 from __future__ import annotations
