@@ -40,15 +40,13 @@ class DecodeCapture:
         self.ledger = ledger
         self.capture_layer = capture_layer
 
-    def matches(self, capture_layer: int | None, hidden_size: int | None, slots: int) -> bool:
-        """Whether this capture stores what a runtime with these needs needs (a ledger
-        sized before a post-capture shrink of the KV pool still covers every slot)."""
-        hidden = self.ledger.hidden
+    def matches(self, capture_layer: int | None, *, influence: bool, slots: int) -> bool:
+        """Whether this capture keeps what a runtime with these needs needs (a ledger sized
+        before a post-capture shrink of the KV pool still covers every slot)."""
         return (
             self.capture_layer == capture_layer
-            and self.ledger.influence is None
+            and (self.ledger.influence is not None) == influence
             and self.ledger.stamps.shape[0] >= slots
-            and (hidden.shape[1] if hidden is not None else None) == hidden_size
         )
 
     def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
@@ -56,17 +54,22 @@ class DecodeCapture:
             self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
             return original(model, input_ids, positions, fb, *args, **kwargs)
         return capture_forward(
-            model,
-            input_ids,
-            positions,
-            fb,
-            self.ledger,
-            capture_layer=self.capture_layer,
-            influence_layer=None,
-            pool=None,
-            req_to_token=None,
-            decode=True,
+            model, input_ids, positions, fb, self.ledger, capture_layer=self.capture_layer
         )
+
+
+def new_ledger(model, pool, capture_layer: int | None, *, influence: bool = False) -> SlotLedger:
+    """The side data of ``pool``'s slots: a stamp each, the hidden row entering
+    ``capture_layer`` (None: none) and, with ``influence``, an influence score."""
+    kbuf = pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id)
+    weight = model.embed_tokens.weight
+    return SlotLedger(
+        kbuf.shape[0],
+        kbuf.device,
+        hidden_size=weight.shape[-1] if capture_layer is not None else None,
+        dtype=weight.dtype,
+        influence=influence,
+    )
 
 
 def install_decode_capture(model_runner) -> DecodeCapture | None:
@@ -95,14 +98,7 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
     existing = compat.decode_capture_of(model)
     if existing is not None:
         return existing
-    kbuf = model_runner.token_to_kv_pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id)
-    weight = model.embed_tokens.weight
-    ledger = SlotLedger(
-        kbuf.shape[0],
-        kbuf.device,
-        hidden_size=weight.shape[-1] if capture_layer is not None else None,
-        dtype=weight.dtype,
-    )
+    ledger = new_ledger(model, model_runner.token_to_kv_pool, capture_layer)
     capture = DecodeCapture(ledger, capture_layer)
     compat.attach_decode_capture(model, capture)
     logger.info(
@@ -113,9 +109,11 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
 
 
 def capture_forward(model, input_ids, positions, fb, ledger: SlotLedger, *, capture_layer,
-                    influence_layer, pool, req_to_token, decode: bool):  # fmt: skip
+                    influence_layer=None, pool=None, req_to_token=None,
+                    decode: bool = True):  # fmt: skip
     """Stock-equivalent forward storing hidden states at ``capture_layer`` (None: none) and,
-    when ``decode`` and ``influence_layer`` is set, accumulating influence scores."""
+    when ``decode`` and ``influence_layer`` is set (with ``pool`` and ``req_to_token``),
+    accumulating influence scores."""
     loc = fb.out_cache_loc
     ledger.stamp(loc, with_hidden=capture_layer is not None)
     track_influence = decode and influence_layer is not None and ledger.influence is not None

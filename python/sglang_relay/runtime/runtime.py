@@ -26,7 +26,7 @@ from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.budget import budget_info, side_layers
-from sglang_relay.runtime.decode import DecodeCapture, capture_forward
+from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
 from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_routing import FingerprintPublisher
 from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
@@ -34,7 +34,6 @@ from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner
 from sglang_relay.runtime.settings import RelaySettings
-from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
 from sglang_relay.runtime.tp import TPMismatch, TPSync
@@ -74,7 +73,6 @@ class RelayRuntime:
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
         self.device = kbuf.device
-        weight = self.model.embed_tokens.weight
         if self.cfg.method != "standard":
             self.cfg.schedule(self.num_layers)  # validates the layer range for this model
         self.capture_layer, self.influence_layer = side_layers(settings, self.num_layers)
@@ -87,26 +85,18 @@ class RelayRuntime:
         self.kv_budget = budget_info(model_runner)  # side data reserved from the KV budget
         group = compat.tp_group()
         self.tp = TPSync(group) if group is not None else None
-        hidden_size = weight.shape[-1] if self.capture_layer is not None else None
         # decode graphs were captured with the decode capture installed before them: adopt
         # its ledger, so graph replays and this runtime share the same side data
+        influence = self.influence_layer is not None
         self.decode_capture = compat.decode_capture_of(self.model)
         self.capture_in_graph = self.decode_capture is not None and self.decode_capture.matches(
-            self.capture_layer, hidden_size, kbuf.shape[0]
+            self.capture_layer, influence=influence, slots=kbuf.shape[0]
         )
-        if self.capture_in_graph and self.influence_layer is None:
-            self.ledger = self.decode_capture.ledger
-        else:
-            self.ledger = SlotLedger(
-                kbuf.shape[0],
-                self.device,
-                hidden_size=hidden_size,
-                dtype=weight.dtype,
-                influence=self.influence_layer is not None,
-            )
-            self.capture_in_graph = False
-            self.decode_capture = DecodeCapture(self.ledger, self.capture_layer)
+        if not self.capture_in_graph:  # graphs captured without it are refused below
+            ledger = new_ledger(self.model, self.kv_pool, self.capture_layer, influence=influence)
+            self.decode_capture = DecodeCapture(ledger, self.capture_layer)
             compat.attach_decode_capture(self.model, self.decode_capture)
+        self.ledger = self.decode_capture.ledger
         # refused (modes.graph_refusal) when a captured graph would skip relay's work
         self.graphs = compat.graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
