@@ -70,15 +70,14 @@ def generate(url, text, n=16, relay=None, logprobs=False, **extra):
     return resp.json()
 
 
-def generate_ids(url: str, ids: list[int], n: int, relay=None, **extra) -> dict:
+def generate_ids(url: str, ids: list[int], n: int, relay=None, headers=None, **extra) -> dict:
     """Greedy ``n`` tokens after token ids ``ids`` (EOS ignored), ``relay`` as the
-    request's relay option."""
+    request's relay option, ``headers`` as extra HTTP headers."""
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     if relay is not None:
         params["custom_params"] = {"relay": relay}
-    resp = requests.post(
-        url + "/generate", json={"input_ids": ids, "sampling_params": params, **extra}, timeout=300
-    )
+    body = {"input_ids": ids, "sampling_params": params, **extra}
+    resp = requests.post(url + "/generate", json=body, headers=headers, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
 

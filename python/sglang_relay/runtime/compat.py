@@ -191,6 +191,10 @@ DP_ROUTING_TARGET = (
     "sglang.srt.managers.data_parallel_controller.DataParallelController."
     "maybe_external_dp_rank_routing"
 )
+# CPU stand-in only: the controller's event loop, which polls its socket without blocking
+DP_EVENT_LOOP_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop"
+)
 # CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
 # sgl_kernel CPU ops, which must exist as torch operators first
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
@@ -296,6 +300,9 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "KVCacheConfigurator": ("server_args", "model_config", "model_dtype", "is_draft_worker"),
     "MemoryPoolConfig": ("max_total_num_tokens",),
     "DataParallelController": ("dp_budget", "_active_workers", "refresh_load_budget"),
+    "DataParallelControllerLoop": (
+        "recv_from_tokenizer", "_request_dispatcher", "soft_watchdog",
+    ),
     "TreeCacheBuildContext": (
         "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
     ),
@@ -432,6 +439,22 @@ def dp_loads(controller) -> tuple[list[int], list[int]]:
     check_surface("DataParallelController", controller)
     controller.refresh_load_budget()
     return list(controller.dp_budget.total_requests), list(controller._active_workers)
+
+
+def dp_controller_receiver(controller):
+    """(the controller's socket from the tokenizer, receive one message without blocking,
+    dispatch one message, feed the controller's soft watchdog), for an event loop that
+    waits on the socket (:func:`sglang_relay.runtime.dp_routing.blocking_event_loop`)."""
+    import zmq
+    from sglang.srt.managers import data_parallel_controller as dpc
+
+    check_surface("DataParallelControllerLoop", controller)
+    sock = controller.recv_from_tokenizer
+
+    def recv():
+        return dpc.sock_recv(sock, flags=zmq.NOBLOCK)
+
+    return sock, recv, controller._request_dispatcher, controller.soft_watchdog.feed
 
 
 DP_ROUTE_KEY = "__sglang_relay_dp_route"  # private custom_params key: controller -> rank

@@ -234,3 +234,32 @@ def route_request(original, controller, req, *args, **kwargs):
                 logger.info("sglang-relay DP routing: %s", router.stats())
         compat.tag_dp_route(req, decision)  # counted by the rank (get_server_info, metrics)
     return original(controller, req, *args, **kwargs)
+
+
+def blocking_event_loop(original, controller, *args, **kwargs):
+    """Around the DP controller's event loop, on the CPU stand-in only: wait on the socket.
+
+    SGLang 0.5.23's loop receives without blocking in a ``while True`` with no wait, which
+    keeps one core at 100 % while the server is idle. On a GPU host that is one core of many;
+    on the 2-core CPU stand-in it is half the machine, taken from the ranks pinned to those
+    cores. This loop does the same work (drain every queued request, dispatch it, feed the
+    soft watchdog) but sleeps in ``zmq.Poller`` until a request arrives (or a second passes,
+    so the watchdog is still fed while idle)."""
+    import zmq
+
+    from sglang_relay.runtime import compat
+
+    sock, recv, dispatch, feed = compat.dp_controller_receiver(controller)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        feed()
+        if not poller.poll(timeout=1000):
+            continue
+        while True:
+            try:
+                message = recv()
+            except zmq.ZMQError:
+                break
+            dispatch(message)
+            feed()

@@ -270,8 +270,9 @@ def serve(argv: list[str]) -> None:
 
 
 @dataclass
-class ServerProcess:
-    """A ``sglang-relay serve`` child process on loopback, in its own process group."""
+class _ChildProcess:
+    """A child process serving HTTP on loopback, in its own process group, logging to a file.
+    Subclasses say what to run (:meth:`command`) and when it is ready (:meth:`ready`)."""
 
     args: list[str]
     host: str = DEFAULT_HOST
@@ -279,24 +280,27 @@ class ServerProcess:
     log_path: str = ""
     env: dict[str, str] | None = None  # added to this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    name = "process"
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 300.0) -> ServerProcess:
-        import requests
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 300.0):
         if not self.port:
             self.port = free_port(self.host)
         if not self.log_path:
-            fd, self.log_path = tempfile.mkstemp(prefix="sglang-relay-server-", suffix=".log")
+            fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-relay-{self.name}-", suffix=".log")
             os.close(fd)
-        cmd = [sys.executable, "-m", "sglang_relay.cli", "serve", *self.args]
-        cmd += ["--host", self.host, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd,
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -306,17 +310,16 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RelayError(
-                    f"server exited with code {self.proc.returncode} during start-up; "
+                    f"{self.name} exited with code {self.proc.returncode} during start-up; "
                     f"log: {self.log_path}\n{self.log_tail()}"
                 )
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
+            if self.ready():
+                return self
             time.sleep(0.5)
         self.stop()
-        raise RelayError(f"server did not become healthy in {timeout:.0f}s; log: {self.log_path}")
+        raise RelayError(
+            f"{self.name} did not become ready in {timeout:.0f}s; log: {self.log_path}"
+        )
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -325,7 +328,7 @@ class ServerProcess:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the whole process group (tokenizer, scheduler, detokenizer); wait for it."""
+        """Stop the whole process group (e.g. tokenizer, scheduler, detokenizer); wait for it."""
         if self.proc is None or self.proc.poll() is not None:
             return
         pgid = os.getpgid(self.proc.pid)
@@ -340,8 +343,64 @@ class ServerProcess:
             pass
         self.proc.wait(timeout=timeout)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _get_ok(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@dataclass
+class ServerProcess(_ChildProcess):
+    """A ``sglang-relay serve`` child process; ``args`` are its serve flags."""
+
+    name = "server"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang_relay.cli", "serve", *self.args]
+        return cmd + ["--host", self.host, "--port", str(self.port)]
+
+    def ready(self) -> bool:
+        return _get_ok(self.url + "/health")
+
+
+@dataclass
+class RouterProcess(_ChildProcess):
+    """sglang-router (``python -m sglang_router.launch_router``) in front of ``workers``;
+    ``args`` are its flags (``--policy manual``, ``--dp-aware``...). Ready when every worker
+    (each DP rank with ``--dp-aware``) is registered and healthy."""
+
+    workers: list[str] = field(default_factory=list)
+    expected_workers: int = 0  # 0: one per worker URL
+    name = "router"
+
+    def command(self) -> list[str]:
+        # its Prometheus exporter binds a fixed port unless told otherwise
+        metrics_port = (
+            []
+            if has_flag(self.args, "--prometheus-port")
+            else ["--prometheus-port", str(free_port(self.host))]
+        )
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", *self.args, *metrics_port]
+        return cmd + ["--host", self.host, "--port", str(self.port), "--worker-urls", *self.workers]
+
+    def ready(self) -> bool:
+        import requests
+
+        if not _get_ok(self.url + "/health"):
+            return False
+        try:
+            workers = requests.get(self.url + "/workers", timeout=2).json()["workers"]
+        except (requests.RequestException, ValueError, KeyError):
+            return False
+        healthy = sum(1 for w in workers if w.get("is_healthy"))
+        return healthy >= (self.expected_workers or len(self.workers))

@@ -59,6 +59,8 @@ def register() -> None:
         cpu_graph.register_graph_backend()
         fake_target = compat.CPU_GRAPH_FAKE_TARGET
         compat.register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
+        # SGLang's DP controller spins on its socket: one of the stand-in's two cores
+        compat.register_hook(compat.DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
