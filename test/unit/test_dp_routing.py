@@ -108,3 +108,85 @@ def test_the_decision_rides_with_the_request_to_its_rank():
         "relay": {"reuse": 0.9},
         compat.DP_ROUTE_KEY: "key",
     }
+
+
+def _req(tokens, extra_key=None, cache_salt=None, relay=None):
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(custom_params={"relay": relay} if relay is not None else None)
+    return SimpleNamespace(
+        input_ids=tokens, extra_key=extra_key, cache_salt=cache_salt, sampling_params=params
+    )
+
+
+def test_a_prompt_only_matches_spans_of_its_own_namespace(tmp_path):
+    """Fingerprints are salted per namespace: a tenant's prompt holding another tenant's
+    text is not routed by it (nor can it time whether the other tenant holds it)."""
+    rng = random.Random(2)
+    span = [rng.randrange(50_000) for _ in range(120)]
+    prompt = [7] * 9 + span + [11] * 4
+    router = _router(tmp_path)
+    pub = FingerprintPublisher(router.endpoint, rank=1)
+    ns_a = router.namespace(_req(prompt, cache_salt="tenant-a"))
+    assert ns_a == (None, "tenant-a", None)  # extra_key, cache_salt, relay key
+    pub.added(3, span, ns_a)  # what the rank's SpanStore tells the publisher
+    deadline = time.time() + 5
+    while not router.spans and time.time() < deadline:
+        router.drain()
+        time.sleep(0.01)
+    full = STRIDE * len(range(0, 120 - WINDOW + 1, STRIDE))
+    assert router.held_tokens(prompt, ns_a)[1] == full
+    for other in (
+        _req(prompt),  # the default namespace
+        _req(prompt, cache_salt="tenant-b"),
+        _req(prompt, extra_key="lora-x", cache_salt="tenant-a"),
+        _req(prompt, cache_salt="tenant-a", relay={"key": "team-2"}),
+    ):
+        assert router.held_tokens(prompt, router.namespace(other)) == {}
+        assert router.route(prompt, None, [0, 0], [0, 1], router.namespace(other)) is None
+    assert router.route(prompt, None, [0, 0], [0, 1], ns_a) == 1
+    # the default namespace's hashes are the unsalted ones (brute force above)
+    assert window_hashes(span, STRIDE, 0).tolist() == window_hashes(span, STRIDE).tolist()
+
+
+def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_path):
+    """The CPU stand-in's DP controller loop: every message sent is dispatched in order,
+    and the loop sleeps in between (it does not spin a core while idle)."""
+    import threading
+
+    import zmq
+
+    from sglang_relay.runtime.dp_routing import blocking_event_loop
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"ipc://{tmp_path}/loop")
+    push.connect(f"ipc://{tmp_path}/loop")
+    got, feeds = [], []
+
+    class _Controller:  # the attributes compat.dp_controller_receiver reads
+        recv_from_tokenizer = pull
+        soft_watchdog = type("W", (), {"feed": lambda self: feeds.append(1)})()
+
+        def _request_dispatcher(self, message):
+            got.append(message)
+
+    def run():
+        try:
+            blocking_event_loop(None, _Controller())
+        except zmq.ContextTerminated:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for i in range(50):
+        push.send_pyobj({"req": i})
+    deadline = time.time() + 10
+    while len(got) < 50 and time.time() < deadline:
+        time.sleep(0.05)
+    assert got == [{"req": i} for i in range(50)]
+    start = time.process_time()  # this process's CPU time, every thread
+    time.sleep(1.5)  # idle: a spinning loop would burn ~1.5 s of CPU here
+    assert time.process_time() - start < 0.5
+    assert feeds  # the watchdog is fed
+    push.close(linger=0)

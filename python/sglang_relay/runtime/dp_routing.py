@@ -23,8 +23,9 @@ The decision rides with the request to its rank (a private ``custom_params`` key
 SGLang's own renderer does for reasoning delimiters), which counts it:
 ``dp_routed_<decision>`` in ``get_server_info`` and on ``/metrics`` per rank.
 
-Fingerprints carry no namespace: routing only chooses where a request runs, and the rank
-still relays from the request's own namespace only (:mod:`.options`).
+Fingerprints are salted with the span's namespace (:func:`namespace_salt`) and a prompt's
+windows with the request's, so a request only matches spans it could relay; the rank
+still enforces namespaces when it relays (:mod:`.options`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ import os
 import pickle
 import uuid
 from collections import Counter
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
+
+from sglang_relay.runtime.options import namespace, request_option
+from sglang_relay.runtime.settings import ENV_SCOPE
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +68,28 @@ def _powers() -> np.ndarray:
 _POWERS = _powers()
 
 
-def window_hashes(tokens, stride: int = 1) -> np.ndarray:
+def namespace_salt(namespace: Hashable) -> np.uint64:
+    """A 64-bit salt per relay namespace (:func:`sglang_relay.runtime.options.namespace`:
+    SGLang's ``extra_key`` and ``cache_salt`` and the relay key), mixed into every
+    fingerprint: a prompt only matches the spans of its own namespace, so routing (and its
+    timing) does not tell one tenant whether another holds a text. The default namespace
+    (nothing set) has salt 0."""
+    if namespace is None or all(part is None for part in namespace):
+        return np.uint64(0)
+    digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(digest, "little"))
+
+
+def window_hashes(tokens, stride: int = 1, salt: int = 0) -> np.ndarray:
     """``uint64`` hashes of the ``WINDOW``-token windows of ``tokens`` starting at every
-    ``stride``-th position (none if shorter than a window); identical in every process."""
+    ``stride``-th position (none if shorter than a window), XOR ``salt`` (the namespace's);
+    identical in every process."""
     ids = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
     if ids.shape[0] < WINDOW:
         return np.empty(0, dtype=np.uint64)
     windows = np.lib.stride_tricks.sliding_window_view(ids, WINDOW)[::stride]
     with np.errstate(over="ignore"):
-        return (windows * _POWERS).sum(axis=1, dtype=np.uint64)
+        return (windows * _POWERS).sum(axis=1, dtype=np.uint64) ^ np.uint64(salt)
 
 
 class FingerprintPublisher:
@@ -98,8 +116,9 @@ class FingerprintPublisher:
         except zmq.ZMQError:
             self.dropped += 1  # routing degrades to the load-balance method, never wrong
 
-    def added(self, span_id: int, tokens: list[int]) -> None:
-        self._send((self.rank, "add", span_id, window_hashes(tokens, STRIDE)))
+    def added(self, span_id: int, tokens: list[int], namespace: Hashable = None) -> None:
+        hashes = window_hashes(tokens, STRIDE, namespace_salt(namespace))
+        self._send((self.rank, "add", span_id, hashes))
 
     def dropped_span(self, span_id: int) -> None:
         self._send((self.rank, "drop", span_id, None))
@@ -121,6 +140,16 @@ class DPRouter:
         self.spans: dict[tuple[int, int], np.ndarray] = {}  # (rank, span id) -> fingerprints
         self.decisions: Counter[str] = Counter()
         self.last_decision: str | None = None
+        self.scope = os.environ.get(ENV_SCOPE) or "shared"  # the ranks' relay scope
+
+    def namespace(self, req) -> tuple | None:
+        """The namespace ``req`` relays from, as its rank will compute it (None: none)."""
+        from sglang_relay.runtime import compat
+
+        try:
+            return namespace(self.scope, compat.request_namespace(req), request_option(req))
+        except ValueError:
+            return None  # a bad relay key: the rank runs standard prefill
 
     # ---- fingerprints ---------------------------------------------------------------
     def drain(self) -> None:
@@ -152,25 +181,32 @@ class DPRouter:
                 if not ranks:
                     del self.holders[h]
 
-    def held_tokens(self, tokens) -> Counter[int]:
-        """Per rank, the prompt tokens it holds as stored spans (~``STRIDE`` per matched
-        window: a span's windows are ``STRIDE`` apart)."""
+    def held_tokens(self, tokens, namespace: Hashable = None) -> Counter[int]:
+        """Per rank, the prompt tokens it holds as stored spans of ``namespace`` (~``STRIDE``
+        per matched window: a span's windows are ``STRIDE`` apart)."""
         found: Counter[int] = Counter()
         if not self.holders:
             return found
-        for h in set(window_hashes(tokens).tolist()):
+        for h in set(window_hashes(tokens, 1, namespace_salt(namespace)).tolist()):
             for rank in self.holders.get(h, ()):
                 found[rank] += STRIDE
         return found
 
     # ---- routing --------------------------------------------------------------------
     def route(
-        self, tokens, routing_key: str | None, loads: list[int], active: list[int]
+        self,
+        tokens,
+        routing_key: str | None,
+        loads: list[int],
+        active: list[int],
+        namespace: Hashable = None,
     ) -> int | None:
         """The rank for a request (None: let the configured load-balance method decide).
-        ``loads``: running + waiting requests per rank; ``active``: ranks that take work."""
+        ``loads``: running + waiting requests per rank; ``active``: ranks that take work;
+        ``namespace``: the request's relay namespace (only its spans count)."""
         self.drain()
-        held = {r: n for r, n in self.held_tokens(tokens).items() if r in active}
+        held = self.held_tokens(tokens, namespace)
+        held = {r: n for r, n in held.items() if r in active}
         if held:
             rank = max(held, key=lambda r: (held[r], -loads[r]))
             if loads[rank] - min(loads[r] for r in active) <= self.max_imbalance:
@@ -226,7 +262,9 @@ def route_request(original, controller, req, *args, **kwargs):
             decision = "explicit"  # the client chose (routed_dp_rank / X-Data-Parallel-Rank)
         else:
             loads, active = compat.dp_loads(controller)
-            rank = router.route(req.input_ids, getattr(req, "routing_key", None), loads, active)
+            namespace = router.namespace(req)
+            tokens = req.input_ids if namespace is not None else ()  # None: it cannot relay
+            rank = router.route(tokens, getattr(req, "routing_key", None), loads, active, namespace)
             if rank is not None:
                 req.routed_dp_rank = rank
             decision = router.last_decision

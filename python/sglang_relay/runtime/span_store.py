@@ -73,8 +73,8 @@ class SpanStore:
         self.num_tokens = 0
         self.owned_tokens = 0
         self.release_slots = release_slots
-        # told of every add and drop (``added(span_id, tokens)``, ``dropped_span(span_id)``):
-        # the DP fingerprint publisher (:mod:`.dp_routing`)
+        # told of every add and drop (``added(span_id, tokens, namespace)``,
+        # ``dropped_span(span_id)``): the DP fingerprint publisher (:mod:`.dp_routing`)
         self.listener = listener
         self._next_id = 1
         self.scans = 0  # index look-ups (admission checks and plans)
@@ -103,7 +103,7 @@ class SpanStore:
         self.num_tokens += len(tokens)
         self.owned_tokens += len(tokens) if owned else 0
         if self.listener is not None:
-            self.listener.added(span_id, tokens)
+            self.listener.added(span_id, tokens, namespace)
         while self.num_tokens > self.max_tokens and len(self.spans) > 1:
             self.drop(next(iter(self.spans)))
         return span_id
