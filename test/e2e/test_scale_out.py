@@ -104,7 +104,7 @@ def test_router_manual_policy_keeps_each_keyed_chain_on_one_server(server, dp_se
     before = [_relayed_tokens(u) for u in urls]
     args = ["--policy", "manual", "--assignment-mode", "min_group", "--log-level", "warn"]
     with RouterProcess(args, workers=urls) as router:
-        results = _run_chains(router.url, 100, 6, 1, keyed=True)
+        results = _run_chains(router.url, 100, 4, 1, keyed=True)
     _assert_all_relayed_whole(results)
     served = [_relayed_tokens(u) - b for u, b in zip(urls, before, strict=True)]
     # every relayed token of these chains, and only them, on the servers that decoded them
@@ -122,7 +122,7 @@ def test_router_dp_aware_pins_each_keyed_chain_to_one_rank(dp_server):
     before = sum(r.get("dp_routed_explicit", 0) for r in _ranks(dp_server.url))
     args = ["--policy", "manual", "--dp-aware", "--log-level", "warn"]
     with RouterProcess(args, workers=[dp_server.url], expected_workers=2) as router:
-        results = _run_chains(router.url, 200, 4, 0, keyed=True)
+        results = _run_chains(router.url, 200, 2, 0, keyed=True)
     _assert_all_relayed_whole(results)
     ranks = _ranks(dp_server.url)
     explicit = sum(r.get("dp_routed_explicit", 0) for r in ranks) - before
