@@ -16,15 +16,10 @@ pass the workers' URLs with ``--worker-url`` to read the counters there.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from relay_share import Counters, read_counters, server_root  # beside this file
-
-ROUTING_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy: sticky per key
+from relay_share import ROUTING_HEADER, Measured, example_args, measure, print_report
 
 TASK = (
     "We need a Python function that merges overlapping intervals in a list of (start, end) pairs."
@@ -54,18 +49,6 @@ MODEL_INFO = {
     "structured_output": False,
     "family": "unknown",
 }
-
-
-@dataclass
-class ChatResult:
-    messages: list[tuple[str, str]]  # (source, content), the task first
-    stop_reason: str | None
-    counters: Counters  # the servers' counters' delta over the run
-    seconds: float
-
-    @property
-    def relay_share(self) -> float:
-        return self.counters.share
 
 
 def make_client(
@@ -121,28 +104,18 @@ def run(
     rounds: int = 1,
     extra_body: dict[str, Any] | None = None,
     counter_urls: list[str] | None = None,
-) -> ChatResult:
-    """Run the group chat against ``base_url`` (an OpenAI ``.../v1`` URL) and return the
-    conversation with the delta of the relay servers' counters (``counter_urls``: the
-    SGLang servers, default the one behind ``base_url``)."""
-    servers = counter_urls or [server_root(base_url)]
+) -> Measured:
+    """Run the group chat against ``base_url`` (an OpenAI ``.../v1`` URL); ``value`` is
+    ``(messages, stop_reason)``: (source, content) pairs, the task first."""
     client = make_client(
         base_url, chain_key=chain_key, max_tokens=max_tokens, extra_body=extra_body
     )
-    before, t0 = read_counters(*servers), time.perf_counter()
-    messages, stop_reason = asyncio.run(run_chat(task, client, rounds))
-    seconds = time.perf_counter() - t0
-    return ChatResult(messages, stop_reason, read_counters(*servers) - before, seconds)
+    return measure(base_url, counter_urls, lambda: asyncio.run(run_chat(task, client, rounds)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    ap.add_argument("--chain-key", help=f"sent as {ROUTING_HEADER} (sglang-router)")
-    ap.add_argument("--worker-url", action="append", help="relay server(s) to read counters")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap = example_args(__doc__.split("\n")[0], TASK)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--task", default=TASK)
     args = ap.parse_args()
     res = run(
         args.base_url,
@@ -152,11 +125,8 @@ def main() -> None:
         rounds=args.rounds,
         counter_urls=args.worker_url,
     )
-    for source, content in res.messages:
-        print(f"--- {source}\n{content}\n")
-    c = res.counters
-    print(f"stop: {res.stop_reason}  ({res.seconds:.1f} s)")
-    print(f"relayed {c.relayed_tokens} of {c.prompt_tokens} prompt tokens: share {c.share:.2f}")
+    messages, stop_reason = res.value
+    print_report(messages, res, f"stop: {stop_reason}  ")
 
 
 if __name__ == "__main__":

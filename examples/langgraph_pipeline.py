@@ -15,14 +15,9 @@ spans; pass the workers' URLs with ``--worker-url`` to read the counters there.
 
 from __future__ import annotations
 
-import argparse
-import time
-from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from relay_share import Counters, read_counters, server_root  # beside this file
-
-ROUTING_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy: sticky per key
+from relay_share import ROUTING_HEADER, Measured, example_args, measure, print_report
 
 TASK = "Write a short blog post on why unit tests make refactoring safer."
 
@@ -34,19 +29,12 @@ class State(TypedDict, total=False):
     critique: str
 
 
-@dataclass
-class PipelineResult:
-    state: State
-    counters: Counters  # the servers' counters' delta over the run
-    seconds: float
+NODES = ("plan", "draft", "critique")
 
-    @property
-    def messages(self) -> list[tuple[str, str]]:
-        return [(k, self.state[k]) for k in ("plan", "draft", "critique") if k in self.state]
 
-    @property
-    def relay_share(self) -> float:
-        return self.counters.share
+def messages(state: State) -> list[tuple[str, str]]:
+    """(node output, text) of a final state, in pipeline order."""
+    return [(k, state[k]) for k in NODES if k in state]
 
 
 def make_llm(
@@ -117,36 +105,21 @@ def run(
     *,
     extra_body: dict[str, Any] | None = None,
     counter_urls: list[str] | None = None,
-) -> PipelineResult:
-    """Run the pipeline against ``base_url`` (an OpenAI ``.../v1`` URL) and return its
-    final state with the delta of the relay servers' counters (``counter_urls``: the
-    SGLang servers, default the one behind ``base_url``)."""
-    servers = counter_urls or [server_root(base_url)]
+) -> Measured:
+    """Run the pipeline against ``base_url`` (an OpenAI ``.../v1`` URL); ``value`` is its
+    final state."""
     app = build_graph(
         make_llm(base_url, chain_key=chain_key, max_tokens=max_tokens, extra_body=extra_body)
     )
-    before, t0 = read_counters(*servers), time.perf_counter()
-    state = app.invoke({"task": task})
-    seconds = time.perf_counter() - t0
-    return PipelineResult(state, read_counters(*servers) - before, seconds)
+    return measure(base_url, counter_urls, lambda: app.invoke({"task": task}))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    ap.add_argument("--chain-key", help=f"sent as {ROUTING_HEADER} (sglang-router)")
-    ap.add_argument("--worker-url", action="append", help="relay server(s) to read counters")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--task", default=TASK)
-    args = ap.parse_args()
+    args = example_args(__doc__.split("\n")[0], TASK).parse_args()
     res = run(
         args.base_url, args.task, args.chain_key, args.max_tokens, counter_urls=args.worker_url
     )
-    for node, text in res.messages:
-        print(f"--- {node}\n{text}\n")
-    c = res.counters
-    print(f"({res.seconds:.1f} s)")
-    print(f"relayed {c.relayed_tokens} of {c.prompt_tokens} prompt tokens: share {c.share:.2f}")
+    print_report(messages(res.value), res)
 
 
 if __name__ == "__main__":

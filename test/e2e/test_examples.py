@@ -49,10 +49,11 @@ def _report(name: str, res) -> None:
 
 
 def _check_group_chat(res) -> None:
+    messages, stop_reason = res.value
     names = [name for name, _ in autogen_group_chat.AGENTS]
-    assert [source for source, _ in res.messages] == ["user", *names], res.messages
-    assert all(content.strip() for _, content in res.messages), res.messages
-    assert res.stop_reason and "Maximum number of messages" in res.stop_reason, res.stop_reason
+    assert [source for source, _ in messages] == ["user", *names], messages
+    assert all(content.strip() for _, content in messages), messages
+    assert stop_reason and "Maximum number of messages" in stop_reason, stop_reason
 
 
 def test_autogen_group_chat_is_relayed_with_no_client_change(server):
@@ -83,8 +84,9 @@ def test_autogen_group_chat_with_relay_off_relays_nothing(server):
 
 
 def _check_pipeline(res) -> None:
-    assert [node for node, _ in res.messages] == ["plan", "draft", "critique"], res.state
-    assert all(text.strip() for _, text in res.messages), res.state
+    messages = langgraph_pipeline.messages(res.value)
+    assert [node for node, _ in messages] == ["plan", "draft", "critique"], res.value
+    assert all(text.strip() for _, text in messages), res.value
 
 
 @pytest.fixture(scope="module")
