@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import heapq
 import json
 import math
@@ -54,7 +53,13 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_relay.runtime.dp_routing import DEFAULT_MAX_IMBALANCE, STRIDE, WINDOW
+from sglang_relay.runtime.dp_routing import (
+    DEFAULT_MAX_IMBALANCE,
+    STRIDE,
+    WINDOW,
+    fingerprint_choice,
+    key_worker,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_SPAN = WINDOW  # the span store's min_match: shorter outputs are not recorded
@@ -373,26 +378,12 @@ class Request:
     queue_ahead: int = 0  # requests waiting or in prefill on its worker when it arrived
 
 
-def key_worker(key: str, n: int) -> int:
-    """The worker for a routing key: ``dp_routing.DPRouter.route``'s stable hash."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % n
-
-
 def fingerprint_tokens(span_tokens: int) -> int:
     """Relayable tokens a router credits a worker with for holding a span pasted whole:
     ``STRIDE`` per published window (one at every ``STRIDE``-th token, ``WINDOW`` long)."""
     if span_tokens < WINDOW:
         return 0
     return STRIDE * ((span_tokens - WINDOW) // STRIDE + 1)
-
-
-def fingerprint_choice(held: dict[int, int], loads: list[int], max_imbalance: int) -> int | None:
-    """``DPRouter.route``'s matched branch: the worker holding the most tokens (ties: the
-    lower load, then the first in ``held``) unless its load exceeds the least loaded
-    worker's by more than ``max_imbalance`` (None: the fallback decides)."""
-    rank = max(held, key=lambda r: (held[r], -loads[r]))
-    return rank if loads[rank] - min(loads) <= max_imbalance else None
 
 
 class Policy:
@@ -432,10 +423,11 @@ class LeastLoad(Policy):
 
 
 class ChainKey(Policy):
-    """sglang-router's ``manual`` policy: a stable hash of the chain's routing key."""
+    """sglang-router's ``manual`` policy: a stable hash of the chain's routing key (the
+    runtime's :func:`~sglang_relay.runtime.dp_routing.key_worker`, every worker active)."""
 
     def choose(self, req: Request, sim: Simulation) -> int:
-        return self._decided("key", key_worker(req.key, self.n))
+        return self._decided("key", key_worker(req.key, range(self.n)))
 
 
 class ApproxTree:
@@ -498,11 +490,13 @@ class Prefix(Policy):
 
 
 class Fingerprints(Policy):
-    """The rule of ``runtime/dp_routing.py`` (``DPRouter.route``), with span ownership at
-    token level: a worker holding a pasted span is credited :func:`fingerprint_tokens` of
-    it (what counting its published 32-token windows at stride 16 in the prompt gives;
-    hash collisions and windows across segment boundaries are ignored), and ranks publish
-    instantly. No match: the routing key's hash (``use_key``), else ``fallback``."""
+    """The rule of ``runtime/dp_routing.py`` (``DPRouter.route``, calling its
+    ``fingerprint_choice`` and ``key_worker`` with every worker active; ties go to the
+    lowest worker), with span ownership at token level: a worker holding a pasted span is
+    credited :func:`fingerprint_tokens` of it (what counting its published 32-token windows
+    at stride 16 in the prompt gives; hash collisions and windows across segment boundaries
+    are ignored), and ranks publish instantly. No match: the routing key's hash
+    (``use_key``), else ``fallback``."""
 
     def __init__(self, n: int, fallback: Policy, use_key: bool, max_imbalance: int) -> None:
         super().__init__(n)
@@ -517,12 +511,13 @@ class Fingerprints(Policy):
             for worker in sim.holders.get(span, ()):
                 held[worker] = held.get(worker, 0) + credit
         if held:
-            rank = fingerprint_choice(dict(sorted(held.items())), sim.loads, self.max_imbalance)
+            held = dict(sorted(held.items()))  # exact ties: the lowest worker
+            rank = fingerprint_choice(held, sim.loads, range(self.n), self.max_imbalance)
             if rank is not None:
                 return self._decided("matched", rank)
             return self._decided("fallback_overloaded", self.fallback.choose(req, sim))
         if self.use_key and req.key:
-            return self._decided("key", key_worker(req.key, self.n))
+            return self._decided("key", key_worker(req.key, range(self.n)))
         return self._decided("fallback", self.fallback.choose(req, sim))
 
 

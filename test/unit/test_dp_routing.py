@@ -12,6 +12,8 @@ from sglang_relay.runtime.dp_routing import (
     WINDOW,
     DPRouter,
     FingerprintPublisher,
+    fingerprint_choice,
+    key_worker,
     window_hashes,
 )
 
@@ -72,6 +74,30 @@ def test_a_routing_key_pins_a_chain_to_one_rank(tmp_path):
     assert first == again  # the same rank for every request of a chain
     assert set(first) == {0, 1}  # and chains spread over the ranks
     assert router.route(list(range(40)), None, [0, 0], [0, 1]) is None
+
+
+def test_fingerprint_choice_is_the_brute_force_argmax_under_the_load_bound():
+    rng = random.Random(10)
+    for _ in range(2000):
+        n = rng.randint(1, 8)
+        loads = [rng.randint(0, 20) for _ in range(n)]
+        active = sorted(rng.sample(range(n), rng.randint(1, n)))
+        holders = rng.sample(active, rng.randint(1, len(active)))
+        held = {w: rng.choice([16, 32, 48, 512]) for w in sorted(holders)}
+        top = max(held.values())
+        best = [w for w in held if held[w] == top]
+        calm = min(loads[w] for w in best)
+        want = min(w for w in best if loads[w] == calm)  # held in rank order: the first
+        if loads[want] - min(loads[w] for w in active) > 8:  # inactive ranks do not count
+            want = None
+        assert fingerprint_choice(held, loads, active, 8) == want
+
+
+def test_a_routing_key_indexes_the_active_ranks():
+    for i in range(32):
+        key = f"chain-{i}"
+        assert key_worker(key, [0, 2, 5]) == [0, 2, 5][key_worker(key, range(3))]
+        assert key_worker(key, range(4)) == key_worker(key, [0, 1, 2, 3])
 
 
 def test_ranks_publish_to_the_controller_over_zmq(tmp_path):

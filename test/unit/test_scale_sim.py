@@ -1,6 +1,6 @@
 """The scale-out simulation (benchmark/scale_sim.py) against independent references: a
 replay of the span store on one worker, analytic hit rates of round robin and chain keys,
-brute-force LRU, prefix-tree and argmax models, and the runtime's own ``SpanStore`` and
+brute-force LRU and prefix-tree models, and the runtime's own ``SpanStore`` and
 ``DPRouter``."""
 
 from __future__ import annotations
@@ -149,22 +149,6 @@ def test_span_lru_keeps_the_order_of_the_runtime_span_store():
             mirror.add(span, n)
         back = {sid: span for span, sid in ids.items()}
         assert [back[sid] for sid in real.spans] == list(mirror.spans)
-
-
-def test_fingerprint_choice_is_the_brute_force_argmax_under_the_load_bound():
-    rng = random.Random(10)
-    for _ in range(2000):
-        n = rng.randint(1, 8)
-        loads = [rng.randint(0, 20) for _ in range(n)]
-        holders = rng.sample(range(n), rng.randint(1, n))
-        held = {w: rng.choice([16, 32, 48, 512]) for w in sorted(holders)}
-        top = max(held.values())
-        best = [w for w in held if held[w] == top]
-        calm = min(loads[w] for w in best)
-        want = min(w for w in best if loads[w] == calm)
-        if loads[want] - min(loads) > 8:
-            want = None
-        assert sim.fingerprint_choice(held, loads, 8) == want
 
 
 class _Unrouted(sim.Policy):

@@ -36,7 +36,7 @@ import os
 import pickle
 import uuid
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,30 @@ def window_hashes(tokens, stride: int = 1, salt: int = 0) -> np.ndarray:
     windows = np.lib.stride_tricks.sliding_window_view(ids, WINDOW)[::stride]
     with np.errstate(over="ignore"):
         return (windows * _POWERS).sum(axis=1, dtype=np.uint64) ^ np.uint64(salt)
+
+
+# ---- the routing rules (pure; benchmark/scale_sim.py simulates policies with them) -----------
+def key_worker(routing_key: str, active: Sequence[int]) -> int:
+    """The rank for a routing key (a request with a key and no matched fingerprint): a
+    stable hash of the key (blake2b, the same in every process) indexes the ``active`` ranks
+    (non-empty), so every agent of a keyed chain meets on one rank while the active ranks
+    stay the same."""
+    digest = hashlib.blake2b(routing_key.encode(), digest_size=8).digest()
+    return active[int.from_bytes(digest, "little") % len(active)]
+
+
+def fingerprint_choice(
+    held: Mapping[int, int], loads: Sequence[int], active: Iterable[int], max_imbalance: int
+) -> int | None:
+    """The rank for a request whose fingerprints matched: of ``held`` (rank -> prompt tokens
+    it holds; non-empty, active ranks only) the rank holding the most (ties: the lower load,
+    then the first in ``held``'s order), unless its load exceeds the least loaded ``active``
+    rank's by more than ``max_imbalance`` (None: the load-balance method decides).
+    ``loads``: running + waiting requests per rank."""
+    rank = max(held, key=lambda r: (held[r], -loads[r]))
+    if loads[rank] - min(loads[r] for r in active) <= max_imbalance:
+        return rank
+    return None
 
 
 class FingerprintPublisher:
@@ -208,13 +232,12 @@ class DPRouter:
         held = self.held_tokens(tokens, namespace)
         held = {r: n for r, n in held.items() if r in active}
         if held:
-            rank = max(held, key=lambda r: (held[r], -loads[r]))
-            if loads[rank] - min(loads[r] for r in active) <= self.max_imbalance:
+            rank = fingerprint_choice(held, loads, active, self.max_imbalance)
+            if rank is not None:
                 return self._decided("matched", rank)
             return self._decided("fallback_overloaded", None)
         if routing_key and active:
-            digest = hashlib.blake2b(routing_key.encode(), digest_size=8).digest()
-            return self._decided("key", active[int.from_bytes(digest, "little") % len(active)])
+            return self._decided("key", key_worker(routing_key, active))
         return self._decided("fallback", None)
 
     def _decided(self, decision: str, rank: int | None) -> int | None:
