@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.core.operating import reuse_cap
+from sglang_relay.core.operating import reuse_cap, rule_name
 from sglang_relay.core.reference import (
     RefModel,
     RelayResult,
@@ -309,28 +309,111 @@ def first_k_rule(num_layers: int, target: float, mean_span: float) -> RelayConfi
     return replace(rule, first_k=max(1, round(cap * mean_span)), max_ratio=cap)
 
 
-def run_frontier(
-    search: Search, rule: RelayConfig, num_layers: int, mean_span: float, targets
-) -> list[dict[str, Any]]:
-    """Per reuse target, the better of the profiled deviation rule (its cap solved for the
-    target) and :func:`first_k_rule` on the calibration relays: the lowest mean first-token
-    KL among those whose reuse is >= the target on every relay. The runtime maps a
-    requested target to these points (:mod:`sglang_relay.core.operating`)."""
-    points = []
-    for target in targets:
-        cands = [
-            search.run(with_cap(rule, num_layers, target), f"frontier {target:.2f}"),
-            search.run(first_k_rule(num_layers, target, mean_span), f"frontier {target:.2f}"),
+def context_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | None:
+    """The context-mass rule at ``target``: each span's tokens with the highest context
+    mass at ``l_ctx`` (``signal="context"``), recomputed in every layer, capped per span.
+    Needs no deviation pass; stores the stream entering ``l_ctx`` per output token."""
+    rule = RelayConfig(
+        method="relay",
+        l_start=0,
+        l_det=0,
+        l_end=-1,
+        signal="context",
+        l_ctx=l_ctx,
+        tau_dev=0.0,
+        l_suf=0,
+        first_k=0,
+    )
+    cap = reuse_cap(rule, num_layers, target)
+    return None if cap is None else replace(rule, max_ratio=cap)
+
+
+def context_layers(num_layers: int, quick: bool) -> list[int]:
+    """Candidate layers of the context mass: evenly over the stack (layer 0 included: its
+    queries need no stored stream)."""
+    step = max(1, num_layers // (5 if quick else 10))
+    return list(range(0, num_layers - 1, step))
+
+
+# targets at which the context layer is chosen (mean of the calibration KLs)
+CONTEXT_PICK_TARGETS = (0.80, 0.90)
+
+
+def pick_context_layer(search: Search, num_layers: int, quick: bool) -> int:
+    """The candidate layer whose context rule has the lowest calibration KL, summed over
+    :data:`CONTEXT_PICK_TARGETS` (one layer per server: it stores one stream)."""
+
+    def total(layer: int) -> float:
+        runs = [
+            search.run(context_rule(num_layers, t, layer), f"context layer {layer}")
+            for t in CONTEXT_PICK_TARGETS
         ]
-        best = choose([c for c in cands if c is not None], target)
-        if best is None:
-            continue
+        return sum(r["metrics"]["first_token_kl"] for r in runs if r is not None)
+
+    return min(context_layers(num_layers, quick), key=total)
+
+
+def run_frontier(
+    search: Search,
+    rule: RelayConfig,
+    num_layers: int,
+    mean_span: float,
+    targets,
+    *,
+    quick: bool = False,
+) -> list[dict[str, Any]]:
+    """Per reuse target, the best of the profiled deviation rule (its cap solved for the
+    target), :func:`first_k_rule` and :func:`context_rule` (at the layer
+    :func:`pick_context_layer` chose) on the calibration relays: the lowest mean first-token
+    KL among those whose reuse is >= the target on every relay. A server stores one stream
+    per output token, so when the deviation rule and the context rule need different
+    layers, the points come from one family (deviation + first-k, or context + first-k):
+    the one with the lower KL summed over the targets. The runtime maps a requested target
+    to these points (:mod:`sglang_relay.core.operating`)."""
+    l_ctx = pick_context_layer(search, num_layers, quick)
+    per_target = []
+    for target in targets:
+        label = f"frontier {target:.2f}"
+        per_target.append(
+            (
+                target,
+                {
+                    "deviation": search.run(with_cap(rule, num_layers, target), label),
+                    "first_k": search.run(first_k_rule(num_layers, target, mean_span), label),
+                    "context": search.run(context_rule(num_layers, target, l_ctx), label),
+                },
+            )
+        )
+    families = [("deviation", "first_k", "context")]
+    if rule.stored_layer(num_layers) != context_rule(num_layers, 0.5, l_ctx).stored_layer(
+        num_layers
+    ):
+        families = [("deviation", "first_k"), ("context", "first_k")]
+
+    def family_points(family) -> list[tuple[float, dict, list]]:
+        out = []
+        for target, cands in per_target:
+            allowed = [cands[name] for name in family if cands[name] is not None]
+            best = choose(allowed, target)
+            if best is not None:
+                out.append((target, best, allowed))
+        return out
+
+    def family_kl(family) -> float:
+        pts = family_points(family)
+        return sum(b["metrics"]["first_token_kl"] for _, b, _ in pts) + 1e9 * (
+            len(targets) - len(pts)
+        )
+
+    family = min(families, key=family_kl)
+    points = []
+    for target, best, cands in family_points(family):
         cfg = RelayConfig.from_dict(best["config"])
         points.append(
             {
                 "target": target,
                 "config": best["config"],
-                "rule": "deviation" if cfg.detects else "first_k",
+                "rule": rule_name(cfg),
                 "metrics": best["metrics"],
                 "candidates": [
                     {"config": c["config"], "metrics": c["metrics"]} for c in cands if c
@@ -338,6 +421,19 @@ def run_frontier(
             }
         )
     return points
+
+
+def consistent_base(
+    config: RelayConfig, frontier: list[dict[str, Any]], num_layers: int, min_reuse: float
+) -> RelayConfig:
+    """The profile's base rule (what a server runs without a reuse target): ``config``, or,
+    when it would need a different stored layer than the operating points (a server stores
+    one), the frontier's point for ``min_reuse``."""
+    layers = {RelayConfig.from_dict(p["config"]).stored_layer(num_layers) for p in frontier}
+    if not frontier or layers <= {config.stored_layer(num_layers), None}:
+        return config
+    up = [p for p in frontier if p["target"] >= min_reuse - 1e-9] or frontier[-1:]
+    return RelayConfig.from_dict(min(up, key=lambda p: p["target"])["config"])
 
 
 # ----------------------------------------------------------------------------- output
@@ -506,8 +602,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no candidate reaches reuse {args.min_reuse}", file=sys.stderr)
         return 1
     config = RelayConfig.from_dict(chosen["config"])
-    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets)
+    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets, quick=args.quick)
     bar.close()
+    config = consistent_base(config, frontier, ref.num_layers, args.min_reuse)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = {
@@ -571,8 +668,9 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
     ]
     bar = tqdm(desc="frontier", unit="cfg", disable=args.no_progress, file=sys.stderr)
     search = Search(ref, relays, exacts, args.min_reuse, bar)
-    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets)
+    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets, quick=args.quick)
     bar.close()
+    data["config"] = consistent_base(config, frontier, ref.num_layers, args.min_reuse).to_dict()
     data["frontier"] = frontier
     data.setdefault("calibration", {})["mean_span"] = round(mean_span, 1)
     data["frontier_seconds"] = round(time.perf_counter() - started, 1)

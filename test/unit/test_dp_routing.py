@@ -180,6 +180,9 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     and the loop sleeps in between (it does not spin a core while idle)."""
     import threading
 
+    # SGLang's controller module imports slowly (12 s on a loaded 2-core VM): import it
+    # here, not on the loop thread, so the deadline below times the loop only
+    import sglang.srt.managers.data_parallel_controller  # noqa: F401
     import zmq
 
     from sglang_relay.runtime.dp_routing import blocking_event_loop

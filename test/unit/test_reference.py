@@ -21,6 +21,7 @@ from sglang_relay.core.reference import (
     generate,
     greedy_continue,
     load_model,
+    record_context_mass,
     relay_prefill,
     teacher_forced,
     true_value_deviation,
@@ -389,6 +390,44 @@ def test_influence_threshold_selects_like_the_rule(ref, tok, upstream):
     assert int(want.sum()) > int(by_dev.sum())  # influence adds tokens
     without = relay_prefill(ref, prompt, [span], replace(cfg, tau_inf=None))
     assert torch.equal(without.selected_mask, by_dev)
+
+
+def test_context_mass_is_hf_attention_on_the_upstream_prompt(ref, upstream):
+    """The context mass of span token j at layer l = the attention probability its decode
+    query puts on prompt positions 1..P-1, averaged over heads, here read from Hugging
+    Face's own eager attention weights of one forward over prompt + span."""
+    prompt_len, n = len(upstream.prompt), len(upstream.span_tokens)
+    ids = torch.tensor([upstream.prompt + upstream.span_tokens])
+    with torch.no_grad():
+        att = ref.model(ids, output_attentions=True).attentions  # L x [1, H, T, T]
+    for lid in (0, 2, NUM_LAYERS - 1):
+        want = att[lid][0, :, prompt_len:, 1:prompt_len].sum(-1).mean(0)
+        got = record_context_mass(ref, upstream, lid)
+        torch.testing.assert_close(got, want.float(), atol=2e-4, rtol=0)
+    got = record_context_mass(ref, upstream, 2)
+    assert got.shape == (n,) and float(got.min()) >= 0 and float(got.max()) <= 1
+    assert float(got[:8].mean()) > float(got[-8:].mean())  # early tokens look back more
+
+
+def test_context_rule_keeps_the_highest_context_mass(ref, tok, upstream):
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    cfg = RelayConfig(
+        l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+        first_k=4, max_ratio=0.2,
+    )  # fmt: skip
+    res = relay_prefill(ref, prompt, [span], cfg)
+    mass = record_context_mass(ref, upstream, 2)
+    n = span.length
+    cap = int(0.2 * n)
+    rest = mass.clone()
+    rest[:4] = float("-inf")  # the 4 forced first tokens, then the highest masses
+    want = torch.zeros(n, dtype=torch.bool)
+    want[:4] = True
+    want[rest.topk(cap - 4).indices] = True
+    assert torch.equal(res.selected_mask, want)
+    assert res.reuse_rate == pytest.approx(1 - cap / n)
+    with pytest.raises(ValueError, match="l_ctx"):
+        RelayConfig(signal="context")
 
 
 def test_batched_decode_equals_single(ref, upstream):

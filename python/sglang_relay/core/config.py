@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
-SIGNALS = ("value", "key", "none")
+SIGNALS = ("value", "key", "none", "context")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,13 @@ class RelayConfig:
             the highest-deviation tokens.
         signal: which deviation detects: ``"value"`` (RelayCaching), ``"key"``, or
             ``"none"``: no detection, only the forced first/last tokens (and the cap) select,
-            so the rule needs no deviation pass (EPIC's rule inside relay's config space).
+            so the rule needs no deviation pass (EPIC's rule inside relay's config space),
+            or ``"context"``: no detection either; tokens are ranked by their *context
+            mass*, the attention their own decode query put on the upstream prompt at layer
+            ``l_ctx`` (computed once when the span is recorded): a token that looked at the
+            context the relay replaces is the one whose KV changes.
+        l_ctx: the layer of the context mass (``signal="context"`` only; the stream
+            entering it is what the server stores per output token).
         min_span: shortest token run worth relaying.
     """
 
@@ -61,6 +67,7 @@ class RelayConfig:
     max_ratio: float | None = None
     signal: str = "value"
     min_span: int = 32
+    l_ctx: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("l_start", "l_det", "l_end", "l_suf", "first_k", "min_span"):
@@ -98,14 +105,49 @@ class RelayConfig:
         for name in ("l_suf", "first_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.l_ctx is not None and (
+            isinstance(self.l_ctx, bool) or not isinstance(self.l_ctx, int)
+        ):
+            raise ValueError(f"l_ctx must be an integer or null; got {self.l_ctx!r}")
+        if self.signal == "context" and self.l_ctx is None:
+            raise ValueError('signal "context" needs l_ctx (the layer of the context mass)')
         if self.min_span < 2:
             raise ValueError(f"min_span must be >= 2; got {self.min_span}")
 
     @property
     def detects(self) -> bool:
         """Whether selection needs the deviation pass at ``l_det`` (EPIC and the
-        ``signal="none"`` rule select by position only)."""
-        return self.method not in ("epic", "standard", "naive") and self.signal != "none"
+        ``signal="none"`` rule select by position only, ``"context"`` by recorded scores)."""
+        return self.method not in ("epic", "standard", "naive") and self.signal in ("value", "key")
+
+    @property
+    def ranks_context(self) -> bool:
+        """Whether selection ranks tokens by their recorded context mass (no deviation
+        pass; the span must carry context masses at ``l_ctx``)."""
+        return self.method == "relay" and self.signal == "context"
+
+    def context_layer(self, num_layers: int) -> int | None:
+        """``l_ctx`` resolved for a model with ``num_layers`` layers (``None``: unused);
+        ValueError if out of range."""
+        if not self.ranks_context:
+            return None
+        assert self.l_ctx is not None
+        layer = self.l_ctx + num_layers if self.l_ctx < 0 else self.l_ctx
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"l_ctx {self.l_ctx} is out of range for {num_layers} layers")
+        return layer
+
+    def stored_layer(self, num_layers: int) -> int | None:
+        """The layer whose entering stream this rule needs per output token: ``l_start``
+        (recomputation starts from it) or, for ``signal="context"``, ``l_ctx`` (the
+        context mass is computed from it when a span is recorded); ``None`` for layer 0
+        (the embeddings) or nothing."""
+        relay = self if self.method == "relay" else replace(self, method="relay")
+        if relay.ranks_context:
+            layer = relay.context_layer(num_layers)
+        else:
+            layer = relay.schedule(num_layers).l_start
+        return layer if layer is not None and 0 < layer < num_layers else None
 
     def for_method(self, method: str) -> RelayConfig:
         """This config with ``method`` switched and the method's fixed settings applied
@@ -159,7 +201,10 @@ class RelayConfig:
         return LayerSchedule(s, d, e, num_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["l_ctx"] is None:  # only context rules have one: older profiles stay equal
+            del out["l_ctx"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RelayConfig:

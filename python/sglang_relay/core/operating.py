@@ -69,11 +69,19 @@ def at_target(cfg: RelayConfig, num_layers: int, target: float) -> RelayConfig:
     return replace(cfg, max_ratio=cap)
 
 
+def rule_name(cfg: RelayConfig) -> str:
+    """``"deviation"``, ``"context"`` or ``"first_k"``: what selects the tokens."""
+    if cfg.detects:
+        return "deviation"
+    return "context" if cfg.ranks_context else "first_k"
+
+
 @dataclass(frozen=True, slots=True)
 class OperatingPoint:
     """The config a request runs with for reuse ``target``. ``profiled``: the frontier
     point's target (``None``: cap solved from the formula); ``rule``: ``"deviation"``
-    (detection at ``l_det``) or ``"first_k"`` (position only)."""
+    (detection at ``l_det``), ``"context"`` (recorded context mass) or ``"first_k"``
+    (position only)."""
 
     target: float
     config: RelayConfig
@@ -81,7 +89,7 @@ class OperatingPoint:
 
     @property
     def rule(self) -> str:
-        return "deviation" if self.config.detects else "first_k"
+        return rule_name(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         return {"reuse_target": self.target, "profiled": self.profiled, "rule": self.rule}
@@ -112,6 +120,9 @@ class Frontier:
 
     def l_starts(self) -> set[int]:
         return {cfg.l_start for _, cfg in self.points}
+
+    def configs(self) -> list[RelayConfig]:
+        return [cfg for _, cfg in self.points]
 
     def point(self, base: RelayConfig, target: float, num_layers: int) -> OperatingPoint:
         """The config for ``target``: the profiled point with the smallest target >= it,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from sglang_relay.core.attention import positional_causal_attention
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.rope import apply_rotation, delta_cos_sin
-from sglang_relay.core.selection import kv_deviation, select_tokens
+from sglang_relay.core.selection import context_mass, kv_deviation, select_tokens
 
 __all__ = [
     "KVCache",
@@ -63,6 +63,7 @@ __all__ = [
     "generate",
     "greedy_continue",
     "load_model",
+    "record_context_mass",
     "relay_prefill",
     "teacher_forced",
 ]
@@ -234,6 +235,7 @@ class UpstreamRecord:
         influence: ``[n, L]`` float32 attention mass each span token received at each
             layer from the decode queries (its own and every later fed token), summed over
             query heads: METHOD.md's ``s_inf``, as the runtime accumulates it at ``l_det``.
+        context: context masses by layer, filled by :func:`record_context_mass`.
     """
 
     prompt: list[int]
@@ -242,6 +244,7 @@ class UpstreamRecord:
     v: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     influence: torch.Tensor | None = None
+    context: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def span_tokens(self) -> list[int]:
@@ -373,6 +376,24 @@ def generate(
             rec.influence = influence[:, b, span].T.contiguous()  # [n, L]
         records.append(rec)
     return records
+
+
+def record_context_mass(ref: RefModel, rec: UpstreamRecord, layer: int) -> torch.Tensor:
+    """``[n]`` context mass of the span tokens at ``layer`` (:func:`~sglang_relay.core.
+    selection.context_mass`): their decode queries (from the stored stream entering
+    ``layer``) over the upstream prompt's KV and the span's own, as the runtime computes it
+    when it records the span. Cached on the record."""
+    if layer not in rec.context:
+        if rec.hidden is None or rec.k is None:
+            raise ValueError("the context mass needs the upstream record's hidden states and KV")
+        p, n = len(rec.prompt), rec.k.shape[1]
+        prompt = relay_prefill(ref, rec.prompt, [], None).cache
+        keys = torch.cat((prompt.k[layer, :p], rec.k[layer]))
+        pos = torch.arange(p, p + n, device=ref.device)
+        lyr = ref.layers[layer]
+        q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
+        rec.context[layer] = context_mass(q, keys, pos, p, ref.scale)
+    return rec.context[layer]
 
 
 # ----------------------------------------------------------------------------- downstream
@@ -509,8 +530,20 @@ def relay_prefill(
             ).to(hs.dtype)
         if lid == sched.l_det and sched.l_det <= sched.l_end:
             infl = _influence(spans, lid) if cfg.tau_inf is not None else None
+            if cfg.ranks_context:
+                layer = cfg.context_layer(num_l)
+                ctx = torch.cat(
+                    [
+                        record_context_mass(ref, s.record, layer)[
+                            s.span_start : s.span_start + s.length
+                        ]
+                        for s in spans
+                    ]
+                )
+            else:
+                ctx = None
             mask, counts, result.deviation = _detect(
-                ref, cfg, lid, hs, span_rows, bounds, cache, infl
+                ref, cfg, lid, hs, span_rows, bounds, cache, infl, ctx
             )
             if selection is not None:
                 _check_selection(selection, span_rows.numel())
@@ -658,12 +691,14 @@ def _detect(
     bounds: list[int],
     cache: KVCache,
     influence: torch.Tensor | None = None,
+    context: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Detection at ``l_det``: deviation of fresh vs stored K/V of the span rows (``[S]``),
     fresh K/V written into layer ``lid``, selection per span occurrence (``bounds``: segment
-    offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). Returns the
-    ``[S]`` selection mask, counts per span and the deviation."""
-    deviation = None
+    offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). With
+    ``signal="context"`` the ``[S]`` recorded ``context`` masses rank instead (no pass).
+    Returns the ``[S]`` selection mask, counts per span and the scores."""
+    deviation = context
     if cfg.detects:
         x = ref.layers[lid].input_layernorm(hs[span_rows])
         _, k, v = ref.qkv(ref.layers[lid], x, span_rows)

@@ -24,6 +24,47 @@ def kv_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
     return (1.0 - cos).mean(dim=-1)
 
 
+def context_mass(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    q_pos: torch.Tensor,
+    prompt_len: int,
+    scale: float,
+    *,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Per query row, the attention mass it puts on the prompt positions ``1..prompt_len-1``
+    (position 0, the attention sink, every prompt shares), averaged over query heads.
+
+    For the output tokens of a request, queried with their own decode queries, this is how
+    much of what a token's KV holds came from the prompt a relay replaces: the token whose
+    KV changes most when the span is pasted elsewhere (``signal="context"``).
+
+    Args:
+        q: ``[n, H_q, D]`` post-RoPE queries at absolute positions ``q_pos`` (``[n]``).
+        keys: ``[T, H_kv, D]`` post-RoPE keys of positions ``0..T-1`` (GQA: ``H_q`` a
+            multiple of ``H_kv``); row ``i`` attends to positions ``<= q_pos[i]``.
+        chunk: query rows per step (bounds the ``[chunk, H_q, T]`` score block).
+
+    Returns:
+        ``[n]`` float32 in ``[0, 1]``.
+    """
+    n, hq, d = q.shape
+    t, hkv = keys.shape[0], keys.shape[1]
+    group = hq // hkv
+    k = keys.float()
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    cols = torch.arange(t, device=q.device)
+    in_prompt = (cols >= 1) & (cols < prompt_len)
+    for lo in range(0, n, chunk):
+        qc = q[lo : lo + chunk].float().view(-1, hkv, group, d)
+        scores = torch.einsum("ngrd,tgd->ngrt", qc, k) * scale
+        visible = cols[None, :] <= q_pos[lo : lo + chunk, None].to(q.device)
+        probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        out[lo : lo + chunk] = (probs * in_prompt).sum(-1).mean(dim=(1, 2))
+    return out
+
+
 def select_tokens(
     cfg: RelayConfig,
     n: int,
@@ -38,7 +79,8 @@ def select_tokens(
     from the previous prefill chunk); the forced ``first_k`` tokens count from the
     occurrence's start, not the run's.
 
-    ``deviation``/``influence``: ``[n]`` scores (``None`` when the rule needs none). The rule:
+    ``deviation``/``influence``: ``[n]`` scores (``None`` when the rule needs none); for
+    ``signal="context"`` ``deviation`` holds the tokens' context masses. The rule:
     ``top_ratio`` (top fraction by deviation) if set, else ``deviation >= tau_dev * mean``;
     union ``influence >= tau_inf * mean`` (if ``tau_inf`` and scores are given), the first
     ``first_k`` and last ``l_suf`` tokens; then the ``max_ratio`` cap, which keeps the
@@ -48,7 +90,7 @@ def select_tokens(
     mask = torch.zeros(n, dtype=torch.bool, device=device)
     if n == 0 or cfg.method in ("standard", "naive"):
         return mask
-    if cfg.detects:
+    if cfg.detects or cfg.ranks_context:
         if deviation is None:
             raise ValueError(f"method {cfg.method!r} needs deviation scores")
         if deviation.shape != (n,):

@@ -36,15 +36,32 @@ STAMP_BYTES = 8
 INFLUENCE_BYTES = 4
 
 
+def context_layer(settings: RelaySettings, num_layers: int) -> int | None:
+    """The layer of the context masses the server records with each span (``None``: no
+    config or operating point of the server ranks by them)."""
+    layers = {
+        cfg.context_layer(num_layers)
+        for cfg in [settings.config, *settings.frontier.configs()]
+        if cfg.ranks_context
+    }
+    if len(layers) > 1:
+        raise ValueError(
+            f"the profile's operating points rank by context mass at layers {sorted(layers)}; "
+            "a server records one layer: profile again or set one l_ctx"
+        )
+    return layers.pop() if layers else None
+
+
 def side_layers(settings: RelaySettings, num_layers: int) -> tuple[int | None, int | None]:
     """``(capture_layer, influence_layer)``: the layer whose hidden states the server stores
-    (the one ``l_start > 0`` of its config and every operating point) and the layer whose
-    influence scores it accumulates (``None``: none). ValueError if the operating points
-    need hidden states at two layers."""
+    (the one stored layer of its config and every operating point, :func:`stored_layer`)
+    and the layer whose influence scores it accumulates (``None``: none). ValueError if the
+    operating points need hidden states at two layers."""
     relay = RelayConfig.from_dict({**settings.config.to_dict(), "method": "relay"})
     sched = relay.schedule(num_layers)
-    starts = {sched.l_start} | settings.frontier.l_starts()
-    starts = {s for s in starts if 0 < s < num_layers}
+    starts = {relay.stored_layer(num_layers)}
+    starts |= {cfg.stored_layer(num_layers) for cfg in settings.frontier.configs()}
+    starts.discard(None)
     if len(starts) > 1:
         raise ValueError(
             f"the profile's operating points need hidden states at layers {sorted(starts)}; "

@@ -38,6 +38,7 @@ class SpanGroup:
     src: torch.Tensor  # [S] int64 source KV slots
     segments: list[tuple[int, int, ChunkUse, int]]  # (lo, hi) in rows, use, head per run
     selected: torch.Tensor | None = None  # [<=S] int64 batch rows chosen at l_det
+    context: torch.Tensor | None = None  # [S] float32 recorded context masses (signal context)
 
 
 @dataclass(slots=True)
@@ -80,7 +81,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
     per matched run; fills ``group.selected`` and each run's ``ChunkUse``."""
     cfg, rows = group.cfg, group.rows
     n = rows.numel()
-    deviation = None
+    deviation = group.context if cfg.ranks_context else None  # scores recorded with the span
     if cfg.detects:
         hs = gather_rows(h, rows)
         if r is None:

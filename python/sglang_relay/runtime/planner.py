@@ -147,7 +147,10 @@ class Planner:
             use = plan.stats.begin_chunk()
             sched = plan.cfg.schedule(self.num_layers)
             needs_hidden = sched.needs_hidden() and sched.l_start > 0  # 0: embeddings
-            g = groups.setdefault(plan.cfg, {"rows": [], "src": [], "delta": [], "seg": []})
+            ranks_context = plan.cfg.ranks_context
+            g = groups.setdefault(
+                plan.cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []}
+            )
             reasons = []
             for s, head in zip(plan.sources, plan.heads, strict=True):
                 ok = self.ledger.unchanged(s.slots, s.stamps)
@@ -159,6 +162,9 @@ class Planner:
                     if not bool(has.all()):
                         reasons.append("hidden_invalid")
                     ok &= has
+                if ranks_context and s.context is None:  # recorded before / without it
+                    reasons.append("context_missing")
+                    ok &= False
                 runs = valid_runs(ok, self.min_span)
                 plan.stats.trimmed_tokens += s.length - sum(hi - lo for lo, hi in runs)
                 for lo, hi in runs:
@@ -170,6 +176,8 @@ class Planner:
                     g["rows"].append(row_starts[i] + start + offs)
                     g["src"].append(s.slots[lo:hi])
                     g["delta"].append(dest + offs - s.positions[lo:hi])
+                    if ranks_context:
+                        g["ctx"].append(s.context[lo:hi])
                     g["seg"].append((base, base + n, use, head + lo))
                     use.spans += 1
                     use.tokens += n
@@ -189,6 +197,7 @@ class Planner:
                 rows=torch.cat(g["rows"]),
                 src=torch.cat(g["src"]),
                 segments=g["seg"],
+                context=torch.cat(g["ctx"]) if g["ctx"] else None,
             )
             for cfg, g in groups.items()
             if g["rows"]

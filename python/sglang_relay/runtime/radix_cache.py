@@ -65,13 +65,16 @@ class RelayRadixCache(UnifiedRadixCache):
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
         if span is None:
             return
-        start, tokens, slots, positions, stamps = span
+        start, tokens, slots, positions, stamps, context = span
         owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
         namespace = rt.store_namespace(req)
         if namespace is None:  # opted out, or no key under scope "key": nothing stored
             self.relay_counters["unstored_outputs"] += 1
             return  # as when the store declines a span: SGLang frees the slots
-        if rt.store.add(tokens, slots, positions, stamps, namespace, owned=owned) is not None:
+        added = rt.store.add(
+            tokens, slots, positions, stamps, namespace, owned=owned, context=context
+        )
+        if added is not None:
             self.relay_counters["recorded_spans"] += 1
             if owned:
                 self._takeover[req.kv.req_pool_idx] = (start, start + len(tokens))
@@ -87,7 +90,10 @@ class RelayRadixCache(UnifiedRadixCache):
         slots = row[start : start + n].to(torch.int64).clone()
         positions = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
         stamps = rt.ledger.snapshot(slots)
-        return start, list(req.output_ids[:n]), slots, positions, stamps
+        tokens = list(req.output_ids[:n])
+        # signal "context": computed now, while the whole row's KV is still the request's
+        context = rt.span_context(row, start, tokens) if rt.context_layer is not None else None
+        return start, tokens, slots, positions, stamps, context
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         """Free a finished request's row except the output slots the span store took over."""

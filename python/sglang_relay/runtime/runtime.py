@@ -20,16 +20,20 @@ import os
 from collections import Counter, OrderedDict
 from typing import Any
 
+import torch
+
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import OperatingPoint
+from sglang_relay.core.selection import context_mass
 from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import compat
-from sglang_relay.runtime.budget import budget_info, side_layers
+from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
 from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_routing import FingerprintPublisher
 from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
+from sglang_relay.runtime.llama import qkv as layer_qkv
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner
@@ -76,6 +80,8 @@ class RelayRuntime:
         if self.cfg.method != "standard":
             self.cfg.schedule(self.num_layers)  # validates the layer range for this model
         self.capture_layer, self.influence_layer = side_layers(settings, self.num_layers)
+        # signal "context": the layer whose context masses each recorded span carries
+        self.context_layer = context_layer(settings, self.num_layers)
         # the server's default operating point (raises at start-up if out of reach)
         self.default_point = (
             settings.point(settings.reuse_target, self.num_layers)
@@ -161,6 +167,33 @@ class RelayRuntime:
         """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
         a key); ValueError on a bad relay key."""
         return namespace(self.settings.scope, compat.request_namespace(req), request_option(req))
+
+    def span_context(self, row: torch.Tensor, prompt_len: int, tokens: list[int]) -> torch.Tensor:
+        """``[n]`` context masses of a finished request's output tokens ``tokens`` (slots
+        ``row[prompt_len : prompt_len + n]``, prompt slots before them): each token's decode
+        query at ``context_layer``, rebuilt from the stream stored entering it (the embedding
+        at layer 0), over the row's keys, mass on prompt positions ``1..prompt_len-1``
+        (:func:`~sglang_relay.core.selection.context_mass`). Under tensor parallelism each
+        rank averages its own heads; selection averages the ranks."""
+        layer = self.model.layers[self.context_layer]
+        ra = layer.self_attn.attn
+        n = len(tokens)
+        slots = row[: prompt_len + n].to(torch.int64)
+        if self.context_layer == 0:
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            h = self.model.embed_tokens(ids)
+        else:
+            h = self.ledger.hidden[slots[prompt_len:]]
+        pos = torch.arange(prompt_len, prompt_len + n, device=self.device)
+        q, _, _ = layer_qkv(layer.self_attn, pos, layer.input_layernorm(h))
+        keys = self.kv_pool.get_key_buffer(ra.layer_id)[slots]
+        return context_mass(
+            q.reshape(n, ra.tp_q_head_num, ra.qk_head_dim),
+            keys.reshape(prompt_len + n, ra.tp_k_head_num, ra.qk_head_dim),
+            pos,
+            prompt_len,
+            ra.scaling,
+        )
 
     def store_namespace(self, req: Any) -> tuple | None:
         """Where ``req``'s output is stored as a span (None: it is not): its namespace, if

@@ -30,6 +30,8 @@ class Span:
     stamps: torch.Tensor  # [n] int64, the slots' ledger stamps when recorded
     num_tokens: int
     owned: bool = False  # the store (not the radix tree) holds these slots
+    # [n] float32 context mass per token (signal "context"), None when not computed
+    context: torch.Tensor | None = None
 
 
 class SpanSource(NamedTuple):
@@ -42,6 +44,7 @@ class SpanSource(NamedTuple):
     slots: torch.Tensor  # [length] int64
     positions: torch.Tensor  # [length] int64
     stamps: torch.Tensor  # [length] int64, recorded stamps of ``slots``
+    context: torch.Tensor | None = None  # [length] float32 context masses, if recorded
 
 
 class SpanStore:
@@ -90,16 +93,20 @@ class SpanStore:
         namespace: Hashable,
         *,
         owned: bool = False,
+        context: torch.Tensor | None = None,
     ) -> int | None:
-        """Record a span (``stamps``: its slots' stamps now); returns its id, or None when
-        it is too short to match. With ``owned`` the store takes the slots over (and
-        releases them when the span is dropped)."""
+        """Record a span (``stamps``: its slots' stamps now; ``context``: its tokens'
+        context masses, if the server ranks by them); returns its id, or None when it is
+        too short to match. With ``owned`` the store takes the slots over (and releases
+        them when the span is dropped)."""
         if len(tokens) < self.index.min_match:
             return None
         span_id = self._next_id
         self._next_id += 1
         self.index.add(span_id, tokens, namespace)
-        self.spans[span_id] = Span(span_id, namespace, slots, positions, stamps, len(tokens), owned)
+        self.spans[span_id] = Span(
+            span_id, namespace, slots, positions, stamps, len(tokens), owned, context
+        )
         self.num_tokens += len(tokens)
         self.owned_tokens += len(tokens) if owned else 0
         if self.listener is not None:
@@ -170,6 +177,7 @@ class SpanStore:
                     span.slots[sl],
                     span.positions[sl],
                     span.stamps[sl],
+                    None if span.context is None else span.context[sl],
                 )
             )
         return out
