@@ -232,6 +232,36 @@ def test_hidden_states_matter_only_to_methods_that_start_above_layer_zero():
             assert dropped == [(stats, "hidden_invalid")]
 
 
+def test_context_rules_carry_the_recorded_masses_or_fall_back():
+    """A context-rule group's scores are the masses recorded with its spans, row for row;
+    a span recorded without them (the server did not rank by context then) falls back."""
+    ctx_rule = RelayConfig(
+        l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+        max_ratio=0.2,
+    )  # fmt: skip
+    for with_context in (True, False):
+        store, _ = _store()
+        ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+        span_tokens = list(range(900, 940))
+        slots = torch.arange(10, 50)
+        ledger.stamp(slots, with_hidden=True)
+        masses = torch.rand(40)
+        store.add(
+            span_tokens, slots, torch.arange(100, 140), ledger.snapshot(slots), "ns",
+            context=masses if with_context else None,
+        )  # fmt: skip
+        planner = _planner(store, ledger)
+        prompt = [9, 9, *span_tokens, 8]
+        stats = RequestStats("relay", L)
+        planner.plan_request("r", ctx_rule, stats, prompt[:-1], 0, "ns")
+        plan, dropped = planner.plan_batch(_fb(["r"], [0], [len(prompt)], torch.arange(600, 643)))
+        if with_context:
+            assert dropped == [] and torch.equal(plan.groups[0].context, masses)
+            assert plan.groups[0].src.tolist() == slots.tolist()
+        else:
+            assert plan is None and dropped == [(stats, "context_missing")]
+
+
 def test_slots_rewritten_by_this_very_batch_are_not_read():
     store, _ = _store()
     ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
@@ -328,11 +358,16 @@ def test_requests_relay_cannot_serve_safely_are_named():
     assert request_refusal(req(sampling_params=SimpleNamespace(beam_width=4))) == "beam_search"
 
 
+CTX = RelayConfig(
+    l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=7, tau_dev=0.0, l_suf=0, max_ratio=0.1
+)
+
+
 def test_budget_reserves_what_the_ledger_allocates():
     """runtime/budget.py's bytes per slot (reserved from SGLang's KV budget before the pool
     exists) equals what a SlotLedger of those settings really allocates, per config shape."""
     from sglang_relay.core.operating import Frontier
-    from sglang_relay.runtime.budget import bytes_per_slot, side_layers
+    from sglang_relay.runtime.budget import bytes_per_slot, context_layer, side_layers
     from sglang_relay.runtime.settings import RelaySettings
 
     cases = [
@@ -345,6 +380,10 @@ def test_budget_reserves_what_the_ledger_allocates():
             2,
             None,
         ),
+        # context rules store the stream entering l_ctx (layer 0: the embeddings, nothing)
+        (CTX.__class__(**{**CTX.to_dict(), "l_ctx": 5}), Frontier(), 5, None),
+        (CTX.__class__(**{**CTX.to_dict(), "l_ctx": 0}), Frontier(), None, None),
+        (RelayConfig(l_start=0, l_det=1), Frontier(((0.9, CTX),)), 7, None),
     ]
     for cfg, frontier, capture, influence in cases:
         settings = RelaySettings(config=cfg, frontier=frontier)
@@ -364,3 +403,8 @@ def test_budget_reserves_what_the_ledger_allocates():
     )
     with pytest.raises(ValueError, match="one layer"):
         side_layers(two, 12)
+    # a deviation rule starting at 3 and a context rule at 7: two stored layers
+    mixed = RelaySettings(config=RelayConfig(l_start=3, l_det=4), frontier=Frontier(((0.9, CTX),)))
+    with pytest.raises(ValueError, match="one layer"):
+        side_layers(mixed, 12)
+    assert context_layer(mixed, 12) == 7 and context_layer(two, 12) is None

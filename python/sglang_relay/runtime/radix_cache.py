@@ -12,6 +12,7 @@ import torch
 from sglang_relay.runtime import compat, modes
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,13 @@ class RelayRadixCache(UnifiedRadixCache):
         positions = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
         stamps = rt.ledger.snapshot(slots)
         tokens = list(req.output_ids[:n])
-        # signal "context": computed now, while the whole row's KV is still the request's
-        context = rt.span_context(row, start, tokens) if rt.context_layer is not None else None
+        # signal "context": computed now, while the whole row's KV is still the request's,
+        # from the streams stored with it (none stored: no masses, relays fall back)
+        context = None
+        if rt.context_layer is not None and (
+            rt.context_layer == 0 or bool(SlotLedger.has_hidden(stamps).all())
+        ):
+            context = rt.span_context(row, start, tokens)
         return start, tokens, slots, positions, stamps, context
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
