@@ -231,8 +231,9 @@ class Search:
 
 
 def _describe(cfg: RelayConfig) -> str:
+    ctx = f" l_ctx={cfg.l_ctx}" if cfg.ranks_context else ""
     return (
-        f"({cfg.l_start},{cfg.l_det},{cfg.l_end}) {cfg.signal[0]} tau={cfg.tau_dev} "
+        f"({cfg.l_start},{cfg.l_det},{cfg.l_end}) {cfg.signal[0]}{ctx} tau={cfg.tau_dev} "
         f"k={cfg.first_k} suf={cfg.l_suf} cap={cfg.max_ratio}"
     )
 
