@@ -204,6 +204,7 @@ class Search:
         self.log: list[dict[str, Any]] = []
         self._seen: dict[RelayConfig, dict[str, Any]] = {}
         self.bar = bar
+        self.context_layers: dict[str, Any] = {}  # pick_context_layer's table
 
     def run(self, cfg: RelayConfig | None, stage: str) -> dict[str, Any] | None:
         if cfg is None:
@@ -342,16 +343,20 @@ CONTEXT_PICK_TARGETS = (0.80, 0.90)
 
 def pick_context_layer(search: Search, num_layers: int, quick: bool) -> int:
     """The candidate layer whose context rule has the lowest calibration KL, summed over
-    :data:`CONTEXT_PICK_TARGETS` (one layer per server: it stores one stream)."""
-
-    def total(layer: int) -> float:
+    :data:`CONTEXT_PICK_TARGETS` (one layer per server: it stores one stream). The KLs per
+    layer are kept in ``search.context_layers`` (written into the profile)."""
+    table: dict[int, list[float]] = {}
+    for layer in context_layers(num_layers, quick):
         runs = [
             search.run(context_rule(num_layers, t, layer), f"context layer {layer}")
             for t in CONTEXT_PICK_TARGETS
         ]
-        return sum(r["metrics"]["first_token_kl"] for r in runs if r is not None)
-
-    return min(context_layers(num_layers, quick), key=total)
+        table[layer] = [r["metrics"]["first_token_kl"] for r in runs if r is not None]
+    search.context_layers = {
+        "targets": list(CONTEXT_PICK_TARGETS),
+        "first_token_kl": {str(k): v for k, v in table.items()},
+    }
+    return min(table, key=lambda layer: sum(table[layer]))
 
 
 def run_frontier(
@@ -619,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         "min_reuse": args.min_reuse,
         "chosen": chosen,
         "frontier": frontier,
+        "context_layers": search.context_layers,
         "calibration": {
             "relays": [r.case.id for r in relays],
             "skipped": [c.id for c, _ in skipped],
@@ -673,6 +679,7 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
     bar.close()
     data["config"] = consistent_base(config, frontier, ref.num_layers, args.min_reuse).to_dict()
     data["frontier"] = frontier
+    data["context_layers"] = search.context_layers
     data.setdefault("calibration", {})["mean_span"] = round(mean_span, 1)
     data["frontier_seconds"] = round(time.perf_counter() - started, 1)
     path.write_text(json.dumps(data, indent=1))

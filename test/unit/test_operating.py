@@ -23,7 +23,7 @@ def _span_reuse(cfg: RelayConfig, num_layers: int, n: int, rng: random.Random) -
     """Reuse of one span of ``n`` tokens under ``cfg``, from a real selection, counted by
     hand: dense layers recompute every token, sparse layers the selected ones."""
     dev = torch.tensor([rng.random() ** 3 for _ in range(n)])
-    mask = select_tokens(cfg, n, None if not cfg.detects else dev)
+    mask = select_tokens(cfg, n, dev if cfg.detects or cfg.ranks_context else None)
     s, d, e = (x % num_layers for x in (cfg.l_start, cfg.l_det, cfg.l_end))
     recomputed = n * (d - s) + int(mask.sum()) * (e - d + 1)
     return 1 - recomputed / (n * num_layers)
@@ -35,6 +35,7 @@ def test_every_span_keeps_the_target(num_layers):
     rules = [
         RelayConfig(l_start=3, l_det=4, l_end=-1, tau_dev=0.0, first_k=24),
         RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, first_k=16),
+        RelayConfig(l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=2, tau_dev=0.0),
         RelayConfig(l_start=0, l_det=0, l_end=-1, signal="none", first_k=10_000),
     ]
     for rule in rules:
