@@ -131,18 +131,28 @@ def test_settings_reuse_and_unprofiled_defaults():
 
 def test_request_reuse_option():
     settings = settings_from_env(EMBEDDED, {})
-    cfg, point = resolve_config(settings, {"reuse": "speed"}, num_layers=30, capture_layer=3)
+    # the shipped profile's server: it stores the stream entering 12 and masses at 12
+    SHIPPED = {"num_layers": 30, "capture_layer": 12, "context_layer": 12}  # noqa: N806
+    cfg, point = resolve_config(settings, {"reuse": "speed"}, **SHIPPED)
     assert point.profiled == 0.95 and cfg == point.config
-    cfg, point = resolve_config(settings, None, num_layers=30, capture_layer=3)
+    cfg, point = resolve_config(settings, None, **SHIPPED)
     assert point is None and cfg == settings.config  # no target: the profile's config
     over = {"reuse": 0.8, "config": {"first_k": 3}}
-    cfg, point = resolve_config(settings, over, num_layers=30, capture_layer=3)
+    cfg, point = resolve_config(settings, over, **SHIPPED)
     assert cfg.first_k == 3 and cfg.max_ratio == point.config.max_ratio
     with pytest.raises(ValueError, match="applies to method relay"):
-        resolve_config(settings, {"method": "epic", "reuse": 0.9}, num_layers=30, capture_layer=3)
+        resolve_config(settings, {"method": "epic", "reuse": 0.9}, **SHIPPED)
     with pytest.raises(ValueError, match="reuse target"):
-        resolve_config(settings, {"reuse": "max"}, num_layers=30, capture_layer=3)
-    assert resolve_config(settings, "off", num_layers=30, capture_layer=3) == (None, None)
+        resolve_config(settings, {"reuse": "max"}, **SHIPPED)
+    assert resolve_config(settings, "off", **SHIPPED) == (None, None)
+    # a context rule must use the layer whose masses the server records with its spans
+    ctx = {"config": {"signal": "context", "l_ctx": 5, "l_start": 0, "l_det": 0}}
+    cfg, _ = resolve_config(settings, ctx, num_layers=30, capture_layer=5, context_layer=5)
+    assert cfg.ranks_context and cfg.l_ctx == 5
+    with pytest.raises(ValueError, match="l_ctx must be 12"):
+        resolve_config(settings, ctx, num_layers=30, capture_layer=5, context_layer=12)
+    with pytest.raises(ValueError, match="records none"):
+        resolve_config(settings, ctx, num_layers=30, capture_layer=5)
 
 
 def test_position_only_rule_is_epics_selection():

@@ -23,13 +23,19 @@ OPTION_KEYS = {"method", "config", "reuse", "key", "store"}
 
 
 def resolve_config(
-    settings: RelaySettings, option: Any, *, num_layers: int, capture_layer: int | None
+    settings: RelaySettings,
+    option: Any,
+    *,
+    num_layers: int,
+    capture_layer: int | None,
+    context_layer: int | None = None,
 ) -> tuple[RelayConfig | None, OperatingPoint | None]:
     """The config for one request and, for method relay at a reuse target, the operating
     point it maps to; raises ValueError (with the reason) on bad options.
 
     ``capture_layer``: the layer whose hidden states this server stores (None: none), the
-    only ``l_start > 0`` a request may ask for."""
+    only ``l_start > 0`` a request may ask for; ``context_layer``: the layer of the context
+    masses its spans carry (None: none), the only ``l_ctx`` a context rule may use."""
     server = settings.config
     overrides: dict[str, Any] = {}
     reuse: Any = None
@@ -71,6 +77,15 @@ def resolve_config(
         stored = "0" if capture_layer is None else f"0 or {capture_layer}"
         raise ValueError(
             f"l_start must be {stored} (the layer whose hidden states this server stores)"
+        )
+    if cfg.ranks_context and cfg.context_layer(num_layers) != context_layer:
+        raise ValueError(
+            "signal context needs the context masses the server records with its spans: "
+            + (
+                "this server records none (its profile has no context rule)"
+                if context_layer is None
+                else f"l_ctx must be {context_layer}"
+            )
         )
     return cfg, point
 

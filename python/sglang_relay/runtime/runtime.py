@@ -161,6 +161,7 @@ class RelayRuntime:
             request_option(req),
             num_layers=self.num_layers,
             capture_layer=self.capture_layer,
+            context_layer=self.context_layer,
         )
 
     def namespace(self, req: Any) -> tuple | None:
