@@ -639,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
     plot(curves, search.log, chosen, out / "profile.png")
     m = chosen["metrics"]
+    if config.to_dict() != chosen["config"]:  # consistent_base took the frontier's point
+        m = next(p["metrics"] for p in frontier if p["config"] == config.to_dict())
+        print(f"searched: {_describe(RelayConfig.from_dict(chosen['config']))}")
+        print("base rule: the operating point below for the reuse constraint")
     print(f"chosen: {_describe(config)}")
     print(
         f"calibration ({len(relays)} relays): first-token KL {m['first_token_kl']:.4f}, "
