@@ -58,17 +58,17 @@ class RelayRadixCache(UnifiedRadixCache):
         relayed_from = rt.relayed_from(req.rid)
         clamp = relayed_from is not None and not rt.settings.allow_approx_prefix
         tree_up_to = min(up_to, relayed_from) if clamp else up_to
-        span = None
+        span = namespace = None
         if req.finished() and req.rid not in self._recorded and not compat.beam_search(req):
             self._recorded.add(req.rid)
             self.relay_counters["finished_requests"] += 1
-            span = self._span_of(req, up_to)
+            namespace = rt.store_namespace(req)  # None: not stored (no context pass either)
+            span = self._span_of(req, up_to, with_context=namespace is not None)
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
         if span is None:
             return
         start, tokens, slots, positions, stamps, context = span
         owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
-        namespace = rt.store_namespace(req)
         if namespace is None:  # opted out, or no key under scope "key": nothing stored
             self.relay_counters["unstored_outputs"] += 1
             return  # as when the store declines a span: SGLang frees the slots
@@ -80,8 +80,9 @@ class RelayRadixCache(UnifiedRadixCache):
             if owned:
                 self._takeover[req.kv.req_pool_idx] = (start, start + len(tokens))
 
-    def _span_of(self, req: Any, up_to: int):
-        """The output tokens that have KV in the row (all but the last sampled one)."""
+    def _span_of(self, req: Any, up_to: int, *, with_context: bool):
+        """The output tokens that have KV in the row (all but the last sampled one), and
+        their context masses when the server ranks by them and ``with_context``."""
         rt = self.relay
         start = len(req.origin_input_ids)
         n = min(len(req.output_ids), up_to - start)
@@ -95,8 +96,10 @@ class RelayRadixCache(UnifiedRadixCache):
         # signal "context": computed now, while the whole row's KV is still the request's,
         # from the streams stored with it (none stored: no masses, relays fall back)
         context = None
-        if rt.context_layer is not None and (
-            rt.context_layer == 0 or bool(SlotLedger.has_hidden(stamps).all())
+        if (
+            with_context
+            and rt.context_layer is not None
+            and (rt.context_layer == 0 or bool(SlotLedger.has_hidden(stamps).all()))
         ):
             context = rt.span_context(row, start, tokens)
         return start, tokens, slots, positions, stamps, context
