@@ -18,6 +18,13 @@ Selections (per span occurrence):
 * ``first 16 + attention-weighted``: the first ``min(16, c)`` tokens, the rest as above.
 
     python benchmark/selection_study.py [--n-relays 16] [--targets 0.8,0.9,0.95] [--json OUT]
+
+``--signals`` instead ranks cheap per-token signals against the true deviation on the
+*calibration* relays (Spearman, mean over relays): position, the value deviation at layer
+4 after a dense layer 3, influence, the context mass at ``--context-layers`` and averaged
+over all layers, and the deviation from the span's KV computed with no context.
+
+    python benchmark/selection_study.py --signals [--n-relays 16] [--context-layers 2,12]
 """
 
 from __future__ import annotations
@@ -110,12 +117,76 @@ def evaluate(ref, relay, targets):
     return out
 
 
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = (x.float().argsort().argsort().float() for x in (a, b))
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def signals(ref, relay, context_layers: list[int]) -> dict[str, float]:
+    """Spearman of each signal with the true value deviation over one relay's span tokens."""
+    from sglang_relay.core.selection import kv_deviation
+
+    forced = relay.continuation[:-1]
+    exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
+    spans = sorted(relay.spans, key=lambda s: s.prompt_start)
+    truth = ref_exec.true_value_deviation(ref, spans, exact)
+    num_l = ref.num_layers
+
+    def per_span(fn) -> torch.Tensor:  # fn(record) -> [n_record] scores, sliced per span
+        return torch.cat([fn(s.record)[s.span_start : s.span_start + s.length] for s in spans])
+
+    def no_context(rec) -> torch.Tensor:  # the span's KV behind only the first prompt token
+        v = ref_exec.exact_prefill(ref, rec.prompt[:1] + rec.span_tokens).cache.v[:, 1:]
+        return torch.stack([kv_deviation(v[i], rec.v[i]) for i in range(num_l)]).mean(0)
+
+    detector = RelayConfig(l_start=3, l_det=4, l_end=-1, first_k=0, l_suf=0)
+    found = {
+        "position (earlier first)": -torch.cat([torch.arange(s.length) for s in spans]).float(),
+        "value deviation at 4 after dense 3": ref_exec.relay_prefill(
+            ref, relay.prompt, spans, detector, forced=forced
+        ).deviation,
+        "influence (mean over layers)": per_span(lambda r: r.influence.mean(1)),
+        "context mass, mean over layers": per_span(
+            lambda r: torch.stack(
+                [ref_exec.record_context_mass(ref, r, i) for i in range(num_l)]
+            ).mean(0)
+        ),
+        "deviation with no context (a second prefill)": per_span(no_context),
+    }
+    for layer in context_layers:
+        found[f"context mass at {layer}"] = per_span(
+            lambda r, layer=layer: ref_exec.record_context_mass(ref, r, layer)
+        )
+    return {name: spearman(score, truth) for name, score in found.items()}
+
+
+def main_signals(ref, tok, fingerprint, args) -> int:
+    cases = load_workload(None, name="calibration_workload.jsonl")
+    usable, _ = prepare_usable(
+        ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
+    )
+    layers = [int(x) for x in args.context_layers.split(",")]
+    rows: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for case, path in usable:
+            for name, rho in signals(ref, load_relay(path, case), layers).items():
+                rows.setdefault(name, []).append(rho)
+    print(f"\ncalibration_workload.jsonl ({len(usable)} relays)\n")
+    print("| signal | Spearman with the true deviation (mean / median over relays) |")
+    print("|---|---|")
+    for name, vals in rows.items():
+        print(f"| {name} | {statistics.mean(vals):.3f} / {statistics.median(vals):.3f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n-relays", type=int, default=16)
     p.add_argument("--targets", default="0.8,0.9,0.95")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write per-relay rows here")
+    p.add_argument("--signals", action="store_true", help="rank signals on calibration relays")
+    p.add_argument("--context-layers", default="2,12")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -127,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = ref_exec.load_model(str(model_dir))
     tok = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
+    if args.signals:
+        return main_signals(ref, tok, fingerprint, args)
     per: dict[str, dict[str, list]] = {}
     for wl in FRONTIER_WORKLOADS:
         cases = load_workload(None, name=wl)
