@@ -1,6 +1,7 @@
 """Where relay's remaining error is: selection or recomputation (offline, reference executor).
 
-For each relay of the fidelity workload, beside relay with the shipped profile:
+For each relay of the fidelity workload, beside relay with the shipped profile's deviation
+rule (its ``chosen`` search result; layers 3, 4, 29 on the embedded model):
 
 * ``relay, true-worst selection``: the same layers recomputed, but for the tokens whose
   reused values truly deviate most from the exact prefill's (mean over layers), as many
@@ -36,25 +37,18 @@ from sglang_relay.bench.workload import (
     prepare_relays,
 )
 from sglang_relay.core import reference as ref_exec
-from sglang_relay.core.config import load_profile
+from sglang_relay.core.config import RelayConfig, load_profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from selection_study import per_span_top  # noqa: E402  (the sibling script)
 
 VARIANTS = (
-    "relay (shipped profile)",
+    "relay (deviation rule)",
     "relay, true-worst selection",
     "relay, exact detector at l_det",
     "relay's selection, exact KV",
     "true worst, exact KV",
 )
-
-
-def top_per_span(score: torch.Tensor, counts: list[int], lengths: list[int]) -> torch.Tensor:
-    """``[S]`` mask: the ``counts[i]`` highest-``score`` tokens of each span."""
-    mask = torch.zeros(score.numel(), dtype=torch.bool)
-    lo = 0
-    for c, n in zip(counts, lengths, strict=True):
-        mask[lo + score[lo : lo + n].topk(c).indices] = True
-        lo += n
-    return mask
 
 
 def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float, float]]:
@@ -64,10 +58,10 @@ def evaluate(ref, relay, cfg) -> dict[str, tuple[float, float, float, float]]:
     base = ref_exec.relay_prefill(ref, relay.prompt, spans, cfg, forced=forced)
     lengths = base.span_lengths
     truth = ref_exec.true_value_deviation(ref, spans, exact)
-    worst = top_per_span(truth, base.selected, lengths)
+    worst = per_span_top(truth, base.selected, lengths)
     l_det = cfg.schedule(ref.num_layers).l_det
     at_det_truth = ref_exec.true_value_deviation(ref, spans, exact, layers=[l_det])
-    at_det = top_per_span(at_det_truth, base.selected, lengths)
+    at_det = per_span_top(at_det_truth, base.selected, lengths)
     picked = {  # share of the true-worst tokens each selection picks
         VARIANTS[0]: base.selected_mask,
         VARIANTS[1]: worst,
@@ -110,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_relay.embedded_model import ensure_model
 
     model_dir = ensure_model()
-    cfg = load_profile(shipped_profile_path(model_dir))[0]
+    # the deviation rule the profiler searched (``chosen``): the shipped base rule is the
+    # context rule since session 10, which has no detector to take apart
+    base, data = load_profile(shipped_profile_path(model_dir))
+    cfg = RelayConfig.from_dict(data.get("chosen", {}).get("config") or base.to_dict())
     ref = ref_exec.load_model(str(model_dir))
     tok = AutoTokenizer.from_pretrained(model_dir)
     cases = load_workload(None)[: args.n_relays]
