@@ -57,9 +57,10 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
 
 @pytest.mark.parametrize("reuse", ["speed", 0.85])
 def test_operating_point_through_the_server_equals_the_reference(server, model_dir, reuse):
-    """A per-request reuse target runs the profile's operating point for it (a position-only
-    rule at "speed", the deviation rule at 0.85 on the shipped profile), reports it, keeps
-    the reuse it promises, and computes what the reference executor computes with it."""
+    """A per-request reuse target runs the profile's operating point for it (on the shipped
+    profile the context rule at layer 12, whose masses the server records when the upstream
+    finishes), reports it, keeps the reuse it promises, and computes what the reference
+    executor computes with it."""
     from sglang_relay.core.operating import parse_target
 
     settings = settings_from_env(str(model_dir), {})
