@@ -93,3 +93,21 @@ def test_a_cap_below_the_forced_tokens_keeps_the_first_ones():
     dev = torch.linspace(1.0, 0.0, 200).flip(0)  # deviation grows along the span
     mask = select_tokens(cfg, 200, dev)
     assert mask.nonzero().flatten().tolist() == list(range(10))  # cap = int(0.05 * 200)
+
+
+def test_context_mass_is_the_prompt_share_of_a_plain_softmax_however_chunked(monkeypatch):
+    """Brute force: one full softmax per query row and head (GQA by repeating keys), mass
+    on positions 1..P-1, mean over heads; equal whether the rows run in one step or in
+    steps of 7 (a long row's score block is bounded)."""
+    from sglang_relay.core import selection
+
+    gen = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(60, 4, 8, generator=gen), torch.randn(100, 2, 8, generator=gen)
+    pos, prompt = torch.arange(40, 100), 40
+    scores = torch.einsum("nhd,thd->nht", q, keys.repeat_interleave(2, dim=1)) * 0.3
+    future = torch.arange(100)[None, None, :] > pos[:, None, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    want = scores.softmax(-1)[..., 1:prompt].sum(-1).mean(-1)
+    torch.testing.assert_close(selection.context_mass(q, keys, pos, prompt, 0.3), want)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES", 4 * 4 * 100 * 7)
+    torch.testing.assert_close(selection.context_mass(q, keys, pos, prompt, 0.3), want)

@@ -24,6 +24,9 @@ def kv_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
     return (1.0 - cos).mean(dim=-1)
 
 
+SCORE_BLOCK_BYTES = 1 << 28  # 256 MB of float32 scores per step of context_mass
+
+
 def context_mass(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -44,7 +47,8 @@ def context_mass(
         q: ``[n, H_q, D]`` post-RoPE queries at absolute positions ``q_pos`` (``[n]``).
         keys: ``[T, H_kv, D]`` post-RoPE keys of positions ``0..T-1`` (GQA: ``H_q`` a
             multiple of ``H_kv``); row ``i`` attends to positions ``<= q_pos[i]``.
-        chunk: query rows per step (bounds the ``[chunk, H_q, T]`` score block).
+        chunk: query rows per step at most; fewer when ``[chunk, H_q, T]`` float32 scores
+            would exceed :data:`SCORE_BLOCK_BYTES` (long rows).
 
     Returns:
         ``[n]`` float32 in ``[0, 1]``.
@@ -52,6 +56,7 @@ def context_mass(
     n, hq, d = q.shape
     t, hkv = keys.shape[0], keys.shape[1]
     group = hq // hkv
+    chunk = max(1, min(chunk, SCORE_BLOCK_BYTES // (4 * hq * max(t, 1))))
     k = keys.float()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
     cols = torch.arange(t, device=q.device)
