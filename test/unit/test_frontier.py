@@ -3,6 +3,8 @@ packaged evaluation workloads. Seconds: a tiny randomly initialised Llama, no we
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -163,24 +165,32 @@ def test_cli_frontier_flag(capsys):
 
 
 def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
-    """The held-out workload: other tasks, other agent roles and templates than the
-    calibration set and the first evaluation set; no HumanEval anywhere in calibration."""
-    heldout = load_workload(name="heldout_workload.jsonl")
+    """The held-out and HumanEval workloads: other tasks, other agent roles and templates
+    than the calibration set, the first evaluation set and each other; no HumanEval
+    problem anywhere in calibration (its function names included)."""
     first = load_workload()
     calibration = load_workload(name="calibration_workload.jsonl")
-    assert 16 <= len(heldout) <= 24 and len({c.id for c in heldout}) == len(heldout)
+    heldout = load_workload(name="heldout_workload.jsonl")
+    humaneval = load_workload(name="humaneval_workload.jsonl")
 
     def agents(cases):
         return [a for c in cases for a in (*c.upstream, c.downstream)]
 
-    for other in (first, calibration):
-        assert not {c.task for c in heldout} & {c.task for c in other}
-        assert not {a.name for a in agents(heldout)} & {a.name for a in agents(other)}
-        assert not {a.template for a in agents(heldout)} & {a.template for a in agents(other)}
-        assert not {a.system for a in agents(heldout)} & {a.system for a in agents(other)}
-    assert not any("humaneval" in f"{c.id} {c.kind} {c.task}".lower() for c in calibration)
-    for case in heldout:
-        names = {"task": case.task} | {a.name: "x" for a in case.upstream}
-        for agent in (*case.upstream, case.downstream):
-            agent.template.format(**names)  # every field is known
-        assert all("{" + a.name + "}" in case.downstream.template for a in case.upstream)
+    for evaluation, others in (
+        (heldout, (first, calibration)),
+        (humaneval, (first, calibration, heldout)),
+    ):
+        assert 16 <= len(evaluation) <= 24 and len({c.id for c in evaluation}) == len(evaluation)
+        for other in others:
+            assert not {c.task for c in evaluation} & {c.task for c in other}
+            for field in ("name", "template", "system"):
+                mine = {getattr(a, field) for a in agents(evaluation)}
+                assert not mine & {getattr(a, field) for a in agents(other)}, field
+        for case in evaluation:
+            names = {"task": case.task} | {a.name: "x" for a in case.upstream}
+            for agent in (*case.upstream, case.downstream):
+                agent.template.format(**names)  # every field is known
+            assert all("{" + a.name + "}" in case.downstream.template for a in case.upstream)
+    functions = {re.search(r"def (\w+)\(", c.task).group(1) for c in humaneval}
+    assert len(functions) == len(humaneval)
+    assert not any(f + "(" in c.task for f in functions for c in calibration)

@@ -13,6 +13,7 @@ import torch
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.attention import build
+from sglang_relay.runtime.extend import detect_and_select
 from sglang_relay.runtime.planner import Planner, valid_runs
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanStore
@@ -260,6 +261,55 @@ def test_context_rules_carry_the_recorded_masses_or_fall_back():
             assert plan.groups[0].src.tolist() == slots.tolist()
         else:
             assert plan is None and dropped == [(stats, "context_missing")]
+
+
+def test_a_request_budget_pools_each_requests_runs_and_only_them():
+    """budget="request": a batch's group spends each request's cap over that request's
+    runs (highest recorded masses wherever they are), never across requests (brute force
+    over the rows' masses)."""
+    rule = RelayConfig(
+        l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+        max_ratio=0.2, budget="request", min_span=8,
+    )  # fmt: skip
+    store = SpanStore(min_match=8, max_tokens=1000, release_slots=lambda _: None)
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    torch.manual_seed(3)
+    spans = {"a": list(range(500, 520)), "b": list(range(700, 730))}
+    masses = {"a": torch.rand(20) * 0.1, "b": torch.rand(30)}  # a's tokens barely looked
+    for name, slots in (("a", torch.arange(10, 30)), ("b", torch.arange(40, 70))):
+        ledger.stamp(slots, with_hidden=True)
+        pos = torch.arange(100, 100 + slots.numel())
+        store.add(spans[name], slots, pos, ledger.snapshot(slots), "ns", context=masses[name])
+    prompts = {
+        "r1": [9, *spans["a"], 7, *spans["b"], 8],
+        "r2": [5, 6, *spans["a"], 4],  # pooled with r1, a's low masses would lose out
+    }
+    planner = _planner(store, ledger)
+    stats = {}
+    for rid, prompt in prompts.items():
+        stats[rid] = RequestStats("relay", L)
+        assert planner.plan_request(rid, rule, stats[rid], prompt[:-1], 0, "ns")[0]
+    lens = [len(p) for p in prompts.values()]
+    plan, dropped = planner.plan_batch(_fb(list(prompts), [0, 0], lens, torch.arange(600, 700)))
+    assert dropped == [] and len(plan.groups) == 1
+    group = plan.groups[0]
+    detect_and_select(None, None, None, group, None, None, None)
+    expected, row0 = set(), 0
+    for rid, prompt in prompts.items():
+        score = {}  # batch row -> recorded mass of the span token it holds
+        for name in ("a", "b"):
+            at = next(
+                (i for i in range(len(prompt)) if prompt[i : i + 20] == spans[name][:20]), None
+            )
+            if at is None:
+                continue
+            for j in range(len(spans[name])):
+                score[row0 + at + j] = float(masses[name][j])
+        cap = int(0.2 * len(score))
+        expected |= set(sorted(score, key=lambda r: -score[r])[:cap])
+        assert stats[rid].chunk.selected == cap
+        row0 += len(prompt)
+    assert set(group.selected.tolist()) == expected
 
 
 def test_slots_rewritten_by_this_very_batch_are_not_read():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.core.selection import kv_deviation, select_tokens
+from sglang_relay.core.selection import kv_deviation, select_runs, select_tokens
 
 
 def test_threshold_suffix_and_first_k():
@@ -111,3 +113,46 @@ def test_context_mass_is_the_prompt_share_of_a_plain_softmax_however_chunked(mon
     torch.testing.assert_close(selection.context_mass(q, keys, pos, prompt, 0.3), want)
     monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES", 4 * 4 * 100 * 7)
     torch.testing.assert_close(selection.context_mass(q, keys, pos, prompt, 0.3), want)
+
+
+def test_span_budget_selects_each_run_on_its_own():
+    cfg = RelayConfig(l_start=0, l_det=0, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+                      first_k=2, max_ratio=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    lengths, heads = [50, 80, 33], [0, 5, 1]
+    scores = torch.rand(sum(lengths))
+    masks = select_runs(cfg, lengths, scores, heads=heads)
+    for mask, part, n, head in zip(masks, scores.split(lengths), lengths, heads, strict=True):
+        assert mask.equal(select_tokens(cfg, n, part, head=head))
+
+
+@pytest.mark.parametrize("first_k", [0, 3])
+def test_request_budget_is_one_cap_over_all_runs(first_k):
+    """budget="request": floor(max_ratio * total) tokens, the runs' forced first tokens
+    first, then the highest scores of the whole request (brute force: sort everything)."""
+    cfg = RelayConfig(l_start=0, l_det=0, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+                      first_k=first_k, max_ratio=0.1, budget="request")  # fmt: skip
+    torch.manual_seed(1)
+    lengths, heads = [40, 120, 61], [0, 0, 2]
+    scores = torch.rand(sum(lengths))
+    scores[:40] *= 0.1  # the first run barely looked at its context
+    masks = select_runs(cfg, lengths, scores, heads=heads)
+    cap = int(0.1 * sum(lengths))
+    starts = [0, 40, 160]
+    forced = [s + i for s, h in zip(starts, heads, strict=True) for i in range(first_k - h)]
+    rest = [i for i in sorted(range(len(scores)), key=lambda i: -float(scores[i]))
+            if i not in forced][: cap - len(forced)]  # fmt: skip
+    assert mask_ids(torch.cat(masks)) == set(forced) | set(rest)
+    assert [m.numel() for m in masks] == lengths
+    assert sum(int(m.sum()) for m in masks) == cap
+    if first_k == 0:  # the low-mass run gives its share away; per span it would keep 4
+        assert int(masks[0].sum()) == 0
+        per_span = select_runs(replace(cfg, budget="span"), lengths, scores, heads=heads)
+        assert [int(m.sum()) for m in per_span] == [4, 12, 6]
+
+
+def test_request_budget_is_refused_when_unknown():
+    with pytest.raises(ValueError, match="budget must be one of"):
+        RelayConfig(budget="batch")
+    assert "budget" not in RelayConfig().to_dict()  # older profiles stay equal
+    assert RelayConfig.from_dict(RelayConfig(budget="request").to_dict()).budget == "request"

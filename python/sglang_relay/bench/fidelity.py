@@ -59,7 +59,11 @@ METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 QUICK_RELAYS = 32
 # --frontier (the sweep itself lives in sglang_relay.bench.frontier)
 QUICK_FRONTIER_RELAYS = 16
-FRONTIER_WORKLOADS = ("fidelity_workload.jsonl", "heldout_workload.jsonl")
+FRONTIER_WORKLOADS = (
+    "fidelity_workload.jsonl",
+    "heldout_workload.jsonl",
+    "humaneval_workload.jsonl",
+)
 DEFAULT_TARGETS = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95, 0.98)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 SIGNALS = ("value", "key", "none", "context")
+BUDGETS = ("span", "request")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,10 @@ class RelayConfig:
         l_ctx: the layer of the context mass (``signal="context"`` only; the stream
             entering it is what the server stores per output token).
         min_span: shortest token run worth relaying.
+        budget: what the ``max_ratio`` cap bounds: ``"span"``, each span (every span keeps
+            the reuse target), or ``"request"``, all the spans a request relays in one
+            prefill chunk together (the request keeps it; the tokens with the highest
+            scores are chosen wherever they are).
     """
 
     method: str = "relay"
@@ -68,6 +73,7 @@ class RelayConfig:
     signal: str = "value"
     min_span: int = 32
     l_ctx: int | None = None
+    budget: str = "span"
 
     def __post_init__(self) -> None:
         for name in ("l_start", "l_det", "l_end", "l_suf", "first_k", "min_span"):
@@ -111,6 +117,8 @@ class RelayConfig:
             raise ValueError(f"l_ctx must be an integer or null; got {self.l_ctx!r}")
         if self.signal == "context" and self.l_ctx is None:
             raise ValueError('signal "context" needs l_ctx (the layer of the context mass)')
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}")
         if self.min_span < 2:
             raise ValueError(f"min_span must be >= 2; got {self.min_span}")
 
@@ -204,6 +212,8 @@ class RelayConfig:
         out = asdict(self)
         if out["l_ctx"] is None:  # only context rules have one: older profiles stay equal
             del out["l_ctx"]
+        if out["budget"] == "span":  # the default: older profiles stay equal
+            del out["budget"]
         return out
 
     @classmethod

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from sglang_relay.core.attention import positional_causal_attention
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.rope import apply_rotation, delta_cos_sin
-from sglang_relay.core.selection import context_mass, kv_deviation, select_tokens
+from sglang_relay.core.selection import context_mass, kv_deviation, select_runs
 
 __all__ = [
     "KVCache",
@@ -708,17 +708,9 @@ def _detect(
             deviation = kv_deviation(v, cache.v[lid, span_rows])
         cache.k[lid, span_rows] = k
         cache.v[lid, span_rows] = v
-    keep, counts = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        mask = select_tokens(
-            cfg,
-            hi - lo,
-            None if deviation is None else deviation[lo:hi],
-            None if influence is None else influence[lo:hi],
-        )
-        keep.append(mask.to(span_rows.device))
-        counts.append(int(mask.sum()))
-    return torch.cat(keep), counts, deviation
+    lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    keep = [m.to(span_rows.device) for m in select_runs(cfg, lengths, deviation, influence)]
+    return torch.cat(keep), [int(m.sum()) for m in keep], deviation
 
 
 def exact_prefill(

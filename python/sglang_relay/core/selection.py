@@ -70,6 +70,60 @@ def context_mass(
     return out
 
 
+def _candidates(
+    cfg: RelayConfig,
+    n: int,
+    deviation: torch.Tensor | None,
+    influence: torch.Tensor | None,
+    head: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, forced)`` ``[n]``: the tokens the rule selects before its cap, and which of
+    them are forced (the first ``first_k`` / last ``l_suf`` tokens)."""
+    device = deviation.device if deviation is not None else None
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    forced = torch.zeros_like(mask)
+    if n == 0 or cfg.method in ("standard", "naive"):
+        return mask, forced
+    if cfg.detects or cfg.ranks_context:
+        if deviation is None:
+            raise ValueError(f"method {cfg.method!r} needs deviation scores")
+        if deviation.shape != (n,):
+            raise ValueError(f"deviation must have shape [{n}]; got {tuple(deviation.shape)}")
+        if cfg.top_ratio is not None:
+            k = max(1, round(cfg.top_ratio * n))
+            mask[deviation.topk(min(k, n)).indices] = True
+        else:
+            mask |= deviation >= cfg.tau_dev * deviation.mean()
+    if cfg.tau_inf is not None and influence is not None:
+        if influence.shape != (n,):
+            raise ValueError(f"influence must have shape [{n}]; got {tuple(influence.shape)}")
+        mask |= influence.to(mask.device) >= cfg.tau_inf * influence.mean()
+    forced[: max(0, cfg.first_k - head)] = True
+    if cfg.l_suf:
+        forced[max(0, n - cfg.l_suf) :] = True
+    return mask | forced, forced
+
+
+def _capped(
+    mask: torch.Tensor, forced: torch.Tensor, deviation: torch.Tensor | None, cap: int
+) -> torch.Tensor:
+    """``mask`` cut to ``cap`` tokens: the forced ones first (the earliest of them first: a
+    cap below ``first_k`` keeps a span's first tokens, not an arbitrary tie-broken subset),
+    then the highest ``deviation``."""
+    if int(mask.sum()) <= cap:
+        return mask
+    n = mask.numel()
+    score = deviation.float().clone() if deviation is not None else torch.zeros(n)
+    score = score.to(mask.device)
+    idx = torch.arange(n, device=mask.device, dtype=score.dtype)
+    top = float(score[mask].max()) if bool(mask.any()) else 0.0
+    score[forced] = top + 1.0 + (n - idx[forced])
+    score[~mask] = float("-inf")
+    out = torch.zeros_like(mask)
+    out[score.topk(cap).indices] = True
+    return out
+
+
 def select_tokens(
     cfg: RelayConfig,
     n: int,
@@ -91,41 +145,47 @@ def select_tokens(
     ``first_k`` and last ``l_suf`` tokens; then the ``max_ratio`` cap, which keeps the
     forced edge tokens first and the highest-deviation tokens after them.
     """
-    device = deviation.device if deviation is not None else None
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    if n == 0 or cfg.method in ("standard", "naive"):
+    mask, forced = _candidates(cfg, n, deviation, influence, head)
+    if cfg.max_ratio is None or n == 0:
         return mask
-    if cfg.detects or cfg.ranks_context:
-        if deviation is None:
-            raise ValueError(f"method {cfg.method!r} needs deviation scores")
-        if deviation.shape != (n,):
-            raise ValueError(f"deviation must have shape [{n}]; got {tuple(deviation.shape)}")
-        if cfg.top_ratio is not None:
-            k = max(1, round(cfg.top_ratio * n))
-            mask[deviation.topk(min(k, n)).indices] = True
-        else:
-            mask |= deviation >= cfg.tau_dev * deviation.mean()
-    if cfg.tau_inf is not None and influence is not None:
-        if influence.shape != (n,):
-            raise ValueError(f"influence must have shape [{n}]; got {tuple(influence.shape)}")
-        mask |= influence.to(mask.device) >= cfg.tau_inf * influence.mean()
-    forced = torch.zeros_like(mask)
-    forced[: max(0, cfg.first_k - head)] = True
-    if cfg.l_suf:
-        forced[max(0, n - cfg.l_suf) :] = True
-    mask |= forced
-    if cfg.max_ratio is not None:
-        cap = int(cfg.max_ratio * n)  # floor: the span keeps its reuse guarantee
-        if int(mask.sum()) > cap:
-            score = deviation.float().clone() if deviation is not None else torch.zeros(n)
-            score = score.to(mask.device)
-            # forced tokens first, the earliest of them first (a cap below first_k keeps
-            # the span's first tokens, not an arbitrary tie-broken subset)
-            idx = torch.arange(n, device=mask.device, dtype=score.dtype)
-            top = float(score[mask].max()) if bool(mask.any()) else 0.0
-            score[forced] = top + 1.0 + (n - idx[forced])
-            score[~mask] = float("-inf")
-            keep = score.topk(cap).indices
-            mask = torch.zeros_like(mask)
-            mask[keep] = True
-    return mask
+    return _capped(mask, forced, deviation, int(cfg.max_ratio * n))  # floor: reuse kept
+
+
+def select_runs(
+    cfg: RelayConfig,
+    lengths: list[int],
+    deviation: torch.Tensor | None = None,
+    influence: torch.Tensor | None = None,
+    *,
+    heads: list[int] | None = None,
+) -> list[torch.Tensor]:
+    """Masks of one request's matched runs in one prefill chunk (``lengths``; the scores
+    are the runs' concatenated, ``heads`` as in :func:`select_tokens`).
+
+    ``budget="span"``: each run on its own (:func:`select_tokens`). ``budget="request"``:
+    each run's candidates as :func:`select_tokens` finds them, then one ``max_ratio`` cap
+    over all of them, ``floor(max_ratio * sum(lengths))`` tokens, the highest scores
+    wherever they are. The reuse target then holds for the request's relayed tokens as a
+    whole rather than for each span: a span whose tokens barely looked at their context
+    gives its share to one whose tokens did."""
+    heads = heads or [0] * len(lengths)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+
+    def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return None if x is None else x[bounds[i] : bounds[i + 1]]
+
+    if cfg.budget == "span" or cfg.max_ratio is None or len(lengths) < 2:
+        return [
+            select_tokens(cfg, n, part(deviation, i), part(influence, i), head=heads[i])
+            for i, n in enumerate(lengths)
+        ]
+    found = [
+        _candidates(cfg, n, part(deviation, i), part(influence, i), heads[i])
+        for i, n in enumerate(lengths)
+    ]
+    mask = torch.cat([m for m, _ in found])
+    forced = torch.cat([f for _, f in found])
+    mask = _capped(mask, forced, deviation, int(cfg.max_ratio * bounds[-1]))
+    return [mask[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]

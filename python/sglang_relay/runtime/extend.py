@@ -19,7 +19,7 @@ import torch
 
 from sglang_relay.core.config import LayerSchedule, RelayConfig
 from sglang_relay.core.rope import delta_cos_sin
-from sglang_relay.core.selection import kv_deviation, select_tokens
+from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.side_data import SlotLedger
@@ -104,15 +104,24 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
         deviation = None if deviation is None else tp.mean(deviation)
         scores = None if scores is None else tp.mean(scores)
+    by_request: dict[int, list[tuple[int, int, ChunkUse, int]]] = {}
+    for seg in group.segments:  # one ChunkUse per request chunk: its runs select together
+        by_request.setdefault(id(seg[2]), []).append(seg)
     keep = []
-    for lo, hi, use, head in group.segments:
-        seg_scores = None if scores is None else scores[lo:hi]
-        dev = None if deviation is None else deviation[lo:hi]
-        mask = select_tokens(cfg, hi - lo, dev, seg_scores, head=head)
-        keep.append(rows[lo:hi][mask.to(rows.device)])
-        chosen = int(keep[-1].numel())
-        use.selected += chosen
-        use.recomputed_token_layers += chosen * group.sched.sparse_layers
+    for segs in by_request.values():
+        at = torch.cat([torch.arange(lo, hi, device=rows.device) for lo, hi, _, _ in segs])
+        masks = select_runs(
+            cfg,
+            [hi - lo for lo, hi, _, _ in segs],
+            None if deviation is None else deviation[at],
+            None if scores is None else scores[at],
+            heads=[head for _, _, _, head in segs],
+        )
+        for (lo, hi, use, _), mask in zip(segs, masks, strict=True):
+            keep.append(rows[lo:hi][mask.to(rows.device)])
+            chosen = int(keep[-1].numel())
+            use.selected += chosen
+            use.recomputed_token_layers += chosen * group.sched.sparse_layers
     group.selected = torch.cat(keep) if keep else rows[:0]
     if tp is not None and not tp.agree(fingerprint(group.selected), "selection"):
         raise TPMismatch("relay selections differ across tensor-parallel ranks")
