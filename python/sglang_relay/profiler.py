@@ -312,8 +312,10 @@ def first_k_rule(num_layers: int, target: float, mean_span: float) -> RelayConfi
 
 
 def context_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | None:
-    """The context-mass rule at ``target``: each span's tokens with the highest context
-    mass at ``l_ctx`` (``signal="context"``), recomputed in every layer, capped per span.
+    """The context-mass rule at ``target``: the tokens with the highest context mass at
+    ``l_ctx`` (``signal="context"``) among all the spans a request relays, recomputed in
+    every layer; one cap per request (``budget="request"``: on the calibration relays it
+    beat a cap per span at every target, 0.70-0.98, e.g. KL 0.0202 vs 0.0263 at 0.95).
     Needs no deviation pass; stores the stream entering ``l_ctx`` per output token."""
     rule = RelayConfig(
         method="relay",
@@ -325,6 +327,7 @@ def context_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | No
         tau_dev=0.0,
         l_suf=0,
         first_k=0,
+        budget="request",
     )
     cap = reuse_cap(rule, num_layers, target)
     return None if cap is None else replace(rule, max_ratio=cap)
@@ -672,7 +675,8 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
 
     path = Path(args.add_frontier)
     data = json.loads(path.read_text())
-    config = RelayConfig.from_dict(data["config"])
+    # the searched deviation rule (the base rule may already be an operating point)
+    config = RelayConfig.from_dict((data.get("chosen") or {}).get("config") or data["config"])
     exacts = [
         exact_prefill(ref, r.prompt, forced=r.continuation[:-1])
         for r in tqdm(relays, desc="exact", unit="relay", disable=args.no_progress)

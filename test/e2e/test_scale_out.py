@@ -58,10 +58,26 @@ def _run_chains(url: str, first: int, concurrent: int, sequential: int, keyed: b
     return results + [run(first + concurrent + i) for i in range(sequential)]
 
 
-def _assert_all_relayed_whole(results: list) -> None:
-    for second, third, n1, n2 in results:
-        assert second["fallback"] is None and second["reused_tokens"] == n1, second
-        assert third["fallback"] is None and third["reused_tokens"] == n1 + n2, third
+def _assert_all_relayed_whole(results: list, why=lambda: "") -> None:
+    """``why``: called on a failure, what to add to the message (e.g. counter changes)."""
+    for i, (second, third, n1, n2) in enumerate(results):
+        for agent, relay, n in ((2, second, n1), (3, third, n1 + n2)):
+            if relay["fallback"] is not None or relay["reused_tokens"] != n:
+                raise AssertionError(f"chain {i}, agent {agent}: {relay} (expected {n}){why()}")
+
+
+def _counter_changes(urls: list[str], before: list[list[dict]]) -> str:
+    """Per server and rank, the integer counters that changed since ``before``."""
+    out = []
+    for url, ranks_before in zip(urls, before, strict=True):
+        for now, then in zip(_ranks(url), ranks_before, strict=True):
+            changed = {
+                k: v - then.get(k, 0)
+                for k, v in now.items()
+                if type(v) is int and v != then.get(k, 0)
+            }
+            out.append(f"\n  {url} rank {now.get('dp_rank')}: {changed}")
+    return "".join(out)
 
 
 def _ranks(url: str) -> list[dict]:
@@ -102,10 +118,15 @@ def test_router_manual_policy_keeps_each_keyed_chain_on_one_server(server, dp_se
     every downstream agent relays whole, and the keys spread over both servers."""
     urls = [server.url, dp_server.url]
     before = [_relayed_tokens(u) for u in urls]
+    counters = [_ranks(u) for u in urls]
     args = ["--policy", "manual", "--assignment-mode", "min_group", "--log-level", "warn"]
     with RouterProcess(args, workers=urls) as router:
         results = _run_chains(router.url, 100, 4, 1, keyed=True)
-    _assert_all_relayed_whole(results)
+        router_log = router.log_tail()
+    # (seen once in ~10 CI runs: one second agent with no span matched and no fallback;
+    # the counters say which server it reached and what that server stored or evicted)
+    why = lambda: _counter_changes(urls, counters) + "\nrouter log:\n" + router_log  # noqa: E731
+    _assert_all_relayed_whole(results, why)
     served = [_relayed_tokens(u) - b for u, b in zip(urls, before, strict=True)]
     # every relayed token of these chains, and only them, on the servers that decoded them
     assert sum(served) == sum(2 * n1 + n2 for _, _, n1, n2 in results), served

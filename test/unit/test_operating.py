@@ -155,6 +155,19 @@ def test_request_reuse_option():
         resolve_config(settings, ctx, num_layers=30, capture_layer=5)
 
 
+def test_bench_ttft_operating_point_methods_are_requests_the_server_takes():
+    """``bench ttft --methods relay@T``: the request option it sends maps to the point a
+    server resolves for ``T`` (a number or a level name), the plain names stay names."""
+    from sglang_relay.bench.ttft import _relay_option
+
+    settings = settings_from_env(EMBEDDED, {})
+    shipped = {"num_layers": 30, "capture_layer": 12, "context_layer": 12}
+    for name, target in (("relay@0.95", 0.95), ("relay@speed", 0.95), ("relay@0.9", 0.90)):
+        _, point = resolve_config(settings, _relay_option(name), **shipped)
+        assert point is not None and point.profiled == target
+    assert _relay_option("epic") == "epic" and _relay_option("stock_prefix_hit") == "standard"
+
+
 def test_position_only_rule_is_epics_selection():
     """``signal="none"`` selects exactly what EPIC's first-k rule selects (by brute force:
     the first min(k, cap) tokens), without any deviation scores."""

@@ -8,7 +8,10 @@ radix-cache entries. Measured per (method, relayed span length, number of agents
 * ``standard``: SGLang's own prefill of the whole prompt;
 * ``naive``: spliced KV, nothing recomputed: the *limit* a relay method can reach with the
   same attention implementation (``ratio_to_prefix_hit_limit`` = TTFT / naive TTFT);
-* ``cacheblend``, ``epic``, ``relay``: selective recompute;
+* ``cacheblend``, ``epic``, ``relay``: selective recompute; ``relay@T`` (``T`` a reuse
+  target or level name, e.g. ``relay@0.95`` or ``relay@speed``): relay at that operating
+  point, per request (``{"method": "relay", "reuse": T}``), so every point is timed
+  interleaved on the same server;
 * ``stock_prefix_hit``: the same prompt whose prefix up to the span's end is an exact radix
   hit, served by the stock attention backend (for ``relay vs stock prefix hit``).
 
@@ -63,12 +66,22 @@ def _prefix_text(tok: Any, text: str, n_tokens: int) -> str:
     return tok.decode(ids)
 
 
+def _relay_option(method: str) -> str | dict[str, Any]:
+    """``custom_params.relay`` for a bench method name (``relay@T``: a reuse target)."""
+    if method == "stock_prefix_hit":
+        return "standard"
+    if method.startswith("relay@"):
+        target = method.split("@", 1)[1]
+        try:
+            return {"method": "relay", "reuse": float(target)}
+        except ValueError:
+            return {"method": "relay", "reuse": target}  # a level name
+    return method
+
+
 def _measure(url: str, prompt: str, method: str) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0}
-    if method != "stock_prefix_hit":
-        params["custom_params"] = {"relay": method}
-    else:
-        params["custom_params"] = {"relay": "standard"}
+    params["custom_params"] = {"relay": _relay_option(method)}
     gen = generate(url, prompt, params)
     relay = gen.relay or {}
     return {
@@ -99,8 +112,9 @@ def run(
 ) -> list[dict[str, Any]]:
     need: dict[str, int] = {}
     for case in cases:
-        if case["kind"] == "sweep":
-            need["sweep"] = max(need.get("sweep", 0), max(case["span_tokens"]))
+        if case["kind"] == "sweep":  # one whole upstream output per length (a prefix of a
+            for n in case["span_tokens"]:  # longer one is a quote: relay declines it)
+                need[f"sweep{n}"] = int(n)
         else:
             for k in range(1, max(case["n_agents"])):
                 need[f"agent{k}"] = int(case["output_tokens"])
@@ -114,8 +128,14 @@ def run(
         "memory allocators",
         "query planning",
     ]
-    topics = {"sweep": "the design of distributed databases"}
-    topics.update({key: subjects[i % len(subjects)] for i, key in enumerate(need)})
+    topics = {key: subjects[i % len(subjects)] for i, key in enumerate(need)}
+    topics.update(
+        {
+            k: f"the design of distributed databases (part {n})"
+            for k, n in need.items()
+            if k.startswith("sweep")
+        }
+    )
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(max_workers=len(need) or 1) as pool:
         futures = {key: pool.submit(_upstream, url, tok, topics[key], n) for key, n in need.items()}
@@ -128,7 +148,7 @@ def run(
     for case in cases:
         if case["kind"] == "sweep":
             for n in case["span_tokens"]:
-                points.append((n, 2, [_prefix_text(tok, outputs["sweep"], n)], case))
+                points.append((n, 2, [_prefix_text(tok, outputs[f"sweep{n}"], n)], case))
         else:
             for agents in case["n_agents"]:
                 texts = [outputs[f"agent{k}"] for k in range(1, agents)]
@@ -207,6 +227,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay bench ttft", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions")
+    parser.add_argument(
+        "--spans",
+        default=None,
+        help="comma list of relayed span lengths: only the span sweep, at these lengths "
+        "(e.g. 1024,2048; default: the workload's cases)",
+    )
     parser.add_argument("--workload", help="JSONL workload (default: the packaged one)")
     parser.add_argument("--json", help="write raw rows here")
     parser.add_argument("--url", help="use a running relay server instead of starting one")
@@ -221,7 +247,7 @@ def main(argv: list[str]) -> int:
     from sglang_relay.runtime.launch import ServerProcess
 
     methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - set(METHODS)
+    unknown = {m for m in methods if m not in METHODS and not m.startswith("relay@")}
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
     cases = load_workload(args.workload)
@@ -231,6 +257,14 @@ def main(argv: list[str]) -> int:
                 case["span_tokens"] = [n for n in case["span_tokens"] if n <= 1024]
             else:
                 case["n_agents"] = [n for n in case["n_agents"] if n <= 4]
+    if args.spans:
+        try:
+            spans = sorted({int(n) for n in args.spans.split(",") if n.strip()})
+        except ValueError:
+            spans = []
+        if not spans or min(spans) < 32:
+            parser.error("--spans must be a comma list of lengths >= 32")
+        cases = [dict(c, span_tokens=spans) for c in cases if c["kind"] == "sweep"]
     reps = args.reps or (3 if args.quick else 7)
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -4,10 +4,11 @@ Time to first token is almost linear in what is recomputed, so the one knob a us
 the reuse they buy (METHOD.md's token-layer reuse, ``1 - recomputed / (|S| * L)``). A
 profile's ``frontier`` lists, per reuse target, the rule that had the lowest first-token KL
 on the calibration relays at that target (:mod:`sglang_relay.profiler`); every point's
-``max_ratio`` caps each span's selection so that the span's reuse is at least the target by
-construction. A request's target maps to the point with the smallest profiled target at or
-above it (never less reuse than asked); above the last point, and on a model without a
-profiled frontier, the cap is solved from the reuse formula for the base rule.
+``max_ratio`` caps the selection so that the reuse is at least the target by construction,
+per span or, with ``budget="request"``, per request (all its spans in a prefill chunk). A
+request's target maps to the point with the smallest profiled target at or above it
+(never less reuse than asked); above the last point, and on a model without a profiled
+frontier, the cap is solved from the reuse formula for the base rule.
 
 Targets are numbers in (0, 1) or the names of :data:`LEVELS`.
 """
