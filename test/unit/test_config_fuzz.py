@@ -10,7 +10,7 @@ from sglang_relay.core.config import RelayConfig
 
 FIELDS = [
     "method", "l_start", "l_det", "l_end", "tau_dev", "tau_inf", "top_ratio", "max_ratio",
-    "first_k", "l_suf", "signal", "min_span",
+    "first_k", "l_suf", "signal", "min_span", "l_ctx", "budget",
 ]  # fmt: skip
 values = st.one_of(
     st.none(),
@@ -20,6 +20,7 @@ values = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
     st.sampled_from(["relay", "epic", "naive", "cacheblend", "standard", "value", "key"]),
+    st.sampled_from(["context", "none", "span", "request"]),
     st.lists(st.integers(), max_size=2),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
