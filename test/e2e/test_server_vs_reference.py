@@ -74,3 +74,45 @@ def test_operating_point_through_the_server_equals_the_reference(server, model_d
     relay = served["meta_info"]["relay"]
     assert relay["operating_point"] == point.to_dict() and relay["reuse_rate"] >= target
     assert_matches_reference(served, result)
+
+
+def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_reference(
+    server, model_dir
+):
+    """A prompt quoting two upstream outputs at the shipped 0.90 point (context rule, one
+    cap per request): the server spends the request's budget over both spans as the
+    reference executor does (same selected count, same first-token logprobs), and that
+    budget is split unlike two per-span caps (so the check can tell them apart)."""
+    from dataclasses import replace
+
+    settings = settings_from_env(str(model_dir), {})
+    ref = R.load_model(str(model_dir))
+    point = settings.point(0.90, ref.num_layers)
+    assert point.config.budget == "request" and point.config.ranks_context
+
+    records = []
+    for first in (1000, 1200):  # two upstream agents, other prompts, other outputs
+        up_ids = list(range(first, first + 40))
+        upstream = generate_ids(server.url, up_ids, 96)
+        record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+        assert record.output == upstream["output_ids"]
+        records.append(record)
+    head, mid, tail = list(range(2000, 2023)), list(range(2500, 2509)), list(range(3000, 3011))
+    spans = [r.span_tokens for r in records]
+    prompt = head + spans[0] + mid + spans[1] + tail
+    served = generate_ids(
+        server.url, prompt, 4, {"reuse": 0.90}, return_logprob=True, top_logprobs_num=5
+    )
+    info = served["meta_info"]["relay"]
+    assert info["fallback"] is None and info["spans_matched"] == 2, info
+    assert info["reused_tokens"] == len(spans[0]) + len(spans[1])
+
+    occs = [
+        R.SpanOccurrence(len(head), records[0], 0, len(spans[0])),
+        R.SpanOccurrence(len(head) + len(spans[0]) + len(mid), records[1], 0, len(spans[1])),
+    ]
+    pooled = R.relay_prefill(ref, prompt, occs, point.config)
+    per_span = R.relay_prefill(ref, prompt, occs, replace(point.config, budget="span"))
+    assert sum(pooled.selected) == int(point.config.max_ratio * sum(map(len, spans)))
+    assert pooled.selected != per_span.selected  # the split differs from two caps
+    assert_matches_reference(served, pooled)
