@@ -25,6 +25,14 @@ Selections (per span occurrence):
 over all layers, and the deviation from the span's KV computed with no context.
 
     python benchmark/selection_study.py --signals [--n-relays 16] [--context-layers 2,12]
+
+``--variants`` runs variants of the context rule on the *calibration* relays at equal
+reuse (first-token KL): one cap per request (shipped) vs one per span; recomputing the
+chosen tokens from a deeper layer's stored stream, or only up to a layer below the last;
+pooling the heads' masses by max, top-4 mean or RMS instead of the mean; and weighting
+the mass by the attention a token received from the later output tokens.
+
+    python benchmark/selection_study.py --variants [--n-relays 16] [--targets 0.9,0.95]
 """
 
 from __future__ import annotations
@@ -160,6 +168,100 @@ def signals(ref, relay, context_layers: list[int]) -> dict[str, float]:
     return {name: spearman(score, truth) for name, score in found.items()}
 
 
+def head_scores(ref, rec, layer: int) -> dict[str, torch.Tensor]:
+    """``[n]`` alternatives to the context mass of ``rec``'s output tokens at ``layer``
+    (the same decode queries and keys as :func:`~sglang_relay.core.reference.
+    record_context_mass`, pooled otherwise over the query heads)."""
+    p, n = len(rec.prompt), rec.k.shape[1]
+    keys = torch.cat((ref_exec.relay_prefill(ref, rec.prompt, [], None).cache.k[layer, :p],
+                      rec.k[layer])).float()  # fmt: skip
+    pos = torch.arange(p, p + n)
+    lyr = ref.layers[layer]
+    q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
+    hkv = keys.shape[1]
+    qg = q.float().view(n, hkv, -1, ref.head_dim)
+    scores = torch.einsum("ngrd,tgd->ngrt", qg, keys) * ref.scale
+    visible = torch.arange(p + n)[None, :] <= pos[:, None]
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    probs = probs.reshape(n, -1, p + n)  # [n, H_q, T]
+    per_head = probs[..., 1:p].sum(-1)
+    received = probs[..., p:].mean(1).sum(0)  # from every later output query, head mean
+    return {
+        "heads pooled by max": per_head.max(1).values,
+        "heads pooled by top-4 mean": per_head.topk(min(4, per_head.shape[1]), 1).values.mean(1),
+        "heads pooled by RMS": per_head.pow(2).mean(1).sqrt(),
+        "mass x received^0.5": per_head.mean(1) * received.clamp_min(1e-9).sqrt(),
+    }
+
+
+def context_variants(ref, relay, targets, layer: int) -> dict[str, float]:
+    """First-token KL of context-rule variants on one relay, at every target."""
+    from dataclasses import replace
+
+    from sglang_relay.core.operating import at_target
+
+    forced = relay.continuation[:-1]
+    exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
+    spans = sorted(relay.spans, key=lambda s: s.prompt_start)
+    total = sum(s.length for s in spans)
+    num_l = ref.num_layers
+    base = RelayConfig(l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=layer,
+                       tau_dev=0.0, l_suf=0, first_k=0, budget="request")  # fmt: skip
+    rules = {
+        "one cap per request (shipped)": base,
+        "one cap per span": replace(base, budget="span"),
+        f"recomputed from layer {layer} (stored stream)": replace(base, l_start=layer, l_det=layer),
+        "recomputed from layer 6 (stored stream)": replace(base, l_start=6, l_det=6),
+        f"recomputed up to layer {num_l - 5}": replace(base, l_end=num_l - 5),
+        f"recomputed up to layer {num_l - 10}": replace(base, l_end=num_l - 10),
+    }  # fmt: skip
+    scores: dict[str, list[torch.Tensor]] = {}
+    for s in spans:
+        for name, score in head_scores(ref, s.record, layer).items():
+            scores.setdefault(name, []).append(score[s.span_start : s.span_start + s.length])
+
+    def kl(res) -> float:
+        return ref_exec.fidelity(exact.logits, res.logits, relay.continuation)["first_token_kl"]
+
+    out = {}
+    for t in targets:
+        for name, cfg in rules.items():
+            cfg = at_target(cfg, num_l, t)
+            out[f"{t:.2f}|{name}"] = kl(
+                ref_exec.relay_prefill(ref, relay.prompt, spans, cfg, forced=forced)
+            )
+        count = int(at_target(base, num_l, t).max_ratio * total)
+        for name, parts in scores.items():
+            sel = per_span_top(torch.cat(parts), [count], [total])
+            out[f"{t:.2f}|{name}"] = kl(
+                ref_exec.relay_prefill(
+                    ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=sel
+                )
+            )
+    return out
+
+
+def main_variants(ref, tok, fingerprint, args) -> int:
+    cases = load_workload(None, name="calibration_workload.jsonl")
+    usable, _ = prepare_usable(
+        ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
+    )
+    targets = [float(x) for x in args.targets.split(",")]
+    layer = int(args.context_layers.split(",")[-1])
+    rows: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for case, path in usable:
+            for key, value in context_variants(ref, load_relay(path, case), targets, layer).items():
+                rows.setdefault(key, []).append(value)
+    print(f"\ncalibration_workload.jsonl ({len(usable)} relays), context mass at {layer}\n")
+    print("| target | variant | first-token KL mean / median |")
+    print("|---|---|---|")
+    for key, vals in rows.items():
+        t, name = key.split("|")
+        print(f"| {t} | {name} | {statistics.mean(vals):.4f} / {statistics.median(vals):.4f} |")
+    return 0
+
+
 def main_signals(ref, tok, fingerprint, args) -> int:
     cases = load_workload(None, name="calibration_workload.jsonl")
     usable, _ = prepare_usable(
@@ -187,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write per-relay rows here")
     p.add_argument("--signals", action="store_true", help="rank signals on calibration relays")
     p.add_argument("--context-layers", default="2,12")
+    p.add_argument(
+        "--variants", action="store_true", help="context-rule variants on calibration relays"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -200,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
     if args.signals:
         return main_signals(ref, tok, fingerprint, args)
+    if args.variants:
+        return main_variants(ref, tok, fingerprint, args)
     per: dict[str, dict[str, list]] = {}
     for wl in FRONTIER_WORKLOADS:
         cases = load_workload(None, name=wl)
