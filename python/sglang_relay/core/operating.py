@@ -45,7 +45,8 @@ def parse_target(value: Any) -> float:
 
 def reuse_cap(cfg: RelayConfig, num_layers: int, min_reuse: float) -> float | None:
     """Largest ``max_ratio`` (3 decimals, rounded down) that guarantees ``min_reuse`` on
-    every span for ``cfg``'s layer range; ``None`` if even selecting nothing is not enough:
+    every span (per request with ``budget="request"``) for ``cfg``'s layer range; ``None``
+    if even selecting nothing is not enough:
     ``dense + max_ratio * sparse <= (1 - min_reuse) * L`` token-layers per span token."""
     sched = cfg.schedule(num_layers)
     budget = num_layers * (1.0 - min_reuse) - sched.dense_layers
