@@ -172,12 +172,8 @@ def head_scores(ref, rec, layer: int) -> dict[str, torch.Tensor]:
     """``[n]`` alternatives to the context mass of ``rec``'s output tokens at ``layer``
     (the same decode queries and keys as :func:`~sglang_relay.core.reference.
     record_context_mass`, pooled otherwise over the query heads)."""
-    p, n = len(rec.prompt), rec.k.shape[1]
-    keys = torch.cat((ref_exec.relay_prefill(ref, rec.prompt, [], None).cache.k[layer, :p],
-                      rec.k[layer])).float()  # fmt: skip
-    pos = torch.arange(p, p + n)
-    lyr = ref.layers[layer]
-    q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
+    q, keys, pos = ref_exec.record_decode_queries(ref, rec, layer)
+    p, n, keys = len(rec.prompt), q.shape[0], keys.float()
     hkv = keys.shape[1]
     qg = q.float().view(n, hkv, -1, ref.head_dim)
     scores = torch.einsum("ngrd,tgd->ngrt", qg, keys) * ref.scale

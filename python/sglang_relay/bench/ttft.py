@@ -128,14 +128,12 @@ def run(
         "memory allocators",
         "query planning",
     ]
-    topics = {key: subjects[i % len(subjects)] for i, key in enumerate(need)}
-    topics.update(
-        {
-            k: f"the design of distributed databases (part {n})"
-            for k, n in need.items()
-            if k.startswith("sweep")
-        }
-    )
+    topics = {
+        key: f"the design of distributed databases (part {n})"
+        if key.startswith("sweep")
+        else subjects[i % len(subjects)]
+        for i, (key, n) in enumerate(need.items())
+    }
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(max_workers=len(need) or 1) as pool:
         futures = {key: pool.submit(_upstream, url, tok, topics[key], n) for key, n in need.items()}

@@ -64,6 +64,7 @@ __all__ = [
     "greedy_continue",
     "load_model",
     "record_context_mass",
+    "record_decode_queries",
     "relay_prefill",
     "teacher_forced",
 ]
@@ -384,16 +385,26 @@ def record_context_mass(ref: RefModel, rec: UpstreamRecord, layer: int) -> torch
     ``layer``) over the upstream prompt's KV and the span's own, as the runtime computes it
     when it records the span. Cached on the record."""
     if layer not in rec.context:
-        if rec.hidden is None or rec.k is None:
-            raise ValueError("the context mass needs the upstream record's hidden states and KV")
-        p, n = len(rec.prompt), rec.k.shape[1]
-        prompt = relay_prefill(ref, rec.prompt, [], None).cache
-        keys = torch.cat((prompt.k[layer, :p], rec.k[layer]))
-        pos = torch.arange(p, p + n, device=ref.device)
-        lyr = ref.layers[layer]
-        q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
-        rec.context[layer] = context_mass(q, keys, pos, p, ref.scale)
+        q, keys, pos = record_decode_queries(ref, rec, layer)
+        rec.context[layer] = context_mass(q, keys, pos, len(rec.prompt), ref.scale)
     return rec.context[layer]
+
+
+def record_decode_queries(
+    ref: RefModel, rec: UpstreamRecord, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [n, H_q, D], keys [P + n, H_kv, D], positions [n])`` at ``layer``: the span
+    tokens' decode queries rebuilt from the stored stream entering ``layer``, and the keys
+    of the upstream prompt and the span they attended to."""
+    if rec.hidden is None or rec.k is None:
+        raise ValueError("the context mass needs the upstream record's hidden states and KV")
+    p, n = len(rec.prompt), rec.k.shape[1]
+    prompt = relay_prefill(ref, rec.prompt, [], None).cache
+    keys = torch.cat((prompt.k[layer, :p], rec.k[layer]))
+    pos = torch.arange(p, p + n, device=ref.device)
+    lyr = ref.layers[layer]
+    q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
+    return q, keys, pos
 
 
 # ----------------------------------------------------------------------------- downstream

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -104,17 +105,17 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
         deviation = None if deviation is None else tp.mean(deviation)
         scores = None if scores is None else tp.mean(scores)
-    by_request: dict[int, list[tuple[int, int, ChunkUse, int]]] = {}
-    for seg in group.segments:  # one ChunkUse per request chunk: its runs select together
-        by_request.setdefault(id(seg[2]), []).append(seg)
     keep = []
-    for segs in by_request.values():
-        at = torch.cat([torch.arange(lo, hi, device=rows.device) for lo, hi, _, _ in segs])
+    # one ChunkUse per request chunk, whose runs are consecutive rows of the group: they
+    # select together (one cap per request with budget "request")
+    for _, runs in groupby(group.segments, key=lambda seg: id(seg[2])):
+        segs = list(runs)
+        lo, hi = segs[0][0], segs[-1][1]
         masks = select_runs(
             cfg,
-            [hi - lo for lo, hi, _, _ in segs],
-            None if deviation is None else deviation[at],
-            None if scores is None else scores[at],
+            [b - a for a, b, _, _ in segs],
+            None if deviation is None else deviation[lo:hi],
+            None if scores is None else scores[lo:hi],
             heads=[head for _, _, _, head in segs],
         )
         for (lo, hi, use, _), mask in zip(segs, masks, strict=True):
