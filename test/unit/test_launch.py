@@ -174,3 +174,93 @@ def test_cuda_graph_config_falls_back_to_the_legacy_flag():
     assert cuda_graphs_enabled(on, "prefill") is True
     with pytest.raises(ValueError, match="unknown CUDA graph phase"):
         cuda_graphs_enabled(on, "verify")
+
+
+# A real uvicorn server (what SGLang's HTTP front end runs) as the managed child; with
+# `linger` it stays alive after its bind fails, as SGLang's server does while its
+# schedulers run.
+_UVICORN_CHILD = """
+import sys, time, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+try:
+    uvicorn.run(app, host=sys.argv[1], port=int(sys.argv[2]), lifespan="off")
+finally:
+    if sys.argv[3] == "linger":
+        time.sleep(600)
+"""
+
+
+def _uvicorn_child(linger: bool, port: int = 0):
+    from sglang_relay.runtime.launch import _ChildProcess, _get_ok
+
+    class Child(_ChildProcess):
+        name = "uvicorn"
+
+        def command(self):
+            mode = "linger" if linger else "exit"
+            return [sys.executable, "-c", _UVICORN_CHILD, self.host, str(self.port), mode]
+
+        def ready(self):
+            return _get_ok(self.url + "/")
+
+    return Child(args=[], port=port)
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("linger", [False, True], ids=["exits", "lingers"])
+def test_a_picked_port_taken_before_the_child_binds_is_picked_again(
+    monkeypatch, taken_port, linger
+):
+    from sglang_relay.runtime import launch
+
+    picks = iter([taken_port])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda host: next(picks, None) or real(host))
+    child = _uvicorn_child(linger)
+    try:
+        child.start(timeout=60)
+        assert child.port != taken_port
+        assert _http_ok(f"http://127.0.0.1:{child.port}/")
+        log = open(child.log_path).read()
+        assert f"relaunched on port {child.port}" in log
+        assert "address already in use" in log.lower()
+    finally:
+        child.stop()
+
+
+def test_a_chosen_port_that_is_taken_is_one_error_not_a_wait(taken_port):
+    child = _uvicorn_child(linger=True, port=taken_port)
+    try:
+        with pytest.raises(RelayError, match="could not bind a port"):
+            child.start(timeout=120)
+        assert child.port == taken_port
+        assert child.proc.poll() is not None  # the lingering process was stopped
+    finally:
+        child.stop()
+
+
+def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
+    from sglang_relay.runtime.launch import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    for _ in range(50):
+        port = free_port()
+        assert port < ephemeral_low  # never what connect()/bind(0) hand out
+        assert not 22000 <= port <= 29999  # never SGLang's NCCL/gloo rendezvous range
+
+
+def _http_ok(url: str) -> bool:
+    import requests
+
+    return requests.get(url, timeout=5).status_code == 200

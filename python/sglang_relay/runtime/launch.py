@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -140,9 +141,42 @@ def check_port_free(host: str, port: int) -> None:
             raise RelayError(f"port {port} on {host} is not available ({exc.strerror})") from exc
 
 
-def free_port(host: str = DEFAULT_HOST) -> int:
-    """A port that was free a moment ago (SGLang also binds port+1.. for its ZMQ sockets)."""
-    while True:
+# Ports handed out without being asked for: the kernel's ephemeral range (every connect()
+# and bind(0), e.g. gloo's sockets under TP) and the range SGLang picks its NCCL/gloo
+# rendezvous port from (server_args.PortArgs). A port picked inside either can be taken
+# between the pick and the child's own bind (seen: uvicorn's bind failed under --tp 2).
+SGLANG_RENDEZVOUS_PORTS = (22000, 29999)
+PICK_PORTS = (10000, SGLANG_RENDEZVOUS_PORTS[0] - 1)
+
+
+_rng = random.SystemRandom()  # a test's random.seed() must not make two pickers agree
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = DEFAULT_HOST, attempts: int = 64) -> int:
+    """A port that was free a moment ago, from a range no other socket is handed unasked
+    (see PICK_PORTS), so only an explicit bind elsewhere can take it before the child binds."""
+    low, high = PICK_PORTS[0], min(PICK_PORTS[1], _ephemeral_low() - 1)
+    if high - low >= attempts:
+        for port in _rng.sample(range(low, high + 1), attempts):
+            if _bindable(host, port):
+                return port
+    while True:  # a crowded or unusual machine: whatever the kernel gives
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -269,6 +303,11 @@ def serve(argv: list[str]) -> None:
     compat.run_http_server(prepare(argv))
 
 
+# How uvicorn, the router and `serve`'s own port check report a port taken since it was
+# picked (case aside).
+BIND_FAILURE = "address already in use"
+
+
 @dataclass
 class _ChildProcess:
     """A child process serving HTTP on loopback, in its own process group, logging to a file.
@@ -280,6 +319,7 @@ class _ChildProcess:
     log_path: str = ""
     env: dict[str, str] | None = None  # added to this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    _log_offset: int = field(default=0, init=False, repr=False)  # where this launch's log starts
     name = "process"
 
     @property
@@ -292,13 +332,36 @@ class _ChildProcess:
     def ready(self) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 300.0):
-        if not self.port:
+    def start(self, timeout: float = 300.0, bind_retries: int = 2):
+        """Launch and wait until :meth:`ready`. A child that could not bind the port this
+        object picked (taken since the pick) is stopped and relaunched on a new one, up to
+        ``bind_retries`` times; a port the caller chose is never changed."""
+        picked = not self.port
+        if picked:
             self.port = free_port(self.host)
         if not self.log_path:
             fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-relay-{self.name}-", suffix=".log")
             os.close(fd)
-        with open(self.log_path, "wb") as log:
+        deadline = time.monotonic() + timeout
+        for attempt in range(bind_retries + 1):
+            self._launch(append=attempt > 0)
+            if self._wait(deadline, timeout):
+                return self
+            self.stop()
+            if not picked or attempt == bind_retries:
+                raise RelayError(
+                    f"{self.name} could not bind a port (address already in use; its HTTP "
+                    f"port was {self.port}); log: {self.log_path}\n{self.log_tail()}"
+                )
+            self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _launch(self, *, append: bool) -> None:
+        with open(self.log_path, "ab" if append else "wb") as log:
+            if append:
+                log.write(f"\n--- relaunched on port {self.port} ---\n".encode())
+                log.flush()
+            self._log_offset = log.tell()
             self.proc = subprocess.Popen(
                 self.command(),
                 stdout=log,
@@ -306,20 +369,40 @@ class _ChildProcess:
                 start_new_session=True,
                 env=None if self.env is None else {**os.environ, **self.env},
             )
-        deadline = time.monotonic() + timeout
+
+    def _wait(self, deadline: float, timeout: float) -> bool:
+        """True once ready; False if this launch failed to bind its port (it may still be
+        running: SGLang's schedulers outlive a failed HTTP bind). Raises on anything else."""
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            exited = self.proc.poll() is not None  # before reading the log: then it is whole
+            if self._bind_failed(exited):
+                return False
+            if exited:
                 raise RelayError(
                     f"{self.name} exited with code {self.proc.returncode} during start-up; "
                     f"log: {self.log_path}\n{self.log_tail()}"
                 )
             if self.ready():
-                return self
+                return True
             time.sleep(0.5)
         self.stop()
         raise RelayError(
             f"{self.name} did not become ready in {timeout:.0f}s; log: {self.log_path}"
         )
+
+    def _bind_failed(self, exited: bool) -> bool:
+        """This launch's log reports a port in use: on a line naming its HTTP port (uvicorn,
+        ``serve``'s own check), or anywhere if it died of it (the router names no port)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace").lower()
+        except OSError:
+            return False
+        if BIND_FAILURE not in text:
+            return False
+        port = str(self.port)
+        return exited or any(BIND_FAILURE in line and port in line for line in text.splitlines())
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -329,17 +412,18 @@ class _ChildProcess:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the whole process group (e.g. tokenizer, scheduler, detokenizer); wait for it."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        if self.proc.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # stragglers in the group, if any
-        except ProcessLookupError:
+            os.killpg(pgid, signal.SIGKILL)  # stragglers, also of a leader that died first
+        except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=timeout)
 
