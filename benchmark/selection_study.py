@@ -29,8 +29,11 @@ over all layers, and the deviation from the span's KV computed with no context.
 ``--variants`` runs variants of the context rule on the *calibration* relays at equal
 reuse (first-token KL): one cap per request (shipped) vs one per span; recomputing the
 chosen tokens from a deeper layer's stored stream, or only up to a layer below the last;
-pooling the heads' masses by max, top-4 mean or RMS instead of the mean; and weighting
-the mass by the attention a token received from the later output tokens.
+pooling the heads' masses by max, top-4 mean or RMS instead of the mean; weighting the
+mass by the attention a token received from the later output tokens; propagating it
+through the output's own attention (a token that attended to high-mass output tokens
+inherits their mass: ``m' = m + A m'``); and counting the upstream prompt text that the
+downstream prompt repeats (shared 4-grams) at half weight.
 
     python benchmark/selection_study.py --variants [--n-relays 16] [--targets 0.9,0.95]
 """
@@ -168,10 +171,11 @@ def signals(ref, relay, context_layers: list[int]) -> dict[str, float]:
     return {name: spearman(score, truth) for name, score in found.items()}
 
 
-def head_scores(ref, rec, layer: int) -> dict[str, torch.Tensor]:
+def head_scores(ref, rec, layer: int, shared: torch.Tensor) -> dict[str, torch.Tensor]:
     """``[n]`` alternatives to the context mass of ``rec``'s output tokens at ``layer``
     (the same decode queries and keys as :func:`~sglang_relay.core.reference.
-    record_context_mass`, pooled otherwise over the query heads)."""
+    record_context_mass`, pooled otherwise over the query heads). ``shared``: ``[P]`` bool,
+    the upstream prompt positions whose text the downstream prompt also holds."""
     q, keys, pos = ref_exec.record_decode_queries(ref, rec, layer)
     p, n, keys = len(rec.prompt), q.shape[0], keys.float()
     hkv = keys.shape[1]
@@ -181,13 +185,40 @@ def head_scores(ref, rec, layer: int) -> dict[str, torch.Tensor]:
     probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
     probs = probs.reshape(n, -1, p + n)  # [n, H_q, T]
     per_head = probs[..., 1:p].sum(-1)
-    received = probs[..., p:].mean(1).sum(0)  # from every later output query, head mean
+    mean = probs.mean(1)  # [n, T]
+    received = mean[:, p:].sum(0)  # from every later output query
+    # mass reached through earlier output tokens too: m' = m + A m' (A: the head-mean
+    # attention among output tokens, strictly causal), a rollout of the context mass
+    inner = mean[:, p:].tril(-1)
+    rollout = torch.linalg.solve_triangular(
+        torch.eye(n) - inner, mean[:, 1:p].sum(-1, keepdim=True), upper=False
+    ).squeeze(1)
+    weight = torch.where(shared, 0.5, 1.0)  # text the new prompt repeats counts half
+    weight[0] = 0.0
     return {
         "heads pooled by max": per_head.max(1).values,
         "heads pooled by top-4 mean": per_head.topk(min(4, per_head.shape[1]), 1).values.mean(1),
         "heads pooled by RMS": per_head.pow(2).mean(1).sqrt(),
         "mass x received^0.5": per_head.mean(1) * received.clamp_min(1e-9).sqrt(),
+        "mass propagated through the output (rollout)": rollout,
+        "repeated prompt text counted half": (mean[:, :p] * weight).sum(-1),
     }
+
+
+def repeated_text(upstream: list[int], downstream: list[int], skip: torch.Tensor, g: int = 4):
+    """``[len(upstream)]`` bool: upstream prompt positions inside a ``g``-gram that also
+    occurs in ``downstream`` outside the rows ``skip`` (the relayed spans)."""
+    skipped = set(skip.tolist())
+    grams = {
+        tuple(downstream[i : i + g])
+        for i in range(len(downstream) - g + 1)
+        if not skipped.intersection(range(i, i + g))
+    }
+    out = torch.zeros(len(upstream), dtype=torch.bool)
+    for i in range(len(upstream) - g + 1):
+        if tuple(upstream[i : i + g]) in grams:
+            out[i : i + g] = True
+    return out
 
 
 def context_variants(ref, relay, targets, layer: int) -> dict[str, float]:
@@ -212,8 +243,10 @@ def context_variants(ref, relay, targets, layer: int) -> dict[str, float]:
         f"recomputed up to layer {num_l - 10}": replace(base, l_end=num_l - 10),
     }  # fmt: skip
     scores: dict[str, list[torch.Tensor]] = {}
+    span_rows = ref_exec._span_rows(spans, "cpu")
     for s in spans:
-        for name, score in head_scores(ref, s.record, layer).items():
+        shared = repeated_text(s.record.prompt, list(relay.prompt), span_rows)
+        for name, score in head_scores(ref, s.record, layer, shared).items():
             scores.setdefault(name, []).append(score[s.span_start : s.span_start + s.length])
 
     def kl(res) -> float:
