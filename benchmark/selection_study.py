@@ -15,7 +15,9 @@ Selections (per span occurrence):
   is the attention mass the measured rows (the last prompt row and the teacher-forced
   continuation) give the token in the exact prefill and ``|dV|`` the norm of its value
   error: the first-order error each token causes in the outputs that are measured;
-* ``first 16 + attention-weighted``: the first ``min(16, c)`` tokens, the rest as above.
+* ``first 16 + attention-weighted``: the first ``min(16, c)`` tokens, the rest as above;
+* ``shipped context rule``: the shipped profile's base rule at the target (one cap per
+  request), recomputed as a server would, and its tokens given their exact KV.
 
     python benchmark/selection_study.py [--n-relays 16] [--targets 0.8,0.9,0.95] [--json OUT]
 
@@ -51,7 +53,9 @@ import torch
 from sglang_relay.bench.fidelity import FRONTIER_WORKLOADS, default_cache_dir, prepare_usable
 from sglang_relay.bench.workload import GenSettings, load_relay, load_workload, model_fingerprint
 from sglang_relay.core import reference as ref_exec
-from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.operating import at_target
+from sglang_relay.runtime.settings import shipped_profile
 
 # recompute the selected tokens from the embeddings in every layer, nothing else
 FROM_ZERO = RelayConfig(
@@ -93,7 +97,7 @@ def per_span_top(score: torch.Tensor, counts: list[int], lengths: list[int], hea
     return mask
 
 
-def evaluate(ref, relay, targets):
+def evaluate(ref, relay, targets, shipped: RelayConfig):
     forced = relay.continuation[:-1]
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced, capture_hidden=True)
     spans = sorted(relay.spans, key=lambda s: s.prompt_start)
@@ -125,6 +129,16 @@ def evaluate(ref, relay, targets):
             for how, res in (("recomputed", rec), ("exact KV", ora)):
                 f = ref_exec.fidelity(exact.logits, res.logits, relay.continuation)
                 out[f"{t:.2f}|{name}|{how}"] = (res.reuse_rate, f["first_token_kl"], f["tf_top1"])
+        # the shipped rule (one cap per request), and the same tokens given their exact KV
+        cfg = at_target(shipped, ref.num_layers, t)
+        rec = ref_exec.relay_prefill(ref, relay.prompt, spans, cfg, forced=forced)
+        sel = rec.selected_mask
+        ora = ref_exec.exact_kv_prefill(ref, relay.prompt, spans, exact, sel, forced=forced)
+        for how, res in (("recomputed", rec), ("exact KV", ora)):
+            f = ref_exec.fidelity(exact.logits, res.logits, relay.continuation)
+            out[f"{t:.2f}|shipped context rule|{how}"] = (
+                res.reuse_rate, f["first_token_kl"], f["tf_top1"]
+            )  # fmt: skip
     return out
 
 
@@ -224,8 +238,6 @@ def repeated_text(upstream: list[int], downstream: list[int], skip: torch.Tensor
 def context_variants(ref, relay, targets, layer: int) -> dict[str, float]:
     """First-token KL of context-rule variants on one relay, at every target."""
     from dataclasses import replace
-
-    from sglang_relay.core.operating import at_target
 
     forced = relay.continuation[:-1]
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
@@ -336,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_signals(ref, tok, fingerprint, args)
     if args.variants:
         return main_variants(ref, tok, fingerprint, args)
+    shipped, _ = load_profile(shipped_profile(str(model_dir)))
     per: dict[str, dict[str, list]] = {}
     for wl in FRONTIER_WORKLOADS:
         cases = load_workload(None, name=wl)
@@ -345,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, list] = {}
         with torch.inference_mode():
             for i, (case, path) in enumerate(usable):
-                for key, row in evaluate(ref, load_relay(path, case), targets).items():
+                relay = load_relay(path, case)
+                for key, row in evaluate(ref, relay, targets, shipped).items():
                     rows.setdefault(key, []).append(row)
                 print(f"\r{wl}: {i + 1}/{len(usable)}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)

@@ -37,3 +37,13 @@ def test_unprofiled_model(model_dir, tmp_path):
         assert relay["reuse_rate"] >= UNPROFILED_REUSE
         assert relay["operating_point"]["rule"] == "deviation"
         assert_matches_reference(served, result)
+
+        # a request for 0.95: the dense layer 0 would take two thirds of the budget, so the
+        # server recomputes each span's first tokens instead, as the reference does
+        fast = settings.point(0.95, ref.num_layers).config
+        assert fast.signal == "none" and fast.l_det == 0
+        served, result, span = relay_one_upstream(server.url, ref, fast, {"reuse": 0.95})
+        relay = served["meta_info"]["relay"]
+        assert relay["operating_point"]["rule"] == "first_k" and relay["reuse_rate"] >= 0.95
+        assert relay["selected_tokens"] == int(fast.max_ratio * len(span)) == sum(result.selected)
+        assert_matches_reference(served, result)

@@ -12,7 +12,7 @@ import torch
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import LEVELS, Frontier, at_target, parse_target, reuse_cap
-from sglang_relay.core.selection import select_tokens
+from sglang_relay.core.selection import select_runs, select_tokens
 from sglang_relay.runtime.options import resolve_config
 from sglang_relay.runtime.settings import UNPROFILED, settings_from_env, shipped_profile
 
@@ -82,14 +82,50 @@ def test_point_is_the_smallest_profiled_target_at_or_above():
         want = min(t for t in targets if t >= asked)  # brute force
         assert point.profiled == want and point.target == asked
         assert point.config.first_k == targets.index(want)
-    beyond = frontier.point(base, 0.96, 30)  # the last rule, cap solved for 0.96
-    assert beyond.profiled is None and beyond.config.first_k == len(targets) - 1
+    # beyond the last point its rule's dense layer would take 1 of 1.2 token-layers per
+    # token at 0.96: the position rule runs, capped for 0.96
+    beyond = frontier.point(base, 0.96, 30)
+    assert beyond.profiled is None and beyond.rule == "first_k"
     assert beyond.config.max_ratio == reuse_cap(beyond.config, 30, 0.96)
+    # a last rule with no dense layer is kept, its cap solved for the target
+    ctx = at_target(RelayConfig(l_start=0, l_det=0, signal="context", l_ctx=2), 30, 0.9)
+    kept = Frontier(((0.9, ctx),)).point(base, 0.97, 30)
+    assert kept.profiled is None and kept.rule == "context"
+    assert kept.config.max_ratio == reuse_cap(ctx, 30, 0.97)
     empty = Frontier().point(base, 0.9, 30)
     assert empty.profiled is None and empty.config.l_det == 1
     assert empty.config.max_ratio == reuse_cap(base, 30, 0.9)
     with pytest.raises(ValueError, match="out of reach"):
-        Frontier().point(RelayConfig(l_start=0, l_det=5), 0.9, 30)
+        at_target(RelayConfig(l_start=0, l_det=5), 30, 0.9)
+    # a rule whose 5 dense layers exceed the 0.90 budget runs the position rule instead
+    assert Frontier().point(RelayConfig(l_start=0, l_det=5), 0.9, 30).rule == "first_k"
+
+
+@pytest.mark.parametrize("num_layers", [24, 30, 32, 80])
+def test_without_a_point_a_rule_whose_dense_layers_eat_the_budget_runs_by_position(num_layers):
+    """Beyond the profiled points (or with none), a rule whose dense layers would take more
+    than half of ``(1 - target) L`` token-layers per token gives way to the first tokens of
+    each span: counted by hand, per span, with the reuse kept."""
+    rng = random.Random(num_layers)
+    rules = [UNPROFILED, RelayConfig(l_start=3, l_det=4, l_end=-1, tau_dev=1.0, first_k=24)]
+    for rule in rules:
+        for target in (0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99):
+            point = Frontier().point(rule, target, num_layers)
+            dense = rule.l_det - rule.l_start
+            budget = (1 - target) * num_layers  # token-layers per span token
+            if 2 * dense <= budget:
+                assert point.rule == "deviation" and point.config.l_det == rule.l_det
+                continue
+            assert point.rule == "first_k", (rule, target)
+            cfg = point.config
+            for n in (32, 57, 300, 2048):
+                want = torch.zeros(n, dtype=torch.bool)
+                want[: int(cfg.max_ratio * n)] = True  # the first floor(cap n) tokens
+                assert torch.equal(select_tokens(cfg, n), want)
+                assert _span_reuse(cfg, num_layers, n, rng) >= target - 1e-9
+            # two spans of one request each keep their own first tokens
+            a, b = select_runs(cfg, [400, 1200])
+            assert int(a.sum()) == int(cfg.max_ratio * 400) >= 1 and bool(a[0] and b[0])
 
 
 def test_bad_frontier_is_refused():
@@ -121,6 +157,12 @@ def test_settings_reuse_and_unprofiled_defaults():
     assert not other.frontier.points
     point = other.point(0.8, 24)  # no hidden state needed on an unknown model
     assert point.config.l_start == 0 and _span_reuse(point.config, 24, 300, random.Random()) >= 0.8
+    # a request for 0.95 on that server: its dense layer 0 would take 1 of 1.2 token-layers
+    # per token, so the first tokens of each span run (nothing stored, nothing recorded)
+    unknown = {"num_layers": 24, "capture_layer": None, "context_layer": None}
+    cfg, point = resolve_config(other, {"reuse": "speed"}, **unknown)
+    assert point.rule == "first_k" and cfg == point.config and cfg.stored_layer(24) is None
+    assert _span_reuse(cfg, 24, 300, random.Random()) >= 0.95
     for env, needle in [
         ({"SGLANG_RELAY_REUSE": "1.2"}, "reuse target"),
         ({"SGLANG_RELAY_REUSE": "0.9", "SGLANG_RELAY_METHOD": "epic"}, "applies to method"),

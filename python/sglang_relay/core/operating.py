@@ -8,7 +8,9 @@ on the calibration relays at that target (:mod:`sglang_relay.profiler`); every p
 per span or, with ``budget="request"``, per request (all its spans in a prefill chunk). A
 request's target maps to the point with the smallest profiled target at or above it
 (never less reuse than asked); above the last point, and on a model without a profiled
-frontier, the cap is solved from the reuse formula for the base rule.
+frontier, the cap is solved from the reuse formula for the base rule, unless that rule's
+dense layers would take more than half of the target's recompute budget: then the first
+tokens of each span are recomputed instead (:func:`position_rule`).
 
 Targets are numbers in (0, 1) or the names of :data:`LEVELS`.
 """
@@ -64,10 +66,12 @@ def at_target(cfg: RelayConfig, num_layers: int, target: float) -> RelayConfig:
     cap = reuse_cap(cfg, num_layers, target)
     if cap is None:
         sched = cfg.schedule(num_layers)
-        raise ValueError(
-            f"reuse {target:.3f} is out of reach for this rule: its {sched.dense_layers} dense "
-            f"layer(s) of {num_layers} alone recompute more"
+        why = (
+            f"its {sched.dense_layers} dense layer(s) of {num_layers} alone recompute more"
+            if sched.dense_layers >= (1.0 - target) * num_layers
+            else "its cap would keep less than one token in a thousand"
         )
+        raise ValueError(f"reuse {target:.3f} is out of reach for this rule: {why}")
     return replace(cfg, max_ratio=cap)
 
 
@@ -128,9 +132,35 @@ class Frontier:
 
     def point(self, base: RelayConfig, target: float, num_layers: int) -> OperatingPoint:
         """The config for ``target``: the profiled point with the smallest target >= it,
-        else ``base`` (or the last point's rule) with the cap solved for ``target``."""
+        else ``base`` (or the last point's rule) with the cap solved for ``target`` - or,
+        where that rule's dense layers would take more than half of the recompute budget,
+        the position rule (:func:`position_rule`) at ``target``."""
         for profiled, cfg in self.points:
             if profiled >= target - 1e-9:
                 return OperatingPoint(target, cfg, profiled)
         rule = self.points[-1][1] if self.points else base
+        dense = rule.schedule(num_layers).dense_layers
+        if dense > MAX_DENSE_SHARE * (1.0 - target) * num_layers:
+            rule = position_rule(rule)
         return OperatingPoint(target, at_target(rule, num_layers, target), None)
+
+
+# A rule whose dense layers (all span tokens, to detect deviations in the next layer) take
+# more than this share of the recompute budget leaves too little for the tokens it
+# detects: on the embedded model the unprofiled rule (layer 0 dense, 1/30) ties the
+# position rule at 0.90 (a third of the budget) and loses to it by 15 % at 0.95 (two
+# thirds), docs/fidelity.md "Models without a profile".
+MAX_DENSE_SHARE = 0.5
+
+# first_k that makes every span token a forced candidate: the cap then keeps the earliest
+ALL_TOKENS = 1 << 30
+
+
+def position_rule(rule: RelayConfig) -> RelayConfig:
+    """``rule``'s position-only counterpart: the first ``floor(max_ratio * n)`` tokens of
+    each span in every layer (EPIC's choice, sized per span), no detection pass, no stored
+    state; ``max_ratio`` is left for :func:`at_target`."""
+    return replace(
+        rule, l_start=0, l_det=0, l_end=-1, signal="none", tau_inf=None, top_ratio=None,
+        first_k=ALL_TOKENS, l_suf=0, budget="span", max_ratio=None,
+    )  # fmt: skip
