@@ -31,12 +31,13 @@ def test_knobs_invert_the_reuse_formula():
     # 0.98 is out of reach for both: their dense layer alone recomputes 1/30 > 0.02
     assert got["cacheblend"] == [(0.70, 0.275), (0.80, 0.172), (0.90, 0.068)]  # 8/29 5/29 2/29
     assert got["epic"] == [(0.70, 60), (0.80, 40), (0.90, 20), (0.98, 4)]
-    # relay at 0.98: its dense layer would take 1 of the 0.6 token-layers per token, so
-    # the position rule runs (30 sparse layers): floor(1000 * 0.6 / 30) / 1000
-    assert got["relay"] == [(0.70, 0.307), (0.80, 0.192), (0.90, 0.076), (0.98, 0.019)]
-    assert [p.config.signal for p in points if p.target == 0.98 and p.method == "relay"] == ["none"]
-    # up to 0.90 relay's sweep keeps the profile's rule and moves the cap only (8/26 5/26 2/26)
-    relay_cfgs = [p.config for p in points if p.method == "relay" and p.target <= 0.9]
+    # relay at 0.90 and 0.98: its dense layer would take more than a fifth of the 3 and 0.6
+    # token-layers per token, so the position rule runs (30 sparse layers): 3/30, 0.6/30
+    assert got["relay"] == [(0.70, 0.307), (0.80, 0.192), (0.90, 0.099), (0.98, 0.019)]
+    position = [p.target for p in points if p.method == "relay" and p.config.signal == "none"]
+    assert position == [0.90, 0.98]
+    # up to 0.80 relay's sweep keeps the profile's rule and moves the cap only (8/26 5/26)
+    relay_cfgs = [p.config for p in points if p.method == "relay" and p.target <= 0.8]
     assert {(c.l_start, c.l_det, c.l_end, c.tau_dev, c.first_k) for c in relay_cfgs} == {
         (3, 4, 29, 1.0, 24)
     }
@@ -87,7 +88,7 @@ def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
     lengths = (41, 57)
     relays = [_relay(tiny, n, seed) for seed, n in enumerate(lengths)]
     relay_cfg = RelayConfig(l_start=1, l_det=2, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0)
-    targets = [0.55, 0.65, 0.75, 0.85]
+    targets = [0.35, 0.55, 0.65, 0.85]
     points = sweep_points(relay_cfg, 10, 49.0, targets)
     rows = evaluate_points(tiny, iter(relays), points)
     layers, total = 10, sum(lengths)
@@ -104,8 +105,8 @@ def test_measured_reuse_matches_the_formula_and_is_monotone(tiny):
             want = pooled(lambda n, r=p.value: n * 1 + max(1, round(r * n)) * 9)
         elif p.method == "epic":  # 10 sparse layers
             want = pooled(lambda n, k=p.value: min(k, n) * 10)
-        elif p.config.signal == "none":  # relay's position rule (0.85: 1 dense > 1.5 / 2)
-            assert p.target == 0.85
+        elif p.config.signal == "none":  # relay's position rule (1 dense > budget / 5)
+            assert p.target > 0.35
             want = pooled(lambda n, c=p.value: int(c * n) * 10)
         else:  # relay (1, 2, 9): layer 1 dense, 8 sparse
             want = pooled(lambda n, c=p.value: n * 1 + int(c * n) * 8)

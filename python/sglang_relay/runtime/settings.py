@@ -47,8 +47,9 @@ SCOPES = ("shared", "key")
 # Without a profile nothing is known about the model's layers: no hidden state is stored
 # (no side memory, nothing to calibrate), layer 0 is recomputed densely, value deviation at
 # layer 1 plus the first 16 tokens of each span select, capped for UNPROFILED_REUSE. On the
-# embedded model and both evaluation workloads this sits between the profiled rule and the
-# baselines at 0.80 (docs/fidelity.md, "Models without a profile").
+# embedded model and the evaluation workloads this sits between the profiled rule and the
+# baselines at 0.80; a request above 1 - 5/L reuse runs the first tokens of each span
+# instead (core/operating.py, MAX_DENSE_SHARE; docs/fidelity.md, "Models without a profile").
 UNPROFILED = RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, l_suf=0, first_k=16)
 UNPROFILED_REUSE = 0.80
 ENV_SPAN_TOKENS = "SGLANG_RELAY_SPAN_TOKENS"
