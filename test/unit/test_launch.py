@@ -254,6 +254,8 @@ def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
+    if ephemeral_low < 10064:
+        pytest.skip(f"ephemeral ports start at {ephemeral_low}: no range below it to pick from")
     for _ in range(50):
         port = free_port()
         assert port < ephemeral_low  # never what connect()/bind(0) hand out
@@ -264,3 +266,25 @@ def _http_ok(url: str) -> bool:
     import requests
 
     return requests.get(url, timeout=5).status_code == 200
+
+
+def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monkeypatch):
+    """A foreign HTTP server already listening on the picked port answers /health before
+    our child even tries to bind: start() must not return its URL as ours."""
+    from sglang_relay.runtime import launch
+
+    foreign = _uvicorn_child(linger=False)
+    foreign.start(timeout=60)
+    try:
+        picks = iter([foreign.port])
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda host: next(picks, None) or real(host))
+        child = _uvicorn_child(linger=True)
+        try:
+            child.start(timeout=60)
+            assert child.port != foreign.port and _http_ok(child.url + "/")
+            assert child._listens() and not foreign.proc.poll()
+        finally:
+            child.stop()
+    finally:
+        foreign.stop()

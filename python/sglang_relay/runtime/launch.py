@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -320,6 +321,7 @@ class _ChildProcess:
     env: dict[str, str] | None = None  # added to this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _log_offset: int = field(default=0, init=False, repr=False)  # where this launch's log starts
+    _stopped: bool = field(default=False, init=False, repr=False)
     name = "process"
 
     @property
@@ -342,10 +344,9 @@ class _ChildProcess:
         if not self.log_path:
             fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-relay-{self.name}-", suffix=".log")
             os.close(fd)
-        deadline = time.monotonic() + timeout
         for attempt in range(bind_retries + 1):
             self._launch(append=attempt > 0)
-            if self._wait(deadline, timeout):
+            if self._wait(time.monotonic() + timeout, timeout):
                 return self
             self.stop()
             if not picked or attempt == bind_retries:
@@ -362,6 +363,7 @@ class _ChildProcess:
                 log.write(f"\n--- relaunched on port {self.port} ---\n".encode())
                 log.flush()
             self._log_offset = log.tell()
+            self._stopped = False
             self.proc = subprocess.Popen(
                 self.command(),
                 stdout=log,
@@ -372,18 +374,22 @@ class _ChildProcess:
 
     def _wait(self, deadline: float, timeout: float) -> bool:
         """True once ready; False if this launch failed to bind its port (it may still be
-        running: SGLang's schedulers outlive a failed HTTP bind). Raises on anything else."""
+        running: SGLang's schedulers outlive a failed HTTP bind) or another process answers
+        on it. Raises on anything else."""
         while time.monotonic() < deadline:
             exited = self.proc.poll() is not None  # before reading the log: then it is whole
             if self._bind_failed(exited):
                 return False
             if exited:
+                self.stop()  # its children may outlive it
                 raise RelayError(
                     f"{self.name} exited with code {self.proc.returncode} during start-up; "
                     f"log: {self.log_path}\n{self.log_tail()}"
                 )
             if self.ready():
-                return True
+                if self._listens():
+                    return True
+                return False  # another process answers on the port: ours cannot bind it
             time.sleep(0.5)
         self.stop()
         raise RelayError(
@@ -401,8 +407,27 @@ class _ChildProcess:
             return False
         if BIND_FAILURE not in text:
             return False
-        port = str(self.port)
-        return exited or any(BIND_FAILURE in line and port in line for line in text.splitlines())
+        port = re.compile(rf"(?<!\d){self.port}(?!\d)")
+        return exited or any(BIND_FAILURE in ln and port.search(ln) for ln in text.splitlines())
+
+    def _listens(self) -> bool:
+        """Whether the process answering on the port is this child (or one of its group)."""
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return False
+        for proc in procs:
+            try:
+                # psutil < 6 calls it connections()
+                conns = getattr(proc, "net_connections", proc.connections)(kind="tcp")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in conns):
+                return True
+        return False
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -412,7 +437,7 @@ class _ChildProcess:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the whole process group (e.g. tokenizer, scheduler, detokenizer); wait for it."""
-        if self.proc is None:
+        if self.proc is None or self._stopped:
             return
         pgid = self.proc.pid  # start_new_session: the child leads its own group
         if self.proc.poll() is None:
@@ -426,6 +451,7 @@ class _ChildProcess:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=timeout)
+        self._stopped = True  # its pid (the group's id) may be reused from now on
 
     def __enter__(self):
         return self.start()

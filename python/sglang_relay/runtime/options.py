@@ -67,7 +67,10 @@ def resolve_config(
         target = parse_target(reuse) if reuse is not None else settings.reuse_target
         if target is not None:
             point = settings.point(target, num_layers)
-            overrides = {**dict(settings.overrides), **overrides}
+            if point.profiled is not None:  # a formula point was solved from the server's
+                # rule with its overrides in; applied again they could undo the cap or the
+                # position rule that replaced it
+                overrides = {**dict(settings.overrides), **overrides}
     base = point.config if point is not None else server
     if method in ("cacheblend", "epic"):
         base = server.for_method(method)
