@@ -260,17 +260,26 @@ def test_server_overrides_are_in_a_formula_point_once():
     """An unprofiled server with SGLANG_RELAY_CONFIG: its overrides shape the rule the point
     is solved from and are not applied again on top of it (which would undo the position
     rule at a high target or the cap at any), so every target keeps its reuse."""
-    env = {"SGLANG_RELAY_CONFIG": '{"l_start": 2, "l_det": 3, "first_k": 4, "max_ratio": 0.5}'}
-    settings = settings_from_env("/models/Qwen2-0.5B", env)
-    server = {"num_layers": 30, "capture_layer": 2, "context_layer": None}
     rng = random.Random(3)
+    # no schedule set: the unprofiled rule, the position rule at 0.95
+    settings = settings_from_env("/models/M", {"SGLANG_RELAY_CONFIG": '{"max_ratio": 0.5}'})
+    server = {"num_layers": 30, "capture_layer": None, "context_layer": None}
     for target, rule in [(0.8, "deviation"), (0.95, "first_k")]:
         cfg, point = resolve_config(settings, {"reuse": target}, **server)
         assert point.rule == rule and cfg == point.config, (target, cfg)
+        assert cfg.max_ratio < 0.5
         for n in (40, 300, 1000):
             assert _span_reuse(cfg, 30, n, rng) >= target - 1e-9
-    cfg, _ = resolve_config(settings, {"reuse": 0.8}, **server)
-    assert (cfg.l_start, cfg.l_det, cfg.first_k) == (2, 3, 4) and cfg.max_ratio < 0.5
+    # a schedule the operator set is kept at every target it can reach
+    env = {"SGLANG_RELAY_CONFIG": '{"l_start": 2, "l_det": 3, "first_k": 4, "max_ratio": 0.5}'}
+    settings = settings_from_env("/models/M", env)
+    server = {"num_layers": 30, "capture_layer": 2, "context_layer": None}
+    for target in (0.8, 0.95):
+        cfg, point = resolve_config(settings, {"reuse": target}, **server)
+        assert point.rule == "deviation" and cfg == point.config
+        assert (cfg.l_start, cfg.l_det, cfg.first_k) == (2, 3, 4) and cfg.max_ratio < 0.5
+        for n in (40, 300, 1000):
+            assert _span_reuse(cfg, 30, n, rng) >= target - 1e-9
     # a request's own overrides still apply on top
     cfg, _ = resolve_config(settings, {"reuse": 0.8, "config": {"first_k": 9}}, **server)
     assert cfg.first_k == 9

@@ -130,17 +130,20 @@ class Frontier:
     def configs(self) -> list[RelayConfig]:
         return [cfg for _, cfg in self.points]
 
-    def point(self, base: RelayConfig, target: float, num_layers: int) -> OperatingPoint:
+    def point(
+        self, base: RelayConfig, target: float, num_layers: int, *, position_fallback=True
+    ) -> OperatingPoint:
         """The config for ``target``: the profiled point with the smallest target >= it,
         else ``base`` (or the last point's rule) with the cap solved for ``target`` - or,
-        where that rule's dense layers would take more than :data:`MAX_DENSE_SHARE` of the
-        recompute budget, the position rule (:func:`position_rule`) at ``target``."""
+        with ``position_fallback``, where that rule's dense layers would take more than
+        :data:`MAX_DENSE_SHARE` of the recompute budget, the position rule
+        (:func:`position_rule`) at ``target``."""
         for profiled, cfg in self.points:
             if profiled >= target - 1e-9:
                 return OperatingPoint(target, cfg, profiled)
         rule = self.points[-1][1] if self.points else base
         dense = rule.schedule(num_layers).dense_layers
-        if dense > MAX_DENSE_SHARE * (1.0 - target) * num_layers:
+        if position_fallback and dense > MAX_DENSE_SHARE * (1.0 - target) * num_layers:
             rule = position_rule(rule)
         return OperatingPoint(target, at_target(rule, num_layers, target), None)
 

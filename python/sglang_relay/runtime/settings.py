@@ -52,6 +52,8 @@ SCOPES = ("shared", "key")
 # instead (core/operating.py, MAX_DENSE_SHARE; docs/fidelity.md, "Models without a profile").
 UNPROFILED = RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, l_suf=0, first_k=16)
 UNPROFILED_REUSE = 0.80
+# RelayConfig fields that make a layer schedule (an operator who sets one keeps it)
+SCHEDULE_FIELDS = frozenset({"l_start", "l_det", "l_end", "signal"})
 ENV_SPAN_TOKENS = "SGLANG_RELAY_SPAN_TOKENS"
 ENV_ALLOW_APPROX = "SGLANG_RELAY_ALLOW_APPROX_PREFIX"
 
@@ -73,9 +75,12 @@ class RelaySettings:
         return self.profile_path is not None
 
     def point(self, target: float, num_layers: int) -> OperatingPoint:
-        """The operating point for ``target`` (ValueError if out of the rule's reach)."""
+        """The operating point for ``target`` (ValueError if out of the rule's reach). A
+        layer schedule the operator set (``SGLANG_RELAY_CONFIG`` with ``l_start``,
+        ``l_det``, ``l_end`` or ``signal``) is kept as set: no position-rule fallback."""
         base = RelayConfig.from_dict({**self.config.to_dict(), "method": "relay"})
-        return self.frontier.point(base, target, num_layers)
+        chosen = SCHEDULE_FIELDS.intersection(dict(self.overrides))
+        return self.frontier.point(base, target, num_layers, position_fallback=not chosen)
 
 
 def shipped_profile(model_name: str) -> Path | None:
