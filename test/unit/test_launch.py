@@ -11,7 +11,12 @@ import sys
 import pytest
 
 from sglang_relay.errors import RelayError
-from sglang_relay.runtime.launch import build_server_argv, check_model_path, flag_value
+from sglang_relay.runtime.launch import (
+    _get_ok,
+    build_server_argv,
+    check_model_path,
+    flag_value,
+)
 
 
 def test_defaults_fill_only_what_is_missing():
@@ -194,7 +199,7 @@ finally:
 
 
 def _uvicorn_child(linger: bool, port: int = 0):
-    from sglang_relay.runtime.launch import _ChildProcess, _get_ok
+    from sglang_relay.runtime.launch import _ChildProcess
 
     class Child(_ChildProcess):
         name = "uvicorn"
@@ -230,7 +235,7 @@ def test_a_picked_port_taken_before_the_child_binds_is_picked_again(
     try:
         child.start(timeout=60)
         assert child.port != taken_port
-        assert _http_ok(f"http://127.0.0.1:{child.port}/")
+        assert _get_ok(f"http://127.0.0.1:{child.port}/")
         log = open(child.log_path).read()
         assert f"relaunched on port {child.port}" in log
         assert "address already in use" in log.lower()
@@ -262,12 +267,6 @@ def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
         assert not 22000 <= port <= 29999  # never SGLang's NCCL/gloo rendezvous range
 
 
-def _http_ok(url: str) -> bool:
-    import requests
-
-    return requests.get(url, timeout=5).status_code == 200
-
-
 def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monkeypatch):
     """A foreign HTTP server already listening on the picked port answers /health before
     our child even tries to bind: start() must not return its URL as ours."""
@@ -282,7 +281,7 @@ def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monk
         child = _uvicorn_child(linger=True)
         try:
             child.start(timeout=60)
-            assert child.port != foreign.port and _http_ok(child.url + "/")
+            assert child.port != foreign.port and _get_ok(child.url + "/")
             assert child._listens() and not foreign.proc.poll()
         finally:
             child.stop()

@@ -131,7 +131,7 @@ class Frontier:
         return [cfg for _, cfg in self.points]
 
     def point(
-        self, base: RelayConfig, target: float, num_layers: int, *, position_fallback=True
+        self, base: RelayConfig, target: float, num_layers: int, *, position_fallback: bool = True
     ) -> OperatingPoint:
         """The config for ``target``: the profiled point with the smallest target >= it,
         else ``base`` (or the last point's rule) with the cap solved for ``target`` - or,

@@ -133,13 +133,21 @@ def check_model_path(path: str, *, relay: bool) -> None:
             )
 
 
-def check_port_free(host: str, port: int) -> None:
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be bound now (None: it can)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise RelayError(f"port {port} on {host} is not available ({exc.strerror})") from exc
+            return exc
+    return None
+
+
+def check_port_free(host: str, port: int) -> None:
+    exc = _bind_error(host, port)
+    if exc is not None:
+        raise RelayError(f"port {port} on {host} is not available ({exc.strerror})") from exc
 
 
 # Ports handed out without being asked for: the kernel's ephemeral range (every connect()
@@ -160,22 +168,13 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str = DEFAULT_HOST, attempts: int = 64) -> int:
     """A port that was free a moment ago, from a range no other socket is handed unasked
     (see PICK_PORTS), so only an explicit bind elsewhere can take it before the child binds."""
     low, high = PICK_PORTS[0], min(PICK_PORTS[1], _ephemeral_low() - 1)
     if high - low >= attempts:
         for port in _rng.sample(range(low, high + 1), attempts):
-            if _bindable(host, port):
+            if _bind_error(host, port) is None:
                 return port
     while True:  # a crowded or unusual machine: whatever the kernel gives
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -386,10 +385,8 @@ class _ChildProcess:
                     f"{self.name} exited with code {self.proc.returncode} during start-up; "
                     f"log: {self.log_path}\n{self.log_tail()}"
                 )
-            if self.ready():
-                if self._listens():
-                    return True
-                return False  # another process answers on the port: ours cannot bind it
+            if self.ready():  # and not another process answering on the port
+                return self._listens()
             time.sleep(0.5)
         self.stop()
         raise RelayError(
