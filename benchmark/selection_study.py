@@ -38,6 +38,17 @@ inherits their mass: ``m' = m + A m'``); and counting the upstream prompt text t
 downstream prompt repeats (shared 4-grams) at half weight.
 
     python benchmark/selection_study.py --variants [--n-relays 16] [--targets 0.9,0.95]
+
+``--kl-oracle`` estimates how low *any* recompute-or-reuse choice per token can go: on
+each evaluation relay it picks the tokens that lower that relay's own first-token KL most
+when given their exact KV, greedily in ``--rounds`` steps by the gradient of the KL with
+respect to a per-token mix between the reused and the exact KV (all layers), i.e. it
+optimises the very number it is scored on, with the exact prefill in hand (greedy, so not
+a strict bound). Reported beside the shipped rule and a downstream-aware rule (the context
+mass times the attention the last prompt row gives a token in a cheap probe pass) at the
+same per-request budget.
+
+    python benchmark/selection_study.py --kl-oracle [--n-relays 16] [--targets 0.9,0.95]
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ import torch
 from sglang_relay.bench.fidelity import FRONTIER_WORKLOADS, default_cache_dir, prepare_usable
 from sglang_relay.bench.workload import GenSettings, load_relay, load_workload, model_fingerprint
 from sglang_relay.core import reference as ref_exec
+from sglang_relay.core.attention import positional_causal_attention
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import at_target
 from sglang_relay.runtime.settings import shipped_profile
@@ -139,6 +151,142 @@ def evaluate(ref, relay, targets, shipped: RelayConfig):
             out[f"{t:.2f}|shipped context rule|{how}"] = (
                 res.reuse_rate, f["first_token_kl"], f["tf_top1"]
             )  # fmt: skip
+    return out
+
+
+def mixed_first_logits(ref, ids, span_rows, base, exact, m):
+    """Last-row logits of prompt ``ids`` whose span rows hold ``base + m (exact - base)`` as
+    KV in every layer (``base``/``exact``: ``(K, V)`` ``[L, S, H_kv, D]``; ``m`` ``[S]``), the
+    other rows computed from their embeddings; out of place, so differentiable in ``m``."""
+    total = len(ids)
+    normal = torch.ones(total, dtype=torch.bool)
+    normal[span_rows] = False
+    rows = torch.arange(total)[normal]
+    if int(rows[-1]) != total - 1:
+        raise ValueError("the prompt must end outside the spans")
+    h = ref.embed(torch.tensor(ids, dtype=torch.long)[rows])
+    w = m[:, None, None]
+    for lid, layer in enumerate(ref.layers):
+        q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
+        full = []
+        for mine, b, e in ((k, base[0][lid], exact[0][lid]), (v, base[1][lid], exact[1][lid])):
+            z = mine.new_zeros(total, *mine.shape[1:])
+            full.append(z.index_put((span_rows,), b + w * (e - b)).index_put((rows,), mine))
+        o = positional_causal_attention(q, full[0], full[1], rows, ref.scale)
+        h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return ref.logits(h[-1:])[0]
+
+
+def kl_oracle_selection(ref, prompt, spans, exact, count: int, rounds: int) -> torch.Tensor:
+    """``[S]`` mask of ``count`` span tokens chosen greedily (``rounds`` steps) by the
+    gradient of the first-token KL w.r.t. giving each token its exact KV."""
+    span_rows = ref_exec._span_rows(spans, ref.device)
+    cache = ref_exec.KVCache.empty(ref, len(prompt))
+    ref_exec._splice(ref, cache, spans, span_rows)
+    with torch.inference_mode(False), torch.enable_grad():  # the callers run in inference mode
+        chosen = torch.zeros(span_rows.numel(), dtype=torch.bool)
+        base = (cache.k[:, span_rows].clone(), cache.v[:, span_rows].clone())
+        target = (exact.cache.k[:, span_rows].clone(), exact.cache.v[:, span_rows].clone())
+        p = torch.log_softmax(exact.logits[0].double(), -1).clone()
+        rows = span_rows.clone()
+        for r in range(rounds):
+            take = (count * (r + 1)) // rounds - int(chosen.sum())
+            if take <= 0:
+                continue
+            m = chosen.float().requires_grad_(True)
+            logits = mixed_first_logits(ref, list(prompt), rows, base, target, m)
+            q = torch.log_softmax(logits.double(), -1)
+            (p.exp() * (p - q)).sum().backward()
+            gain = -m.grad.detach()
+            gain[chosen] = float("-inf")
+            chosen[gain.topk(take).indices] = True
+    return chosen.clone()
+
+
+def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
+    """``[L, S]`` attention (mean over heads) the last prompt row gives each span token in a
+    probe pass: the span KV reused as is, and only the rows before the first span (their KV
+    does not depend on the spans, so it is final) and the last ``k`` prompt rows computed;
+    the rows between are left out of the probe's attention."""
+    span_rows = ref_exec._span_rows(spans, ref.device)
+    total = len(prompt)
+    if int(span_rows.max()) >= total - k:
+        raise ValueError("the probe rows must come after the spans")
+    cache = ref_exec.KVCache.empty(ref, total)
+    ref_exec._splice(ref, cache, spans, span_rows)
+    rows = torch.cat([torch.arange(int(span_rows.min())), torch.arange(total - k, total)])
+    known = torch.zeros(total, dtype=torch.bool)
+    known[span_rows] = known[rows] = True
+    visible = (torch.arange(total)[None, :] <= rows[:, None]) & known[None, :]
+    h = ref.embed(torch.tensor(list(prompt), dtype=torch.long)[rows])
+    hkv = ref.num_kv_heads
+    out = []
+    for lid, layer in enumerate(ref.layers):
+        q, kk, vv = ref.qkv(layer, layer.input_layernorm(h), rows)
+        cache.k[lid, rows], cache.v[lid, rows] = kk, vv
+        qg = q.view(rows.numel(), hkv, -1, ref.head_dim)
+        scores = torch.einsum("ngrd,tgd->ngrt", qg, cache.k[lid]) * ref.scale
+        probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        out.append(probs[-1].mean((0, 1))[span_rows])
+        o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
+        h = h + layer.self_attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return torch.stack(out)
+
+
+def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[str, tuple]:
+    """Per target: the shipped rule (recomputed, exact KV), the KL oracle's tokens, and the
+    context mass times the square root of the last prompt row's attention in a probe of the
+    last ``k`` rows (mean over the upper half of the layers), ``k`` rows charged to the
+    budget: all at the shipped rule's own count of recomputed tokens."""
+    forced = relay.continuation[:-1]
+    exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
+    spans = sorted(relay.spans, key=lambda s: s.prompt_start)
+    num_l = ref.num_layers
+    mass = torch.cat(
+        [
+            ref_exec.record_context_mass(ref, s.record, shipped.l_ctx)[
+                s.span_start : s.span_start + s.length
+            ]
+            for s in spans
+        ]
+    )
+    probes = {k: last_row_probe(ref, relay.prompt, spans, k)[num_l // 2 :] for k in (1, 2)}
+    out = {}
+
+    def row(res):
+        f = ref_exec.fidelity(exact.logits, res.logits, relay.continuation)
+        return (res.reuse_rate, f["first_token_kl"], f["tf_top1"])
+
+    for t in targets:
+        cfg = at_target(shipped, ref.num_layers, t)
+        rec = ref_exec.relay_prefill(ref, relay.prompt, spans, cfg, forced=forced)
+        sel = rec.selected_mask
+        out[f"{t:.2f}|shipped context rule|recomputed"] = row(rec)
+        out[f"{t:.2f}|shipped context rule|exact KV"] = row(
+            ref_exec.exact_kv_prefill(ref, relay.prompt, spans, exact, sel, forced=forced)
+        )
+        best = kl_oracle_selection(ref, relay.prompt, spans, exact, int(sel.sum()), rounds)
+        out[f"{t:.2f}|KL oracle|exact KV"] = row(
+            ref_exec.exact_kv_prefill(ref, relay.prompt, spans, exact, best, forced=forced)
+        )
+        out[f"{t:.2f}|KL oracle|recomputed"] = row(
+            ref_exec.relay_prefill(
+                ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=best
+            )
+        )
+        for k, att in probes.items():
+            name = f"mass x sqrt(last-row attention), probe of {k} row(s)"
+            probe = per_span_top(mass * att.mean(0).sqrt(), [int(sel.sum()) - k], [mass.numel()])
+            out[f"{t:.2f}|{name}|recomputed"] = row(
+                ref_exec.relay_prefill(
+                    ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=probe
+                )
+            )
+            out[f"{t:.2f}|{name}|exact KV"] = row(
+                ref_exec.exact_kv_prefill(ref, relay.prompt, spans, exact, probe, forced=forced)
+            )
     return out
 
 
@@ -333,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--variants", action="store_true", help="context-rule variants on calibration relays"
     )
+    p.add_argument(
+        "--kl-oracle", action="store_true", help="greedy KL-gradient oracle on evaluation relays"
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--kl-oracle: greedy steps")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -359,7 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             for i, (case, path) in enumerate(usable):
                 relay = load_relay(path, case)
-                for key, row in evaluate(ref, relay, targets, shipped).items():
+                rows_of = (
+                    kl_oracle(ref, relay, targets, shipped, args.rounds)
+                    if args.kl_oracle
+                    else evaluate(ref, relay, targets, shipped)
+                )
+                for key, row in rows_of.items():
                     rows.setdefault(key, []).append(row)
                 print(f"\r{wl}: {i + 1}/{len(usable)}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
