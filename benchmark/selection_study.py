@@ -159,12 +159,13 @@ def mixed_first_logits(ref, ids, span_rows, base, exact, m):
     KV in every layer (``base``/``exact``: ``(K, V)`` ``[L, S, H_kv, D]``; ``m`` ``[S]``), the
     other rows computed from their embeddings; out of place, so differentiable in ``m``."""
     total = len(ids)
-    normal = torch.ones(total, dtype=torch.bool)
+    dev = ref.device
+    normal = torch.ones(total, dtype=torch.bool, device=dev)
     normal[span_rows] = False
-    rows = torch.arange(total)[normal]
+    rows = torch.arange(total, device=dev)[normal]
     if int(rows[-1]) != total - 1:
         raise ValueError("the prompt must end outside the spans")
-    h = ref.embed(torch.tensor(ids, dtype=torch.long)[rows])
+    h = ref.embed(torch.tensor(ids, dtype=torch.long, device=dev)[rows])
     w = m[:, None, None]
     for lid, layer in enumerate(ref.layers):
         q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
@@ -185,7 +186,7 @@ def kl_oracle_selection(ref, prompt, spans, exact, count: int, rounds: int) -> t
     cache = ref_exec.KVCache.empty(ref, len(prompt))
     ref_exec._splice(ref, cache, spans, span_rows)
     with torch.inference_mode(False), torch.enable_grad():  # the callers run in inference mode
-        chosen = torch.zeros(span_rows.numel(), dtype=torch.bool)
+        chosen = torch.zeros(span_rows.numel(), dtype=torch.bool, device=ref.device)
         base = (cache.k[:, span_rows].clone(), cache.v[:, span_rows].clone())
         target = (exact.cache.k[:, span_rows].clone(), exact.cache.v[:, span_rows].clone())
         p = torch.log_softmax(exact.logits[0].double(), -1).clone()
@@ -197,11 +198,17 @@ def kl_oracle_selection(ref, prompt, spans, exact, count: int, rounds: int) -> t
             m = chosen.float().requires_grad_(True)
             logits = mixed_first_logits(ref, list(prompt), rows, base, target, m)
             q = torch.log_softmax(logits.double(), -1)
-            (p.exp() * (p - q)).sum().backward()
-            gain = -m.grad.detach()
+            (grad,) = torch.autograd.grad((p.exp() * (p - q)).sum(), m)
+            gain = -grad
             gain[chosen] = float("-inf")
             chosen[gain.topk(take).indices] = True
     return chosen.clone()
+
+
+# the downstream-aware rule of --kl-oracle: rows in the probe, and the powers of their
+# attention tried on the calibration relays (0.25 had the lower KL there)
+PROBE_ROWS = 1
+PROBE_POWERS = (0.5, 0.25)
 
 
 def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
@@ -215,11 +222,13 @@ def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
         raise ValueError("the probe rows must come after the spans")
     cache = ref_exec.KVCache.empty(ref, total)
     ref_exec._splice(ref, cache, spans, span_rows)
-    rows = torch.cat([torch.arange(int(span_rows.min())), torch.arange(total - k, total)])
-    known = torch.zeros(total, dtype=torch.bool)
+    dev = ref.device
+    first = int(span_rows.min())
+    rows = torch.cat([torch.arange(first, device=dev), torch.arange(total - k, total, device=dev)])
+    known = torch.zeros(total, dtype=torch.bool, device=dev)
     known[span_rows] = known[rows] = True
-    visible = (torch.arange(total)[None, :] <= rows[:, None]) & known[None, :]
-    h = ref.embed(torch.tensor(list(prompt), dtype=torch.long)[rows])
+    visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
+    h = ref.embed(torch.tensor(list(prompt), dtype=torch.long, device=dev)[rows])
     hkv = ref.num_kv_heads
     out = []
     for lid, layer in enumerate(ref.layers):
@@ -237,9 +246,9 @@ def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
 
 def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[str, tuple]:
     """Per target: the shipped rule (recomputed, exact KV), the KL oracle's tokens, and the
-    context mass times the square root of the last prompt row's attention in a probe of the
-    last ``k`` rows (mean over the upper half of the layers), ``k`` rows charged to the
-    budget: all at the shipped rule's own count of recomputed tokens."""
+    context mass times a power of the last prompt row's attention in a probe of
+    :data:`PROBE_ROWS` rows (mean over the upper half of the layers; the probe's rows
+    charged to the budget): all at the shipped rule's own count of recomputed tokens."""
     forced = relay.continuation[:-1]
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
     spans = sorted(relay.spans, key=lambda s: s.prompt_start)
@@ -252,7 +261,8 @@ def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[st
             for s in spans
         ]
     )
-    probes = {k: last_row_probe(ref, relay.prompt, spans, k)[num_l // 2 :] for k in (1, 2)}
+    # the last prompt row's attention in a 1-row probe, mean over the upper half of the layers
+    att = last_row_probe(ref, relay.prompt, spans, PROBE_ROWS)[num_l // 2 :].mean(0)
     out = {}
 
     def row(res):
@@ -276,9 +286,10 @@ def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[st
                 ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=best
             )
         )
-        for k, att in probes.items():
-            name = f"mass x sqrt(last-row attention), probe of {k} row(s)"
-            probe = per_span_top(mass * att.mean(0).sqrt(), [int(sel.sum()) - k], [mass.numel()])
+        for power in PROBE_POWERS:
+            name = f"context mass x last-row attention^{power}"
+            count = max(int(sel.sum()) - PROBE_ROWS, 0)  # the probe's row is charged
+            probe = per_span_top(mass * att.pow(power), [count], [mass.numel()])
             out[f"{t:.2f}|{name}|recomputed"] = row(
                 ref_exec.relay_prefill(
                     ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=probe
