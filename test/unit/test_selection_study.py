@@ -1,0 +1,79 @@
+"""benchmark/selection_study.py's KL oracle: its differentiable forward must be the exact-KV
+oracle of the reference executor at every 0/1 mix, and its greedy choice must spend exactly
+the budget it is given. First 6 layers of the embedded model, fp32."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_relay.core.reference import (
+    SpanOccurrence,
+    exact_kv_prefill,
+    exact_prefill,
+    first_token_kl,
+    generate,
+    load_model,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+import selection_study as study  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+TEXT = (
+    "The bridge was finished in the spring, after four years of work by two hundred men. "
+    "Its stone arches carried the road over the river, and the toll paid for its upkeep."
+)
+
+
+@pytest.fixture(scope="module")
+def case(model_dir):
+    from transformers import AutoTokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = load_model(str(model_dir), num_layers=6)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    story = ids(TEXT)
+    (rec,) = generate(ref, [ids("Write about the old bridge.\n")], 0, force=[story + [0]])
+    head, tail = ids("Review the following report.\n\n"), ids("\n\nWhat is wrong with it?")
+    prompt = head + story + tail
+    span = SpanOccurrence(len(head), rec, 0, len(story))
+    with torch.inference_mode():
+        exact = exact_prefill(ref, prompt)
+    yield ref, prompt, [span], exact
+    torch.set_num_threads(threads)
+
+
+def test_mixed_forward_is_the_exact_kv_oracle_at_every_0_1_mix(case):
+    ref, prompt, spans, exact = case
+    n = spans[0].length
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.arange(spans[0].prompt_start, spans[0].prompt_start + n)
+    with torch.inference_mode():
+        cache = study.ref_exec.KVCache.empty(ref, len(prompt))
+        study.ref_exec._splice(ref, cache, spans, rows)
+        base = (cache.k[:, rows], cache.v[:, rows])
+        target = (exact.cache.k[:, rows], exact.cache.v[:, rows])
+        for sel in (torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=gen) < 0.3):
+            want = exact_kv_prefill(ref, prompt, spans, exact, sel).logits[0]
+            got = study.mixed_first_logits(ref, prompt, rows, base, target, sel.float())
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_greedy_choice_spends_the_budget_and_lowers_the_kl(case):
+    ref, prompt, spans, exact = case
+    n = spans[0].length
+    with torch.inference_mode():
+        naive = exact_kv_prefill(ref, prompt, spans, exact, torch.zeros(n, dtype=torch.bool))
+        for count in (1, 5):
+            chosen = study.kl_oracle_selection(ref, prompt, spans, exact, count, rounds=3)
+            assert chosen.dtype == torch.bool and int(chosen.sum()) == count
+            fixed = exact_kv_prefill(ref, prompt, spans, exact, chosen)
+            kl = first_token_kl(exact.logits[0], fixed.logits[0])
+            assert kl < first_token_kl(exact.logits[0], naive.logits[0])
