@@ -1,6 +1,7 @@
 """benchmark/selection_study.py's KL oracle: its differentiable forward must be the exact-KV
-oracle of the reference executor at every 0/1 mix, and its greedy choice must spend exactly
-the budget it is given. First 6 layers of the embedded model, fp32."""
+oracle of the reference executor (and the full prefill with every token exact), and its
+greedy choice must spend exactly its budget and pick a token that brute force ranks among
+the best. First 6 layers of the embedded model, fp32."""
 
 from __future__ import annotations
 
@@ -36,21 +37,24 @@ def case(model_dir):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    ref = load_model(str(model_dir), num_layers=6)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
-    story = ids(TEXT)
-    (rec,) = generate(ref, [ids("Write about the old bridge.\n")], 0, force=[story + [0]])
-    head, tail = ids("Review the following report.\n\n"), ids("\n\nWhat is wrong with it?")
-    prompt = head + story + tail
-    span = SpanOccurrence(len(head), rec, 0, len(story))
-    with torch.inference_mode():
-        exact = exact_prefill(ref, prompt)
-    yield ref, prompt, [span], exact
-    torch.set_num_threads(threads)
+    try:
+        ref = load_model(str(model_dir), num_layers=6)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+        story = ids(TEXT)
+        upstream = ids("Write about the old bridge.\n")
+        (rec,) = generate(ref, [upstream], 0, force=[story + [tok.eos_token_id]])
+        head, tail = ids("Review the following report.\n\n"), ids("\n\nWhat is wrong?")
+        prompt = head + story + tail
+        span = SpanOccurrence(len(head), rec, 0, len(story))
+        with torch.inference_mode():
+            exact = exact_prefill(ref, prompt)
+        yield ref, prompt, [span], exact
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_mixed_forward_is_the_exact_kv_oracle_at_every_0_1_mix(case):
+def test_mixed_forward_is_the_exact_kv_oracle_at_0_1_mixes(case):
     ref, prompt, spans, exact = case
     n = spans[0].length
     gen = torch.Generator().manual_seed(0)
@@ -62,18 +66,30 @@ def test_mixed_forward_is_the_exact_kv_oracle_at_every_0_1_mix(case):
         target = (exact.cache.k[:, rows], exact.cache.v[:, rows])
         for sel in (torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=gen) < 0.3):
             want = exact_kv_prefill(ref, prompt, spans, exact, sel).logits[0]
-            got = study.mixed_first_logits(ref, prompt, rows, base, target, sel.float())
+            mix = sel.float().to(ref.device)
+            got = study.mixed_first_logits(ref, prompt, rows, base, target, mix)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        # every span token exact: the full prefill itself
+        every = torch.ones(n, device=ref.device)
+        got = study.mixed_first_logits(ref, prompt, rows, base, target, every)
+        torch.testing.assert_close(got, exact.logits[0], atol=1e-4, rtol=0)
 
 
-def test_greedy_choice_spends_the_budget_and_lowers_the_kl(case):
+def test_greedy_choice_spends_the_budget_and_brute_force_ranks_its_token_high(case):
     ref, prompt, spans, exact = case
     n = spans[0].length
+
+    def kl(sel: torch.Tensor) -> float:
+        fixed = exact_kv_prefill(ref, prompt, spans, exact, sel)
+        return first_token_kl(exact.logits[0], fixed.logits[0])
+
     with torch.inference_mode():
-        naive = exact_kv_prefill(ref, prompt, spans, exact, torch.zeros(n, dtype=torch.bool))
         for count in (1, 5):
             chosen = study.kl_oracle_selection(ref, prompt, spans, exact, count, rounds=3)
             assert chosen.dtype == torch.bool and int(chosen.sum()) == count
-            fixed = exact_kv_prefill(ref, prompt, spans, exact, chosen)
-            kl = first_token_kl(exact.logits[0], fixed.logits[0])
-            assert kl < first_token_kl(exact.logits[0], naive.logits[0])
+        # one token: every single-token choice by brute force; the gradient's pick must be
+        # among the best tenth (a first-order choice, so not always the very best)
+        pick = study.kl_oracle_selection(ref, prompt, spans, exact, 1, rounds=1)
+        singles = torch.tensor([kl(torch.arange(n) == i) for i in range(n)])
+        better = int((singles < kl(pick) - 1e-12).sum())
+        assert better <= max(1, n // 10), (better, n)
