@@ -64,7 +64,7 @@ import torch
 from sglang_relay.bench.fidelity import FRONTIER_WORKLOADS, default_cache_dir, prepare_usable
 from sglang_relay.bench.workload import GenSettings, load_relay, load_workload, model_fingerprint
 from sglang_relay.core import reference as ref_exec
-from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.attention import attention_probs, positional_causal_attention
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import at_target
 from sglang_relay.runtime.settings import shipped_profile
@@ -82,16 +82,12 @@ def attention_received(
     and KV head (summed over the rows and the query heads of the group), given the streams
     ``hidden [L, T, hidden]`` and final KV ``cache`` of a full prefill."""
     num_l, total = hidden.shape[0], hidden.shape[1]
-    hkv = ref.num_kv_heads
-    group = ref.num_heads // hkv
-    out = torch.zeros(num_l, total, hkv)
+    out = torch.zeros(num_l, total, ref.num_kv_heads)
     mask = torch.arange(total)[None, :] <= rows[:, None]  # [n, T]
     for lid, layer in enumerate(ref.layers):
         x = layer.input_layernorm(hidden[lid, rows])
         q, _, _ = ref.qkv(layer, x, rows)  # [n, Hq, D]
-        qg = q.view(rows.numel(), hkv, group, ref.head_dim)
-        scores = torch.einsum("ngrd,tgd->ngrt", qg, cache.k[lid]) * ref.scale
-        probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+        probs = attention_probs(q, cache.k[lid], mask, ref.scale)
         out[lid] = probs.sum(dim=(0, 2)).T
     return out
 
@@ -229,14 +225,11 @@ def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
     known[span_rows] = known[rows] = True
     visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
     h = ref.embed(torch.tensor(list(prompt), dtype=torch.long, device=dev)[rows])
-    hkv = ref.num_kv_heads
     out = []
     for lid, layer in enumerate(ref.layers):
         q, kk, vv = ref.qkv(layer, layer.input_layernorm(h), rows)
         cache.k[lid, rows], cache.v[lid, rows] = kk, vv
-        qg = q.view(rows.numel(), hkv, -1, ref.head_dim)
-        scores = torch.einsum("ngrd,tgd->ngrt", qg, cache.k[lid]) * ref.scale
-        probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        probs = attention_probs(q, cache.k[lid], visible, ref.scale)
         out.append(probs[-1].mean((0, 1))[span_rows])
         o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
         h = h + layer.self_attn.o_proj(o)
@@ -350,12 +343,9 @@ def head_scores(ref, rec, layer: int, shared: torch.Tensor) -> dict[str, torch.T
     record_context_mass`, pooled otherwise over the query heads). ``shared``: ``[P]`` bool,
     the upstream prompt positions whose text the downstream prompt also holds."""
     q, keys, pos = ref_exec.record_decode_queries(ref, rec, layer)
-    p, n, keys = len(rec.prompt), q.shape[0], keys.float()
-    hkv = keys.shape[1]
-    qg = q.float().view(n, hkv, -1, ref.head_dim)
-    scores = torch.einsum("ngrd,tgd->ngrt", qg, keys) * ref.scale
+    p, n = len(rec.prompt), q.shape[0]
     visible = torch.arange(p + n)[None, :] <= pos[:, None]
-    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    probs = attention_probs(q.float(), keys.float(), visible, ref.scale)
     probs = probs.reshape(n, -1, p + n)  # [n, H_q, T]
     per_head = probs[..., 1:p].sum(-1)
     mean = probs.mean(1)  # [n, T]

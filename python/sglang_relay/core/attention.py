@@ -38,3 +38,16 @@ def positional_causal_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax weights ``[n, H_kv, group, T]`` of queries ``q`` (``[n, H_q, D]``) over keys
+    ``k`` (``[T, H_kv, D]``); ``visible`` (``[n, T]`` bool) says which positions each row
+    sees. Query head ``h`` reads KV head ``h // group``, as in
+    :func:`positional_causal_attention`."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    scores = torch.einsum("ngrd,tgd->ngrt", q.reshape(n, hkv, hq // hkv, d), k) * scale
+    return scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.config import RelayConfig
 
 
@@ -53,19 +54,16 @@ def context_mass(
     Returns:
         ``[n]`` float32 in ``[0, 1]``.
     """
-    n, hq, d = q.shape
-    t, hkv = keys.shape[0], keys.shape[1]
-    group = hq // hkv
+    n, hq = q.shape[0], q.shape[1]
+    t = keys.shape[0]
     chunk = max(1, min(chunk, SCORE_BLOCK_BYTES // (4 * hq * max(t, 1))))
     k = keys.float()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
     cols = torch.arange(t, device=q.device)
     in_prompt = (cols >= 1) & (cols < prompt_len)
     for lo in range(0, n, chunk):
-        qc = q[lo : lo + chunk].float().view(-1, hkv, group, d)
-        scores = torch.einsum("ngrd,tgd->ngrt", qc, k) * scale
         visible = cols[None, :] <= q_pos[lo : lo + chunk, None].to(q.device)
-        probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        probs = attention_probs(q[lo : lo + chunk].float(), k, visible, scale)
         out[lo : lo + chunk] = (probs * in_prompt).sum(-1).mean(dim=(1, 2))
     return out
 
