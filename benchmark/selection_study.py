@@ -67,6 +67,7 @@ from sglang_relay.core import reference as ref_exec
 from sglang_relay.core.attention import attention_probs, positional_causal_attention
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import at_target
+from sglang_relay.core.selection import probe_layers, probed_mass
 from sglang_relay.runtime.settings import shipped_profile
 
 # recompute the selected tokens from the embeddings in every layer, nothing else
@@ -201,47 +202,16 @@ def kl_oracle_selection(ref, prompt, spans, exact, count: int, rounds: int) -> t
     return chosen.clone()
 
 
-# the downstream-aware rule of --kl-oracle: rows in the probe, and the powers of their
-# attention tried on the calibration relays (0.25 had the lower KL there)
-PROBE_ROWS = 1
+# the powers of the last-row probe's attention tried on the calibration relays (0.25 had
+# the lower KL there; the reference's ``cfg.probe`` rule)
 PROBE_POWERS = (0.5, 0.25)
-
-
-def last_row_probe(ref, prompt, spans, k: int) -> torch.Tensor:
-    """``[L, S]`` attention (mean over heads) the last prompt row gives each span token in a
-    probe pass: the span KV reused as is, and only the rows before the first span (their KV
-    does not depend on the spans, so it is final) and the last ``k`` prompt rows computed;
-    the rows between are left out of the probe's attention."""
-    span_rows = ref_exec._span_rows(spans, ref.device)
-    total = len(prompt)
-    if int(span_rows.max()) >= total - k:
-        raise ValueError("the probe rows must come after the spans")
-    cache = ref_exec.KVCache.empty(ref, total)
-    ref_exec._splice(ref, cache, spans, span_rows)
-    dev = ref.device
-    first = int(span_rows.min())
-    rows = torch.cat([torch.arange(first, device=dev), torch.arange(total - k, total, device=dev)])
-    known = torch.zeros(total, dtype=torch.bool, device=dev)
-    known[span_rows] = known[rows] = True
-    visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
-    h = ref.embed(torch.tensor(list(prompt), dtype=torch.long, device=dev)[rows])
-    out = []
-    for lid, layer in enumerate(ref.layers):
-        q, kk, vv = ref.qkv(layer, layer.input_layernorm(h), rows)
-        cache.k[lid, rows], cache.v[lid, rows] = kk, vv
-        probs = attention_probs(q, cache.k[lid], visible, ref.scale)
-        out.append(probs[-1].mean((0, 1))[span_rows])
-        o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
-        h = h + layer.self_attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return torch.stack(out)
 
 
 def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[str, tuple]:
     """Per target: the shipped rule (recomputed, exact KV), the KL oracle's tokens, and the
     context mass times a power of the last prompt row's attention in a probe of
-    :data:`PROBE_ROWS` rows (mean over the upper half of the layers; the probe's rows
-    charged to the budget): all at the shipped rule's own count of recomputed tokens."""
+    1 row (``ref_exec.last_row_probe``, mean over the upper half of the layers; the probe's
+    row charged to the budget): all at the shipped rule's own count of recomputed tokens."""
     forced = relay.continuation[:-1]
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
     spans = sorted(relay.spans, key=lambda s: s.prompt_start)
@@ -255,7 +225,7 @@ def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[st
         ]
     )
     # the last prompt row's attention in a 1-row probe, mean over the upper half of the layers
-    att = last_row_probe(ref, relay.prompt, spans, PROBE_ROWS)[num_l // 2 :].mean(0)
+    att = ref_exec.last_row_probe(ref, relay.prompt, spans)[list(probe_layers(num_l))].mean(0)
     out = {}
 
     def row(res):
@@ -281,8 +251,8 @@ def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[st
         )
         for power in PROBE_POWERS:
             name = f"context mass x last-row attention^{power}"
-            count = max(int(sel.sum()) - PROBE_ROWS, 0)  # the probe's row is charged
-            probe = per_span_top(mass * att.pow(power), [count], [mass.numel()])
+            count = max(int(sel.sum()) - 1, 0)  # the probe's row is charged
+            probe = per_span_top(probed_mass(mass, att, power), [count], [mass.numel()])
             out[f"{t:.2f}|{name}|recomputed"] = row(
                 ref_exec.relay_prefill(
                     ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=probe

@@ -233,6 +233,7 @@ class Search:
 
 def _describe(cfg: RelayConfig) -> str:
     ctx = f" l_ctx={cfg.l_ctx}" if cfg.ranks_context else ""
+    ctx += f" probe={cfg.probe}" if cfg.probes else ""
     return (
         f"({cfg.l_start},{cfg.l_det},{cfg.l_end}) {cfg.signal[0]}{ctx} tau={cfg.tau_dev} "
         f"k={cfg.first_k} suf={cfg.l_suf} cap={cfg.max_ratio}"
@@ -333,6 +334,20 @@ def context_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | No
     return None if cap is None else replace(rule, max_ratio=cap)
 
 
+# the power of the last-row probe's attention (``cfg.probe``): chosen on the calibration
+# relays (benchmark/selection_study.py --kl-oracle, 8 relays at 0.90: 0.0098 at 0.25,
+# 0.0110 at 0.5, 0.0141 without a probe)
+PROBE_POWER = 0.25
+
+
+def probe_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | None:
+    """:func:`context_rule` with the last-row probe: the context mass times the attention
+    the request's last prompt row gives each span token in a probe pass (``probe``), its
+    row charged to the cap. Knows the downstream query; costs one row of every layer."""
+    rule = context_rule(num_layers, target, l_ctx)
+    return None if rule is None else replace(rule, probe=PROBE_POWER)
+
+
 def context_layers(num_layers: int, quick: bool) -> list[int]:
     """Candidate layers of the context mass: evenly over the stack (layer 0 included: its
     queries need no stored stream)."""
@@ -372,8 +387,8 @@ def run_frontier(
     quick: bool = False,
 ) -> list[dict[str, Any]]:
     """Per reuse target, the best of the profiled deviation rule (its cap solved for the
-    target), :func:`first_k_rule` and :func:`context_rule` (at the layer
-    :func:`pick_context_layer` chose) on the calibration relays: the lowest mean first-token
+    target), :func:`first_k_rule`, :func:`context_rule` and :func:`probe_rule` (at the
+    layer :func:`pick_context_layer` chose) on the calibration relays: the lowest mean first-token
     KL among those whose reuse is >= the target on every relay. A server stores one stream
     per output token, so when the deviation rule and the context rule need different
     layers, the points come from one family (deviation + first-k, or context + first-k):
@@ -390,14 +405,15 @@ def run_frontier(
                     "deviation": search.run(with_cap(rule, num_layers, target), label),
                     "first_k": search.run(first_k_rule(num_layers, target, mean_span), label),
                     "context": search.run(context_rule(num_layers, target, l_ctx), label),
+                    "probe": search.run(probe_rule(num_layers, target, l_ctx), label),
                 },
             )
         )
-    families = [("deviation", "first_k", "context")]
+    families = [("deviation", "first_k", "context", "probe")]
     if rule.stored_layer(num_layers) != context_rule(num_layers, 0.5, l_ctx).stored_layer(
         num_layers
     ):
-        families = [("deviation", "first_k"), ("context", "first_k")]
+        families = [("deviation", "first_k"), ("context", "first_k", "probe")]
 
     def family_points(family) -> list[tuple[float, dict, list]]:
         out = []
@@ -662,7 +678,7 @@ def print_frontier(frontier: list[dict[str, Any]]) -> None:
         m = p["metrics"]
         cfg = RelayConfig.from_dict(p["config"])
         print(
-            f"  reuse >= {p['target']:.2f}: {p['rule']:9s} {_describe(cfg)}"
+            f"  reuse >= {p['target']:.2f}: {p['rule']:13s} {_describe(cfg)}"
             f"  KL {m['first_token_kl']:.4f} / {m['first_token_kl_median']:.4f}, reuse min "
             f"{m['reuse_min']:.3f}"
         )

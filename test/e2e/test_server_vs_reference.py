@@ -76,6 +76,27 @@ def test_operating_point_through_the_server_equals_the_reference(server, model_d
     assert_matches_reference(served, result)
 
 
+def two_quoted_outputs(url, ref):
+    """Two upstream agents (other prompts, other outputs, equal to the reference's greedy
+    decode), then a prompt quoting both: ``head + span 1 + mid + span 2 + tail``. Returns
+    the prompt and its two span occurrences."""
+    records = []
+    for first in (1000, 1200):
+        up_ids = list(range(first, first + 40))
+        upstream = generate_ids(url, up_ids, 96)
+        record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+        assert record.output == upstream["output_ids"]
+        records.append(record)
+    head, mid, tail = list(range(2000, 2023)), list(range(2500, 2509)), list(range(3000, 3011))
+    spans = [r.span_tokens for r in records]
+    prompt = head + spans[0] + mid + spans[1] + tail
+    occs = [
+        R.SpanOccurrence(len(head), records[0], 0, len(spans[0])),
+        R.SpanOccurrence(len(head) + len(spans[0]) + len(mid), records[1], 0, len(spans[1])),
+    ]
+    return prompt, occs
+
+
 def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_reference(
     server, model_dir
 ):
@@ -90,16 +111,8 @@ def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_referen
     point = settings.point(0.90, ref.num_layers)
     assert point.config.budget == "request" and point.config.ranks_context
 
-    records = []
-    for first in (1000, 1200):  # two upstream agents, other prompts, other outputs
-        up_ids = list(range(first, first + 40))
-        upstream = generate_ids(server.url, up_ids, 96)
-        record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
-        assert record.output == upstream["output_ids"]
-        records.append(record)
-    head, mid, tail = list(range(2000, 2023)), list(range(2500, 2509)), list(range(3000, 3011))
-    spans = [r.span_tokens for r in records]
-    prompt = head + spans[0] + mid + spans[1] + tail
+    prompt, occs = two_quoted_outputs(server.url, ref)
+    spans = [o.record.span_tokens for o in occs]
     served = generate_ids(
         server.url, prompt, 4, {"reuse": 0.90}, return_logprob=True, top_logprobs_num=5
     )
@@ -107,12 +120,37 @@ def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_referen
     assert info["fallback"] is None and info["spans_matched"] == 2, info
     assert info["reused_tokens"] == len(spans[0]) + len(spans[1])
 
-    occs = [
-        R.SpanOccurrence(len(head), records[0], 0, len(spans[0])),
-        R.SpanOccurrence(len(head) + len(spans[0]) + len(mid), records[1], 0, len(spans[1])),
-    ]
     pooled = R.relay_prefill(ref, prompt, occs, point.config)
     per_span = R.relay_prefill(ref, prompt, occs, replace(point.config, budget="span"))
     assert sum(pooled.selected) == int(point.config.max_ratio * sum(map(len, spans)))
     assert pooled.selected != per_span.selected  # the split differs from two caps
     assert_matches_reference(served, pooled)
+
+
+def test_last_row_probe_through_the_server_equals_the_reference(server, model_dir):
+    """The context rule with the last-row probe (``probe``, a per-request config here) on a
+    prompt quoting two outputs: the server runs the probe (the rows before the first span
+    for good, the last row over the spans and that context only, not ``mid`` nor ``tail``),
+    charges its row, and computes what the reference executor computes with the probe:
+    the same selected count and reuse, the same first-token logprobs, which the context
+    rule without the probe does not give on this prompt (so the check can tell them
+    apart)."""
+    from dataclasses import replace
+
+    settings = settings_from_env(str(model_dir), {})
+    ref = R.load_model(str(model_dir))
+    point = settings.point(0.90, ref.num_layers)
+    cfg = replace(point.config, probe=0.25)
+    prompt, occs = two_quoted_outputs(server.url, ref)
+    option = {"reuse": 0.90, "config": {"probe": 0.25}}
+    served = generate_ids(server.url, prompt, 4, option, return_logprob=True, top_logprobs_num=5)
+    info = served["meta_info"]["relay"]
+    assert info["fallback"] is None and info["spans_matched"] == 2, info
+    assert info["probe"] == "last_row", info
+    probed = R.relay_prefill(ref, prompt, occs, cfg)
+    n = sum(o.length for o in occs)
+    assert sum(probed.selected) == int(cfg.max_ratio * n) - 1  # the probe's row is charged
+    assert_matches_reference(served, probed)
+    plain = R.relay_prefill(ref, prompt, occs, point.config)
+    gap = (plain.logits[-1].log_softmax(-1) - probed.logits[-1].log_softmax(-1)).abs().max()
+    assert float(gap) > 5e-3, float(gap)

@@ -20,6 +20,7 @@ from sglang_relay.core.reference import (
     first_token_kl,
     generate,
     greedy_continue,
+    last_row_probe,
     load_model,
     record_context_mass,
     relay_prefill,
@@ -428,6 +429,64 @@ def test_context_rule_keeps_the_highest_context_mass(ref, tok, upstream):
     assert res.reuse_rate == pytest.approx(1 - cap / n)
     with pytest.raises(ValueError, match="l_ctx"):
         RelayConfig(signal="context")
+
+
+def test_last_row_probe_is_hf_attention_without_the_rows_between(ref, tok, upstream):
+    """The probe's attention from the last prompt row = Hugging Face's eager attention of
+    that row in a forward over only the rows the probe knows (the context before the span,
+    the span, the last row) at their real positions: the span behind its own upstream
+    prompt, so its spliced decode KV is the exact KV there, and the rows between the span
+    and the last row (``mid``) are absent, as the probe leaves them out."""
+    mid = tok("\n\nWhat does this say about the city? Answer:", add_special_tokens=False).input_ids
+    head, span_ids = upstream.prompt, upstream.span_tokens
+    prompt = head + span_ids + mid + [tok.eos_token_id]
+    occ = SpanOccurrence(len(head), upstream, 0, len(span_ids))
+    got = last_row_probe(ref, prompt, [occ])  # [L, S]
+
+    known = head + span_ids + [prompt[-1]]
+    pos = list(range(len(head) + len(span_ids))) + [len(prompt) - 1]
+    with torch.no_grad():
+        att = ref.model(
+            torch.tensor([known]), position_ids=torch.tensor([pos]), output_attentions=True
+        ).attentions  # L x [1, H, T, T]
+    rows = slice(len(head), len(head) + len(span_ids))
+    want = torch.stack([a[0, :, -1, rows].mean(0) for a in att]).float()
+    assert got.shape == want.shape == (NUM_LAYERS, len(span_ids))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    # the rows between matter: a probe that saw them would differ
+    with torch.no_grad():
+        full = ref.model(torch.tensor([prompt]), output_attentions=True).attentions
+    seen = torch.stack([a[0, :, -1, rows].mean(0) for a in full]).float()
+    assert (seen - got).abs().max() > 1e-3
+
+
+def test_probed_context_rule_charges_its_row_and_ranks_mass_times_attention(ref, tok, upstream):
+    """``probe``: the highest ``mass * a ** probe`` (brute force from the context mass and
+    the probe's attention over the upper half of the layers), one token fewer than the
+    cap (the probe row is charged), and the reuse counts that row's layers."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    base = RelayConfig(
+        l_start=0, l_det=0, l_end=-1, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+        max_ratio=0.2, budget="request",
+    )  # fmt: skip
+    cfg = replace(base, probe=0.25)
+    res = relay_prefill(ref, prompt, [span], cfg)
+    n = span.length
+    cap = int(0.2 * n)
+    mass = record_context_mass(ref, upstream, 2)
+    att = last_row_probe(ref, prompt, [span])[NUM_LAYERS // 2 :].mean(0)
+    want = torch.zeros(n, dtype=torch.bool)
+    want[(mass * att**0.25).topk(cap - 1).indices] = True
+    assert torch.equal(res.selected_mask, want)
+    assert res.reuse_rate == pytest.approx(
+        1 - ((cap - 1) * NUM_LAYERS + NUM_LAYERS) / (n * NUM_LAYERS)
+    )
+    plain = relay_prefill(ref, prompt, [span], base)
+    assert not torch.equal(plain.selected_mask, want)  # the probe changes the choice
+    assert RelayConfig.from_dict(cfg.to_dict()) == cfg and "probe" not in base.to_dict()
+    for bad in (replace(base, budget="span"), replace(base, signal="value", l_ctx=None)):
+        with pytest.raises(ValueError, match="probe"):
+            replace(bad, probe=0.25)
 
 
 def test_batched_decode_equals_single(ref, upstream):

@@ -58,6 +58,12 @@ class RelayConfig:
             the reuse target), or ``"request"``, all the spans a request relays in one
             prefill chunk together (the request keeps it; the tokens with the highest
             scores are chosen wherever they are).
+        probe: ``signal="context"`` with ``budget="request"`` only: rank by the context
+            mass times ``a ** probe``, where ``a`` is the attention the request's *last
+            prompt row* gives a span token in a probe pass over the spliced KV (mean over
+            heads and the upper half of the layers). The probe row knows the downstream
+            query; it is charged to the request's cap (one token fewer selected).
+            ``None``: no probe.
     """
 
     method: str = "relay"
@@ -74,13 +80,14 @@ class RelayConfig:
     min_span: int = 32
     l_ctx: int | None = None
     budget: str = "span"
+    probe: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("l_start", "l_det", "l_end", "l_suf", "first_k", "min_span"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer; got {value!r}")
-        for name in ("tau_dev", "tau_inf", "top_ratio", "max_ratio"):
+        for name in ("tau_dev", "tau_inf", "top_ratio", "max_ratio", "probe"):
             value = getattr(self, name)
             optional = name != "tau_dev"
             if (value is None and not optional) or (
@@ -96,7 +103,7 @@ class RelayConfig:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {', '.join(SIGNALS)}; got {self.signal!r}")
-        for name in ("tau_dev", "tau_inf"):
+        for name in ("tau_dev", "tau_inf", "probe"):
             value = getattr(self, name)
             try:
                 finite = value is None or math.isfinite(value)
@@ -119,6 +126,8 @@ class RelayConfig:
             raise ValueError('signal "context" needs l_ctx (the layer of the context mass)')
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}")
+        if self.probe is not None and (self.signal != "context" or self.budget != "request"):
+            raise ValueError('probe needs signal "context" and budget "request"')
         if self.min_span < 2:
             raise ValueError(f"min_span must be >= 2; got {self.min_span}")
 
@@ -133,6 +142,11 @@ class RelayConfig:
         """Whether selection ranks tokens by their recorded context mass (no deviation
         pass; the span must carry context masses at ``l_ctx``)."""
         return self.method == "relay" and self.signal == "context"
+
+    @property
+    def probes(self) -> bool:
+        """Whether selection needs the last-prompt-row probe pass (:attr:`probe`)."""
+        return self.ranks_context and self.probe is not None
 
     def context_layer(self, num_layers: int) -> int | None:
         """``l_ctx`` resolved for a model with ``num_layers`` layers (``None``: unused);
@@ -174,6 +188,7 @@ class RelayConfig:
                 l_suf=0,
                 tau_inf=None,
                 max_ratio=None,
+                probe=None,
             )
         if method == "epic":
             return replace(
@@ -187,6 +202,7 @@ class RelayConfig:
                 top_ratio=None,
                 tau_inf=None,
                 max_ratio=None,
+                probe=None,
             )
         return replace(self, method=method)
 
@@ -214,6 +230,8 @@ class RelayConfig:
             del out["l_ctx"]
         if out["budget"] == "span":  # the default: older profiles stay equal
             del out["budget"]
+        if out["probe"] is None:
+            del out["probe"]
         return out
 
     @classmethod

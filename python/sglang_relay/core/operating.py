@@ -76,9 +76,12 @@ def at_target(cfg: RelayConfig, num_layers: int, target: float) -> RelayConfig:
 
 
 def rule_name(cfg: RelayConfig) -> str:
-    """``"deviation"``, ``"context"`` or ``"first_k"``: what selects the tokens."""
+    """``"deviation"``, ``"context"``, ``"context+probe"`` or ``"first_k"``: what selects
+    the tokens."""
     if cfg.detects:
         return "deviation"
+    if cfg.probes:
+        return "context+probe"
     return "context" if cfg.ranks_context else "first_k"
 
 
@@ -86,8 +89,9 @@ def rule_name(cfg: RelayConfig) -> str:
 class OperatingPoint:
     """The config a request runs with for reuse ``target``. ``profiled``: the frontier
     point's target (``None``: cap solved from the formula); ``rule``: ``"deviation"``
-    (detection at ``l_det``), ``"context"`` (recorded context mass) or ``"first_k"``
-    (position only)."""
+    (detection at ``l_det``), ``"context"`` (recorded context mass), ``"context+probe"``
+    (times the last prompt row's attention in a probe pass) or ``"first_k"`` (position
+    only)."""
 
     target: float
     config: RelayConfig

@@ -45,10 +45,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.attention import attention_probs, positional_causal_attention
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.rope import apply_rotation, delta_cos_sin
-from sglang_relay.core.selection import context_mass, kv_deviation, select_runs
+from sglang_relay.core.selection import (
+    context_mass,
+    kv_deviation,
+    probe_layers,
+    probed_mass,
+    select_runs,
+)
 
 __all__ = [
     "KVCache",
@@ -62,6 +68,7 @@ __all__ = [
     "first_token_kl",
     "generate",
     "greedy_continue",
+    "last_row_probe",
     "load_model",
     "record_context_mass",
     "record_decode_queries",
@@ -553,6 +560,9 @@ def relay_prefill(
                 )
             else:
                 ctx = None
+            if cfg.probes:
+                att = last_row_probe(ref, prompt, spans)[list(probe_layers(num_l))].mean(0)
+                ctx = probed_mass(ctx, att, cfg.probe)
             mask, counts, result.deviation = _detect(
                 ref, cfg, lid, hs, span_rows, bounds, cache, infl, ctx
             )
@@ -576,6 +586,8 @@ def relay_prefill(
         n * sched.dense_layers + c * sched.sparse_layers
         for n, c in zip([s.length for s in spans], counts, strict=True)
     )
+    if cfg.probes:  # the probe's row, charged to the request's cap
+        recomputed += num_l
     span_total = sum(s.length for s in spans)
     result.logits = ref.logits(hs[len(prompt) - 1 :])
     result.span_lengths = [s.length for s in spans]
@@ -583,6 +595,40 @@ def relay_prefill(
     result.reuse_rate = 1.0 - recomputed / (span_total * num_l)
     result.hidden = hidden
     return result
+
+
+@torch.no_grad()
+def last_row_probe(
+    ref: RefModel, prompt: Sequence[int], spans: Sequence[SpanOccurrence]
+) -> torch.Tensor:
+    """``[L, S]``: the attention (mean over query heads) the last prompt row gives each span
+    token (prompt order) in a *probe* pass, in every layer: the span KV spliced as is, and
+    only the rows before the first span (their KV does not depend on the spans, so it is
+    final) and the last prompt row computed; the rows between are left out of the probe's
+    attention (``cfg.probe``)."""
+    spans = sorted(spans, key=lambda s: s.prompt_start)
+    span_rows = _span_rows(spans, ref.device)
+    total = len(prompt)
+    if int(span_rows.max()) >= total - 1:
+        raise ValueError("the last prompt row must come after the spans")
+    cache = KVCache.empty(ref, total)
+    _splice(ref, cache, spans, span_rows)
+    dev = ref.device
+    rows = torch.cat([torch.arange(int(span_rows.min()), device=dev), torch.tensor([total - 1])])
+    known = torch.zeros(total, dtype=torch.bool, device=dev)
+    known[span_rows] = known[rows] = True
+    visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
+    h = ref.embed(torch.tensor(list(prompt), dtype=torch.long, device=dev)[rows])
+    out = []
+    for lid, layer in enumerate(ref.layers):
+        q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
+        cache.k[lid, rows], cache.v[lid, rows] = k, v
+        probs = attention_probs(q, cache.k[lid], visible, ref.scale)  # [n, G, R, T]
+        out.append(probs[-1].mean((0, 1))[span_rows])
+        o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
+        h = h + layer.self_attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return torch.stack(out)
 
 
 def _check_selection(selection: torch.Tensor, n: int) -> None:
@@ -720,7 +766,9 @@ def _detect(
         cache.k[lid, span_rows] = k
         cache.v[lid, span_rows] = v
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-    keep = [m.to(span_rows.device) for m in select_runs(cfg, lengths, deviation, influence)]
+    reserve = 1 if cfg.probes else 0  # the probe's row is charged to the cap
+    masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve)
+    keep = [m.to(span_rows.device) for m in masks]
     return torch.cat(keep), [int(m.sum()) for m in keep], deviation
 
 

@@ -129,12 +129,14 @@ def select_tokens(
     influence: torch.Tensor | None = None,
     *,
     head: int = 0,
+    reserve: int = 0,
 ) -> torch.Tensor:
     """Boolean mask ``[n]`` of the span tokens to rectify in ``[l_det, l_end]``.
 
     ``head``: how many tokens of the same occurrence precede this run (a span continued
     from the previous prefill chunk); the forced ``first_k`` tokens count from the
-    occurrence's start, not the run's.
+    occurrence's start, not the run's. ``reserve``: tokens of the cap spent elsewhere (the
+    probe row of ``cfg.probe``).
 
     ``deviation``/``influence``: ``[n]`` scores (``None`` when the rule needs none); for
     ``signal="context"`` ``deviation`` holds the tokens' context masses. The rule:
@@ -146,7 +148,8 @@ def select_tokens(
     mask, forced = _candidates(cfg, n, deviation, influence, head)
     if cfg.max_ratio is None or n == 0:
         return mask
-    return _capped(mask, forced, deviation, int(cfg.max_ratio * n))  # floor: reuse kept
+    cap = max(0, int(cfg.max_ratio * n) - reserve)  # floor: reuse kept
+    return _capped(mask, forced, deviation, cap)
 
 
 def select_runs(
@@ -156,9 +159,11 @@ def select_runs(
     influence: torch.Tensor | None = None,
     *,
     heads: list[int] | None = None,
+    reserve: int = 0,
 ) -> list[torch.Tensor]:
     """Masks of one request's matched runs in one prefill chunk (``lengths``; the scores
-    are the runs' concatenated, ``heads`` as in :func:`select_tokens`).
+    are the runs' concatenated, ``heads`` and ``reserve`` as in :func:`select_tokens`;
+    ``reserve`` comes off the first run's cap with ``budget="span"``).
 
     ``budget="span"``: each run on its own (:func:`select_tokens`). ``budget="request"``:
     each run's candidates as :func:`select_tokens` finds them, then one ``max_ratio`` cap
@@ -176,7 +181,14 @@ def select_runs(
 
     if cfg.budget == "span" or cfg.max_ratio is None or len(lengths) < 2:
         return [
-            select_tokens(cfg, n, part(deviation, i), part(influence, i), head=heads[i])
+            select_tokens(
+                cfg,
+                n,
+                part(deviation, i),
+                part(influence, i),
+                head=heads[i],
+                reserve=reserve if i == 0 else 0,
+            )
             for i, n in enumerate(lengths)
         ]
     found = [
@@ -185,5 +197,20 @@ def select_runs(
     ]
     mask = torch.cat([m for m, _ in found])
     forced = torch.cat([f for _, f in found])
-    mask = _capped(mask, forced, deviation, int(cfg.max_ratio * bounds[-1]))
+    mask = _capped(mask, forced, deviation, max(0, int(cfg.max_ratio * bounds[-1]) - reserve))
     return [mask[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+
+
+PROBE_LAYERS_FROM = 0.5  # the probe's attention is averaged over layers >= this share of L
+
+
+def probe_layers(num_layers: int) -> range:
+    """The layers whose last-row attention the probe averages (the upper half)."""
+    return range(int(num_layers * PROBE_LAYERS_FROM), num_layers)
+
+
+def probed_mass(mass: torch.Tensor, attention: torch.Tensor, power: float) -> torch.Tensor:
+    """``signal="context"`` scores with a probe: each span token's context mass times the
+    ``power`` of the attention the downstream's last prompt row gave it (``[S]`` each): a
+    token whose KV changed *and* that the new prompt's next token reads ranks first."""
+    return mass.float() * attention.float().clamp_min(0).pow(power)

@@ -13,7 +13,7 @@ The batch plan is built by :mod:`.planner`; nothing here calls back into it.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 import torch
@@ -23,6 +23,7 @@ from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
+from sglang_relay.runtime.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
 from sglang_relay.runtime.tp import TPMismatch, TPSync, fingerprint
@@ -40,6 +41,7 @@ class SpanGroup:
     segments: list[tuple[int, int, ChunkUse, int]]  # (lo, hi) in rows, use, head per run
     selected: torch.Tensor | None = None  # [<=S] int64 batch rows chosen at l_det
     context: torch.Tensor | None = None  # [S] float32 recorded context masses (signal context)
+    probed: torch.Tensor | None = None  # [S] context masses x last-row probe (cfg.probe)
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class BatchPlan:
     attention: ExtendAttention
     owners: list[RequestStats]  # the requests whose chunks this plan relays
     tp: TPSync | None = None  # tensor parallel: scores reduced, selections checked
+    probes: list[ProbeTarget] = field(default_factory=list)  # requests whose rule probes
+    probe_pre: torch.Tensor | None = None  # [P] int64 rows the probe computes for good
 
 
 def splice(fb, model, plan: BatchPlan) -> None:
@@ -83,6 +87,9 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
     cfg, rows = group.cfg, group.rows
     n = rows.numel()
     deviation = group.context if cfg.ranks_context else None  # scores recorded with the span
+    reduced = group.probed is not None  # the probe's scores are the TP group's already
+    if reduced:
+        deviation = group.probed
     if cfg.detects:
         hs = gather_rows(h, rows)
         if r is None:
@@ -103,7 +110,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
         write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     scores = None if influence is None else influence[group.src]
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
-        deviation = None if deviation is None else tp.mean(deviation)
+        deviation = None if deviation is None or reduced else tp.mean(deviation)
         scores = None if scores is None else tp.mean(scores)
     keep = []
     # one ChunkUse per request chunk, whose runs are consecutive rows of the group: they
@@ -117,6 +124,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
             None if deviation is None else deviation[lo:hi],
             None if scores is None else scores[lo:hi],
             heads=[head for _, _, _, head in segs],
+            reserve=1 if segs[0][2].probe == "last_row" else 0,  # the probe's row is charged
         )
         for (lo, hi, use, _), mask in zip(segs, masks, strict=True):
             keep.append(rows[lo:hi][mask.to(rows.device)])
@@ -151,18 +159,23 @@ def relay_extend(
     Per-run selected counts land in the plan's ``ChunkUse`` objects. Stamps the batch's
     slots: normal rows (computed exactly, e.g. the decode rows of a mixed batch) with their
     hidden state at ``capture_layer`` stored, span rows without."""
-    normal_loc = fb.out_cache_loc[plan.normal_rows]
     ledger.stamp(fb.out_cache_loc[plan.span_rows], with_hidden=False)
-    ledger.stamp(normal_loc, with_hidden=capture_layer is not None)
+    ledger.stamp(fb.out_cache_loc[plan.normal_rows], with_hidden=capture_layer is not None)
     splice(fb, model, plan)
     plan.attention.reset()
     h = model.embed_tokens(input_ids)
     r = None
+    normal_rows, pre_r = plan.normal_rows, None
+    if plan.probes:  # the rows before the first spans are final after the probe
+        pre_r = run_probe(model, positions, fb, plan, h, ledger, capture_layer)
+        if plan.probe_pre is not None and plan.probe_pre.numel():
+            normal_rows = normal_rows[~torch.isin(normal_rows, plan.probe_pre)]
+    normal_loc = fb.out_cache_loc[normal_rows]
     last_phase = rows = handle = row_pos = None
     for lid, layer in enumerate(model.layers):
-        if lid == capture_layer and plan.normal_rows.numel():
-            rows_h = gather_rows(h, plan.normal_rows)
-            ledger.store_hidden(normal_loc, stream(rows_h, gather_rows(r, plan.normal_rows)))
+        if lid == capture_layer and normal_rows.numel():
+            rows_h = gather_rows(h, normal_rows)
+            ledger.store_hidden(normal_loc, stream(rows_h, gather_rows(r, normal_rows)))
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
                 if r is None:  # no row ran yet (a chunk made of span rows only)
@@ -174,7 +187,7 @@ def relay_extend(
         phase = tuple(_phase(g, lid) for g in plan.groups)
         if phase != last_phase:  # the active rows change at group boundaries only
             last_phase = phase
-            parts = [plan.normal_rows]
+            parts = [normal_rows]
             for g, ph in zip(plan.groups, phase, strict=True):
                 if ph == "dense":
                     parts.append(g.rows)
@@ -205,5 +218,7 @@ def relay_extend(
         scatter_rows(r, rows, r_out)
     if r is None:  # no row was active anywhere: a chunk of span rows with nothing selected
         r = torch.zeros_like(h)
+    if pre_r is not None:
+        scatter_rows(r, plan.probe_pre, pre_r)
     out, _ = model.norm(h, r)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.extend import BatchPlan, SpanGroup
+from sglang_relay.runtime.probe import ProbeTarget, pre_span_rows
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanSource, SpanStore
 from sglang_relay.runtime.stats import RequestStats
@@ -37,6 +38,7 @@ class RequestPlan:
     sources: list[SpanSource]
     heads: list[int]  # per source, tokens of its occurrence relayed in earlier chunks
     stats: RequestStats
+    last_chunk: bool = True  # the chunk ends the prompt (holds its last row: cfg.probe)
 
 
 def valid_runs(ok: torch.Tensor, min_len: int) -> list[tuple[int, int]]:
@@ -82,10 +84,13 @@ class Planner:
         prefix_len: int,
         namespace: Hashable,
         related: Callable[[], set[int]] | None = None,
+        *,
+        last_chunk: bool = True,
     ) -> tuple[bool, int]:
         """Find spans in this chunk's ``tokens`` (they start at row position
         ``prefix_len``), keeping those of spans in ``related()`` (None: all). Returns
-        whether any was kept and the number of matches left out as unrelated."""
+        whether any was kept and the number of matches left out as unrelated.
+        ``last_chunk``: the chunk ends the prompt, whose last row follows ``tokens``."""
         sources = self.store.find(tokens, namespace)
         unrelated = 0
         if sources and related is not None:
@@ -100,7 +105,7 @@ class Planner:
                 stats.open_run = (s.span_id, s.span_start + s.length, end, head + s.length)
         if not sources:
             return False, unrelated
-        self.pending[rid] = RequestPlan(cfg, prefix_len, sources, heads, stats)
+        self.pending[rid] = RequestPlan(cfg, prefix_len, sources, heads, stats, last_chunk)
         return True, unrelated
 
     @staticmethod
@@ -138,6 +143,7 @@ class Planner:
         num_rows = sum(ext_lens)
         written = fb.out_cache_loc.to(torch.int64)
         groups: dict[RelayConfig, dict[str, list]] = {}
+        probing = []  # (cfg, first group row, request index, use) of the requests that probe
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
@@ -145,12 +151,16 @@ class Planner:
                 dropped.append((plan.stats, "stale_plan"))
                 continue
             use = plan.stats.begin_chunk()
-            sched = plan.cfg.schedule(self.num_layers)
+            cfg = plan.cfg
+            if cfg.probes:
+                use.probe = "last_row" if plan.last_chunk else "no_last_row"
+                if not plan.last_chunk:  # a chunk before the last: the context rule alone
+                    cfg = replace(cfg, probe=None)
+            sched = cfg.schedule(self.num_layers)
             needs_hidden = sched.needs_hidden() and sched.l_start > 0  # 0: embeddings
-            ranks_context = plan.cfg.ranks_context
-            g = groups.setdefault(
-                plan.cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []}
-            )
+            ranks_context = cfg.ranks_context
+            g = groups.setdefault(cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []})
+            first_row = sum(len(r) for r in g["rows"])
             reasons = []
             for s, head in zip(plan.sources, plan.heads, strict=True):
                 ok = self.ledger.unchanged(s.slots, s.stamps)
@@ -188,8 +198,12 @@ class Planner:
             if use.tokens == 0:
                 plan.stats.chunk = None
                 dropped.append((plan.stats, reasons[0] if reasons else "span_evicted"))
-            elif reasons:
+                continue
+            if reasons:
                 plan.stats.fallback = f"trimmed: {reasons[0]}"
+            if cfg.probes:
+                probing.append((cfg, first_row, i, use))
+                use.recomputed_token_layers += self.num_layers  # the probe's row
         built = [
             SpanGroup(
                 cfg=cfg,
@@ -201,6 +215,18 @@ class Planner:
             )
             for cfg, g in groups.items()
             if g["rows"]
+        ]
+        index = {g.cfg: k for k, g in enumerate(built)}
+        probes = [
+            ProbeTarget(
+                group=index[cfg],
+                lo=lo,
+                hi=lo + use.tokens,
+                row=row_starts[i] + ext_lens[i] - 1,
+                req=i,
+                first=use.first_position,
+            )
+            for cfg, lo, i, use in probing
         ]
         if not built:
             return None, dropped
@@ -222,5 +248,7 @@ class Planner:
             attention=self.attention,
             owners=[p.stats for p in plans if p is not None and p.stats.chunk is not None],
             tp=self.tp,
+            probes=probes,
+            probe_pre=pre_span_rows(probes, row_starts, prefix_lens).to(span_rows.device),
         )
         return plan, dropped

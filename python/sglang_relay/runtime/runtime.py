@@ -282,6 +282,7 @@ class RelayRuntime:
             start,
             ns,
             related=(lambda: self._related(req, ns)) if self.settings.min_share > 0 else None,
+            last_chunk=last_chunk,
         )
         if unrelated:
             self.counters["unrelated_matches"] += unrelated
@@ -374,6 +375,8 @@ class RelayRuntime:
         for stats in plan.owners:
             if stats.chunk is not None:
                 self.counters["spans_matched"] += stats.chunk.spans
+                if stats.chunk.probe is not None:
+                    self.counters[f"probe_{stats.chunk.probe}"] += 1
             stats.commit()
             self._republish(stats)
         self.counters["relay_extends"] += 1

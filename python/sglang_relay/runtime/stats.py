@@ -21,6 +21,7 @@ class ChunkUse:
     selected: int = 0
     recomputed_token_layers: int = 0
     first_position: int | None = None  # first relayed position in the request's row
+    probe: str | None = None  # cfg.probe: "last_row" (ran) or why it did not
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class RequestStats:
     recomputed_token_layers: int = 0
     trimmed_tokens: int = 0  # matched tokens left out because their slots were not valid
     fallback: str | None = None
+    probe: str | None = None  # the last chunk's probe (cfg.probe), as in ChunkUse
     point: dict[str, Any] | None = None  # the operating point (reuse target) it ran at
     relayed_from: int | None = None  # first relayed row position (exactness clamp)
     chunk: ChunkUse | None = field(default=None, repr=False)  # figures of the running chunk
@@ -55,6 +57,8 @@ class RequestStats:
         self.reused_tokens += c.tokens
         self.selected_tokens += c.selected
         self.recomputed_token_layers += c.recomputed_token_layers
+        if c.probe is not None:
+            self.probe = c.probe
         if c.first_position is not None and (
             self.relayed_from is None or c.first_position < self.relayed_from
         ):
@@ -80,5 +84,6 @@ class RequestStats:
             "reuse_rate": self.reuse_rate,
             "trimmed_tokens": self.trimmed_tokens,
             "fallback": self.fallback,
+            **({"probe": self.probe} if self.probe is not None else {}),
             **({"operating_point": self.point} if self.point is not None else {}),
         }
