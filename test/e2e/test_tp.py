@@ -4,9 +4,12 @@ gloo, one core each) with decode forwards captured by SGLang's CPU graph runner
 like CUDA graphs, before the relay runtime exists).
 
 * The upstream is decoded by graph replays: its greedy output equals the Hugging Face
-  reference executor's, and its span carries valid stamps and hidden states (captured at
-  layer 2 inside the graph): it relays whole, and the relay computes what the reference
-  computes from its own decode.
+  reference executor's, and its span carries valid stamps, hidden states (captured at
+  layer 2 inside the graph) and context masses: it relays whole, and the relay computes
+  what the reference computes from its own decode, with the server's rule (the context
+  rule at layer 2 with the last-row probe: masses and probe attention averaged over the
+  ranks' heads) and with the deviation rule (a per-request config: detection at layer 3
+  from the stored stream, deviations averaged over the ranks).
 * A batch larger than the captured size decodes eagerly through the same capture and
   agrees with the reference too.
 * The all-selected oracle equals standard prefill; both ranks checked each plan and
@@ -33,13 +36,22 @@ from relay_helpers import (
 )
 
 from sglang_relay.core import reference as R
+from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# a stored hidden state at layer 2 (so the capture runs under TP and inside the graphs),
-# detection at 3
-RELAY_CONFIG = {"l_start": 2, "l_det": 3, "first_k": 4, "tau_dev": 1.0, "l_suf": 0}
+# the server's rule: context masses at layer 2 (so the stream is captured under TP and
+# inside the graphs) times the last-row probe, one cap per request
+RELAY_CONFIG = {
+    "l_start": 0, "l_det": 0, "l_end": -1, "signal": "context", "l_ctx": 2, "tau_dev": 0.0,
+    "first_k": 0, "l_suf": 0, "budget": "request", "probe": 0.25,
+}  # fmt: skip
+# a request's rule: the stored hidden state at layer 2, detection at 3
+DEVIATION = {
+    "l_start": 2, "l_det": 3, "first_k": 4, "tau_dev": 1.0, "l_suf": 0, "signal": "value",
+    "budget": "span", "probe": None,
+}  # fmt: skip
 # one captured batch size keeps the compile short on 2 cores; batches of 2+ decode eagerly
 GRAPH_ARGS = [
     "--enable-torch-compile",
@@ -68,8 +80,9 @@ def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
 
         ref = R.load_model(str(tp_model))
         point = settings.point(settings.reuse_target, ref.num_layers)
-        assert point.config.l_start == 2 and point.config.l_det == 3
+        assert point.config.probes and point.config.context_layer(ref.num_layers) == 2
         served, result, span = relay_one_upstream(server.url, ref, point.config)
+        assert served["meta_info"]["relay"]["probe"] == "last_row"
         assert_matches_reference(served, result)
         assert R.greedy_continue(ref, result, 4) == served["output_ids"]
         graphs = relay_info(server.url)
@@ -83,10 +96,13 @@ def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
         assert [r.output for r in records] == [o["output_ids"] for o in outs]
         head, tail = list(range(2100, 2117)), list(range(3000, 3011))
         prompt = head + records[1].span_tokens + tail
-        down = generate_ids(server.url, prompt, 2, return_logprob=True, top_logprobs_num=5)
+        option = {"method": "relay", "config": DEVIATION}
+        down = generate_ids(server.url, prompt, 2, option, return_logprob=True, top_logprobs_num=5)
         assert down["meta_info"]["relay"]["reused_tokens"] == len(records[1].span_tokens)
         occ = R.SpanOccurrence(len(head), records[1], 0, len(records[1].span_tokens))
-        assert_matches_reference(down, R.relay_prefill(ref, prompt, [occ], point.config))
+        deviation = RelayConfig.from_dict({**point.config.to_dict(), **DEVIATION})
+        assert deviation.detects and "probe" not in down["meta_info"]["relay"]
+        assert_matches_reference(down, R.relay_prefill(ref, prompt, [occ], deviation))
         assert relay_info(server.url)["forwards_decode"] >= 60
 
         # all-selected oracle == standard prefill, under TP too

@@ -110,7 +110,8 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
         write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     scores = None if influence is None else influence[group.src]
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
-        deviation = None if deviation is None or reduced else tp.mean(deviation)
+        if deviation is not None and not reduced:
+            deviation = tp.mean(deviation)
         scores = None if scores is None else tp.mean(scores)
     keep = []
     # one ChunkUse per request chunk, whose runs are consecutive rows of the group: they
