@@ -100,57 +100,59 @@ def two_quoted_outputs(url, ref):
 def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_reference(
     server, model_dir
 ):
-    """A prompt quoting two upstream outputs at the shipped 0.90 point (context rule, one
-    cap per request): the server spends the request's budget over both spans as the
-    reference executor does (same selected count, same first-token logprobs), and that
-    budget is split unlike two per-span caps (so the check can tell them apart)."""
+    """A prompt quoting two upstream outputs at the shipped 0.90 point's context rule
+    without its probe (one cap per request): the server spends the request's budget over
+    both spans as the reference executor does (same selected count, same first-token
+    logprobs), and that budget is split unlike two per-span caps (so the check can tell
+    them apart)."""
     from dataclasses import replace
 
     settings = settings_from_env(str(model_dir), {})
     ref = R.load_model(str(model_dir))
     point = settings.point(0.90, ref.num_layers)
     assert point.config.budget == "request" and point.config.ranks_context
+    cfg = replace(point.config, probe=None)
 
     prompt, occs = two_quoted_outputs(server.url, ref)
     spans = [o.record.span_tokens for o in occs]
-    served = generate_ids(
-        server.url, prompt, 4, {"reuse": 0.90}, return_logprob=True, top_logprobs_num=5
-    )
+    option = {"reuse": 0.90, "config": {"probe": None}}
+    served = generate_ids(server.url, prompt, 4, option, return_logprob=True, top_logprobs_num=5)
     info = served["meta_info"]["relay"]
     assert info["fallback"] is None and info["spans_matched"] == 2, info
     assert info["reused_tokens"] == len(spans[0]) + len(spans[1])
 
-    pooled = R.relay_prefill(ref, prompt, occs, point.config)
-    per_span = R.relay_prefill(ref, prompt, occs, replace(point.config, budget="span"))
-    assert sum(pooled.selected) == int(point.config.max_ratio * sum(map(len, spans)))
+    pooled = R.relay_prefill(ref, prompt, occs, cfg)
+    per_span = R.relay_prefill(ref, prompt, occs, replace(cfg, budget="span"))
+    assert sum(pooled.selected) == int(cfg.max_ratio * sum(map(len, spans)))
     assert pooled.selected != per_span.selected  # the split differs from two caps
     assert_matches_reference(served, pooled)
 
 
 def test_last_row_probe_through_the_server_equals_the_reference(server, model_dir):
-    """The context rule with the last-row probe (``probe``, a per-request config here) on a
+    """The shipped 0.90 point, the context rule with the last-row probe (``probe``), on a
     prompt quoting two outputs: the server runs the probe (the rows before the first span
-    for good, the last row over the spans and that context only, not ``mid`` nor ``tail``),
-    charges its row, and computes what the reference executor computes with the probe:
-    the same selected count and reuse, the same first-token logprobs, which the context
-    rule without the probe does not give on this prompt (so the check can tell them
-    apart)."""
+    for good, the last row over the spans and that context only, not ``mid`` nor
+    ``tail``), charges its row, and computes what the reference executor computes with the
+    probe: the same selected count and reuse, the same first-token logprobs, which the
+    context rule without the probe does not give on this prompt (so the check can tell
+    them apart)."""
     from dataclasses import replace
 
     settings = settings_from_env(str(model_dir), {})
     ref = R.load_model(str(model_dir))
     point = settings.point(0.90, ref.num_layers)
-    cfg = replace(point.config, probe=0.25)
+    assert point.config.probes and point.rule == "context+probe"
     prompt, occs = two_quoted_outputs(server.url, ref)
-    option = {"reuse": 0.90, "config": {"probe": 0.25}}
-    served = generate_ids(server.url, prompt, 4, option, return_logprob=True, top_logprobs_num=5)
+    served = generate_ids(
+        server.url, prompt, 4, {"reuse": "balanced"}, return_logprob=True, top_logprobs_num=5
+    )
     info = served["meta_info"]["relay"]
     assert info["fallback"] is None and info["spans_matched"] == 2, info
-    assert info["probe"] == "last_row", info
-    probed = R.relay_prefill(ref, prompt, occs, cfg)
+    assert info["probe"] == "last_row" and info["operating_point"] == point.to_dict(), info
+    probed = R.relay_prefill(ref, prompt, occs, point.config)
     n = sum(o.length for o in occs)
-    assert sum(probed.selected) == int(cfg.max_ratio * n) - 1  # the probe's row is charged
+    assert sum(probed.selected) == int(point.config.max_ratio * n) - 1  # the probe's row
     assert_matches_reference(served, probed)
-    plain = R.relay_prefill(ref, prompt, occs, point.config)
+    plain = R.relay_prefill(ref, prompt, occs, replace(point.config, probe=None))
     gap = (plain.logits[-1].log_softmax(-1) - probed.logits[-1].log_softmax(-1)).abs().max()
     assert float(gap) > 5e-3, float(gap)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,6 +208,11 @@ def test_bench_ttft_operating_point_methods_are_requests_the_server_takes():
     for name, target in (("relay@0.95", 0.95), ("relay@speed", 0.95), ("relay@0.9", 0.90)):
         _, point = resolve_config(settings, _relay_option(name), **shipped)
         assert point is not None and point.profiled == target
+    probed, _ = resolve_config(settings, _relay_option("relay@0.9"), **shipped)
+    plain, _ = resolve_config(settings, _relay_option("relay@0.9:noprobe"), **shipped)
+    assert probed.probes and not plain.probes and plain == replace(probed, probe=None)
+    with pytest.raises(ValueError, match="variant"):
+        _relay_option("relay@0.9:fast")
     assert _relay_option("epic") == "epic" and _relay_option("stock_prefix_hit") == "standard"
 
 

@@ -11,7 +11,8 @@ radix-cache entries. Measured per (method, relayed span length, number of agents
 * ``cacheblend``, ``epic``, ``relay``: selective recompute; ``relay@T`` (``T`` a reuse
   target or level name, e.g. ``relay@0.95`` or ``relay@speed``): relay at that operating
   point, per request (``{"method": "relay", "reuse": T}``), so every point is timed
-  interleaved on the same server;
+  interleaved on the same server; ``relay@T:noprobe``: that point without its last-row
+  probe (``"config": {"probe": null}``), which times what the probe costs;
 * ``stock_prefix_hit``: the same prompt whose prefix up to the span's end is an exact radix
   hit, served by the stock attention backend (for ``relay vs stock prefix hit``).
 
@@ -67,15 +68,19 @@ def _prefix_text(tok: Any, text: str, n_tokens: int) -> str:
 
 
 def _relay_option(method: str) -> str | dict[str, Any]:
-    """``custom_params.relay`` for a bench method name (``relay@T``: a reuse target)."""
+    """``custom_params.relay`` for a bench method name (``relay@T``: a reuse target;
+    ``relay@T:noprobe``: the same point without its last-row probe, to time the probe)."""
     if method == "stock_prefix_hit":
         return "standard"
     if method.startswith("relay@"):
-        target = method.split("@", 1)[1]
+        target, _, variant = method.split("@", 1)[1].partition(":")
+        if variant not in ("", "noprobe"):
+            raise ValueError(f"unknown relay point variant {variant!r} (known: noprobe)")
+        extra = {"config": {"probe": None}} if variant else {}
         try:
-            return {"method": "relay", "reuse": float(target)}
+            return {"method": "relay", "reuse": float(target), **extra}
         except ValueError:
-            return {"method": "relay", "reuse": target}  # a level name
+            return {"method": "relay", "reuse": target, **extra}  # a level name
     return method
 
 

@@ -76,6 +76,16 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
     layers = set(probe_layers(len(model.layers)))
     att = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=h.device) for t in targets]
     loc = fb.out_cache_loc[rows]
+    # per target, the slots its last row sees (context before the first span, the spans,
+    # itself) and where its spans sit among them: the same in every layer
+    vis, where = [], []
+    for t in targets:
+        slots = plan.batch.slots[t.req]
+        span_pos = positions[plan.groups[t.group].rows[t.lo : t.hi]].to(slots.device)
+        own = positions[t.row : t.row + 1].to(slots.device)
+        head = torch.arange(t.first, device=slots.device)
+        vis.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
+        where.append(slice(t.first, t.first + t.hi - t.lo))
     for lid, layer in enumerate(model.layers):
         if lid == capture_layer and n_pre:
             ledger.store_hidden(loc[:n_pre], stream(hp[:n_pre], None if rp is None else rp[:n_pre]))
@@ -89,19 +99,13 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
             out = q.new_empty((q.shape[0], ra.tp_q_head_num, vbuf.shape[-1]))
             if handle is not None:
                 out[:n_pre] = plan.attention.run(handle, q[:n_pre], kbuf, vbuf, ra.scaling)
-            for j, t in enumerate(targets):
-                g = plan.groups[t.group]
-                slots = plan.batch.slots[t.req]
-                span_pos = positions[g.rows[t.lo : t.hi]]
-                own = positions[t.row : t.row + 1]
-                head = torch.arange(t.first, device=slots.device)
-                vis = slots[torch.cat([head, span_pos.to(slots.device), own.to(slots.device)])]
-                keys, vals = kbuf[vis].float(), vbuf[vis].float()
-                seen = torch.ones(1, vis.numel(), dtype=torch.bool, device=keys.device)
+            for j in range(len(targets)):
+                keys, vals = kbuf[vis[j]].float(), vbuf[vis[j]].float()
+                seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
                 qj = q[n_pre + j : n_pre + j + 1].float()
                 probs = attention_probs(qj, keys, seen, ra.scaling)  # [1, Hkv, group, T]
                 if lid in layers:
-                    att[j] += probs[0].mean((0, 1))[t.first : t.first + t.hi - t.lo]
+                    att[j] += probs[0].mean((0, 1))[where[j]]
                 o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, ra.tp_q_head_num, -1)
                 out[n_pre + j] = o[0].to(out.dtype)
             return out.reshape(q.shape[0], -1)
