@@ -483,6 +483,13 @@ def test_probed_context_rule_charges_its_row_and_ranks_mass_times_attention(ref,
     )
     plain = relay_prefill(ref, prompt, [span], base)
     assert not torch.equal(plain.selected_mask, want)  # the probe changes the choice
+    # a cap of one token leaves the probe no choice: it does not run, nothing is charged
+    one = replace(cfg, max_ratio=1.5 / n)
+    alone = relay_prefill(ref, prompt, [span], replace(one, probe=None))
+    small = relay_prefill(ref, prompt, [span], one)
+    assert small.selected == alone.selected == [1]
+    assert torch.equal(small.selected_mask, alone.selected_mask)
+    assert small.reuse_rate == alone.reuse_rate == pytest.approx(1 - 1 / n)
     assert RelayConfig.from_dict(cfg.to_dict()) == cfg and "probe" not in base.to_dict()
     for bad in (replace(base, budget="span"), replace(base, signal="value", l_ctx=None)):
         with pytest.raises(ValueError, match="probe"):

@@ -52,6 +52,7 @@ from sglang_relay.core.selection import (
     context_mass,
     kv_deviation,
     probe_layers,
+    probe_pays,
     probed_mass,
     select_runs,
 )
@@ -535,6 +536,7 @@ def relay_prefill(
     normal_rows = all_rows[normal]
 
     _splice(ref, cache, spans, span_rows)
+    probing = probe_pays(cfg, span_rows.numel())  # the last-row probe runs (cfg.probe)
 
     selected_rows = span_rows[:0]
     counts = [0] * len(spans)
@@ -560,11 +562,11 @@ def relay_prefill(
                 )
             else:
                 ctx = None
-            if cfg.probes:
+            if probing:
                 att = last_row_probe(ref, prompt, spans)[list(probe_layers(num_l))].mean(0)
                 ctx = probed_mass(ctx, att, cfg.probe)
             mask, counts, result.deviation = _detect(
-                ref, cfg, lid, hs, span_rows, bounds, cache, infl, ctx
+                ref, cfg, lid, hs, span_rows, bounds, cache, infl, ctx, reserve=int(probing)
             )
             if selection is not None:
                 _check_selection(selection, span_rows.numel())
@@ -586,7 +588,7 @@ def relay_prefill(
         n * sched.dense_layers + c * sched.sparse_layers
         for n, c in zip([s.length for s in spans], counts, strict=True)
     )
-    if cfg.probes:  # the probe's row, charged to the request's cap
+    if probing:  # the probe's row, charged to the request's cap
         recomputed += num_l
     span_total = sum(s.length for s in spans)
     result.logits = ref.logits(hs[len(prompt) - 1 :])
@@ -614,7 +616,8 @@ def last_row_probe(
     cache = KVCache.empty(ref, total)
     _splice(ref, cache, spans, span_rows)
     dev = ref.device
-    rows = torch.cat([torch.arange(int(span_rows.min()), device=dev), torch.tensor([total - 1])])
+    first = int(span_rows.min())
+    rows = torch.cat([torch.arange(first, device=dev), torch.tensor([total - 1], device=dev)])
     known = torch.zeros(total, dtype=torch.bool, device=dev)
     known[span_rows] = known[rows] = True
     visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
@@ -749,11 +752,14 @@ def _detect(
     cache: KVCache,
     influence: torch.Tensor | None = None,
     context: torch.Tensor | None = None,
+    *,
+    reserve: int = 0,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Detection at ``l_det``: deviation of fresh vs stored K/V of the span rows (``[S]``),
     fresh K/V written into layer ``lid``, selection per span occurrence (``bounds``: segment
     offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). With
     ``signal="context"`` the ``[S]`` recorded ``context`` masses rank instead (no pass).
+    ``reserve``: tokens of the cap spent on the probe row.
     Returns the ``[S]`` selection mask, counts per span and the scores."""
     deviation = context
     if cfg.detects:
@@ -766,7 +772,6 @@ def _detect(
         cache.k[lid, span_rows] = k
         cache.v[lid, span_rows] = v
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-    reserve = 1 if cfg.probes else 0  # the probe's row is charged to the cap
     masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve)
     keep = [m.to(span_rows.device) for m in masks]
     return torch.cat(keep), [int(m.sum()) for m in keep], deviation

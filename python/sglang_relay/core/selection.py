@@ -204,6 +204,16 @@ def select_runs(
 PROBE_LAYERS_FROM = 0.5  # the probe's attention is averaged over layers >= this share of L
 
 
+PROBE_MIN_CAP = 2  # the probe runs only where the cap leaves it a choice to make
+
+
+def probe_pays(cfg: RelayConfig, tokens: int) -> bool:
+    """Whether ``cfg``'s last-row probe runs for a request relaying ``tokens`` span tokens
+    in one chunk: only when the cap selects at least :data:`PROBE_MIN_CAP` of them (below,
+    its charged row would leave nothing to choose, or cost the reuse target)."""
+    return cfg.probes and cfg.max_ratio is not None and int(cfg.max_ratio * tokens) >= PROBE_MIN_CAP
+
+
 def probe_layers(num_layers: int) -> range:
     """The layers whose last-row attention the probe averages (the upper half)."""
     return range(int(num_layers * PROBE_LAYERS_FROM), num_layers)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.selection import probe_pays
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.extend import BatchPlan, SpanGroup
 from sglang_relay.runtime.probe import ProbeTarget, pre_span_rows
@@ -151,17 +152,10 @@ class Planner:
                 dropped.append((plan.stats, "stale_plan"))
                 continue
             use = plan.stats.begin_chunk()
-            cfg = plan.cfg
-            if cfg.probes:
-                use.probe = "last_row" if plan.last_chunk else "no_last_row"
-                if not plan.last_chunk:  # a chunk before the last: the context rule alone
-                    cfg = replace(cfg, probe=None)
-            sched = cfg.schedule(self.num_layers)
+            sched = plan.cfg.schedule(self.num_layers)
             needs_hidden = sched.needs_hidden() and sched.l_start > 0  # 0: embeddings
-            ranks_context = cfg.ranks_context
-            g = groups.setdefault(cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []})
-            first_row = sum(len(r) for r in g["rows"])
-            reasons = []
+            ranks_context = plan.cfg.ranks_context
+            reasons, found = [], []
             for s, head in zip(plan.sources, plan.heads, strict=True):
                 ok = self.ledger.unchanged(s.slots, s.stamps)
                 if not bool(ok.all()):
@@ -177,6 +171,27 @@ class Planner:
                     ok &= False
                 runs = valid_runs(ok, self.min_span)
                 plan.stats.trimmed_tokens += s.length - sum(hi - lo for lo, hi in runs)
+                found.append((s, head, runs))
+            tokens = sum(hi - lo for _, _, runs in found for lo, hi in runs)
+            if tokens == 0:
+                plan.stats.chunk = None
+                dropped.append((plan.stats, reasons[0] if reasons else "span_evicted"))
+                continue
+            if reasons:
+                plan.stats.fallback = f"trimmed: {reasons[0]}"
+            cfg = plan.cfg
+            if cfg.probes:  # the last-row probe, where the chunk has that row and a choice
+                if not plan.last_chunk:
+                    use.probe = "no_last_row"
+                elif not probe_pays(cfg, tokens):
+                    use.probe = "small_budget"
+                else:
+                    use.probe = "last_row"
+                if use.probe != "last_row":  # the context rule alone
+                    cfg = replace(cfg, probe=None)
+            g = groups.setdefault(cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []})
+            first_row = sum(len(r) for r in g["rows"])
+            for s, head, runs in found:
                 for lo, hi in runs:
                     n = hi - lo
                     start = s.prompt_start + lo
@@ -195,12 +210,6 @@ class Planner:
                     use.first_position = (
                         dest if use.first_position is None else min(use.first_position, dest)
                     )
-            if use.tokens == 0:
-                plan.stats.chunk = None
-                dropped.append((plan.stats, reasons[0] if reasons else "span_evicted"))
-                continue
-            if reasons:
-                plan.stats.fallback = f"trimmed: {reasons[0]}"
             if cfg.probes:
                 probing.append((cfg, first_row, i, use))
                 use.recomputed_token_layers += self.num_layers  # the probe's row

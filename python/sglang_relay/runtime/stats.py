@@ -21,7 +21,7 @@ class ChunkUse:
     selected: int = 0
     recomputed_token_layers: int = 0
     first_position: int | None = None  # first relayed position in the request's row
-    probe: str | None = None  # cfg.probe: "last_row" (ran) or why it did not
+    probe: str | None = None  # cfg.probe: "last_row" (ran), "no_last_row", "small_budget"
 
 
 @dataclass(slots=True)
