@@ -87,8 +87,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
     cfg, rows = group.cfg, group.rows
     n = rows.numel()
     deviation = group.context if cfg.ranks_context else None  # scores recorded with the span
-    reduced = group.probed is not None  # the probe's scores are the TP group's already
-    if reduced:
+    if cfg.probes:  # a probing group's scores came from the probe (the TP group's already)
         deviation = group.probed
     if cfg.detects:
         hs = gather_rows(h, rows)
@@ -110,7 +109,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
         write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
     scores = None if influence is None else influence[group.src]
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
-        if deviation is not None and not reduced:
+        if deviation is not None and not cfg.probes:
             deviation = tp.mean(deviation)
         scores = None if scores is None else tp.mean(scores)
     keep = []
@@ -125,7 +124,7 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
             None if deviation is None else deviation[lo:hi],
             None if scores is None else scores[lo:hi],
             heads=[head for _, _, _, head in segs],
-            reserve=1 if segs[0][2].probe == "last_row" else 0,  # the probe's row is charged
+            reserve=int(cfg.probes),  # the probe's row is charged
         )
         for (lo, hi, use, _), mask in zip(segs, masks, strict=True):
             keep.append(rows[lo:hi][mask.to(rows.device)])
