@@ -401,6 +401,94 @@ def context_variants(ref, relay, targets, layer: int) -> dict[str, float]:
     return out
 
 
+def probe_variants(ref, relay, targets, shipped: RelayConfig) -> dict[str, float]:
+    """First-token KL of last-row-probe score variants on one relay, per target, all at the
+    shipped probe rule's count (the cap minus the probe's row), recomputed from the
+    embeddings as a server does."""
+    forced = relay.continuation[:-1]
+    exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
+    spans = sorted(relay.spans, key=lambda s: s.prompt_start)
+    lengths = [s.length for s in spans]
+    total = sum(lengths)
+    num_l = ref.num_layers
+    mass = torch.cat(
+        [
+            ref_exec.record_context_mass(ref, s.record, shipped.l_ctx)[
+                s.span_start : s.span_start + s.length
+            ]
+            for s in spans
+        ]
+    )
+    att = ref_exec.last_row_probe(ref, relay.prompt, spans, heads=True)  # [L, Hq, S]
+    _, src_v = ref_exec._upstream_kv(spans)  # [L, S, Hkv, D]
+    group = att.shape[1] // src_v.shape[2]
+    vnorm = src_v.float().norm(dim=-1).repeat_interleave(group, dim=2).transpose(1, 2)
+    upper = list(probe_layers(num_l))
+    top = list(range(3 * num_l // 4, num_l))
+    plain = att[upper].mean((0, 1))
+    first = torch.zeros(total, dtype=torch.bool)
+    lo = 0
+    for n in lengths:
+        first[lo] = True
+        lo += n
+
+    def rank(x: torch.Tensor) -> torch.Tensor:
+        return x.argsort().argsort().float() / max(x.numel() - 1, 1)
+
+    scores = {
+        "probe^0.25 (shipped)": probed_mass(mass, plain, 0.25),
+        "probe^0.5": probed_mass(mass, plain, 0.5),
+        "probe^1": probed_mass(mass, plain, 1.0),
+        "probe^0.25, all layers": probed_mass(mass, att.mean((0, 1)), 0.25),
+        "probe^0.25, top quarter layers": probed_mass(mass, att[top].mean((0, 1)), 0.25),
+        "probe^0.25, value-weighted": probed_mass(mass, (att * vnorm)[upper].mean((0, 1)), 0.25),
+        "probe^0.5, value-weighted": probed_mass(mass, (att * vnorm)[upper].mean((0, 1)), 0.5),
+        "probe^0.25, head max": probed_mass(mass, att[upper].amax(1).mean(0), 0.25),
+        "probe^0.25, layer max": probed_mass(mass, att[upper].mean(1).amax(0), 0.25),
+        "rank(mass) + rank(probe)": rank(mass) + rank(plain),
+        "probe^0.25 + span's first token": probed_mass(mass, plain, 0.25) + first * 1e9,
+    }
+
+    def kl(sel) -> float:
+        res = ref_exec.relay_prefill(
+            ref, relay.prompt, spans, FROM_ZERO, forced=forced, selection=sel
+        )
+        return ref_exec.fidelity(exact.logits, res.logits, relay.continuation)["first_token_kl"]
+
+    out = {}
+    for t in targets:
+        count = max(int(at_target(shipped, num_l, t).max_ratio * total) - 1, 0)
+        for name, score in scores.items():
+            out[f"{t:.2f}|{name}"] = kl(per_span_top(score, [count], [total]))
+    return out
+
+
+def main_probe_variants(ref, tok, fingerprint, args) -> int:
+    from sglang_relay.embedded_model import ensure_model
+
+    shipped, _ = load_profile(shipped_profile(str(ensure_model())))
+    targets = [float(x) for x in args.targets.split(",")]
+    for wl in args.workloads.split(","):
+        cases = load_workload(None, name=wl)
+        usable, _ = prepare_usable(
+            ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
+        )
+        rows: dict[str, list[float]] = {}
+        with torch.inference_mode():
+            for case, path in usable:
+                relay = load_relay(path, case)
+                for key, value in probe_variants(ref, relay, targets, shipped).items():
+                    rows.setdefault(key, []).append(value)
+        print(f"\n{wl} ({len(usable)} relays)\n")
+        print("| target | probe score | first-token KL mean / median |")
+        print("|---|---|---|")
+        for key, vals in rows.items():
+            t, name = key.split("|")
+            mean, med = statistics.mean(vals), statistics.median(vals)
+            print(f"| {t} | {name} | {mean:.4f} / {med:.4f} |", flush=True)
+    return 0
+
+
 def main_variants(ref, tok, fingerprint, args) -> int:
     cases = load_workload(None, name="calibration_workload.jsonl")
     usable, _ = prepare_usable(
@@ -456,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kl-oracle", action="store_true", help="greedy KL-gradient oracle on evaluation relays"
     )
     p.add_argument("--rounds", type=int, default=5, help="--kl-oracle: greedy steps")
+    p.add_argument("--probe-variants", action="store_true", help="last-row probe score variants")
+    p.add_argument("--workloads", default="calibration_workload.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -471,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_signals(ref, tok, fingerprint, args)
     if args.variants:
         return main_variants(ref, tok, fingerprint, args)
+    if args.probe_variants:
+        return main_probe_variants(ref, tok, fingerprint, args)
     shipped, _ = load_profile(shipped_profile(str(model_dir)))
     per: dict[str, dict[str, list]] = {}
     for wl in FRONTIER_WORKLOADS:

@@ -601,13 +601,13 @@ def relay_prefill(
 
 @torch.no_grad()
 def last_row_probe(
-    ref: RefModel, prompt: Sequence[int], spans: Sequence[SpanOccurrence]
+    ref: RefModel, prompt: Sequence[int], spans: Sequence[SpanOccurrence], *, heads: bool = False
 ) -> torch.Tensor:
     """``[L, S]``: the attention (mean over query heads) the last prompt row gives each span
     token (prompt order) in a *probe* pass, in every layer: the span KV spliced as is, and
     only the rows before the first span (their KV does not depend on the spans, so it is
     final) and the last prompt row computed; the rows between are left out of the probe's
-    attention (``cfg.probe``)."""
+    attention (``cfg.probe``). ``heads``: ``[L, H_q, S]``, per query head (studies)."""
     spans = sorted(spans, key=lambda s: s.prompt_start)
     span_rows = _span_rows(spans, ref.device)
     total = len(prompt)
@@ -627,7 +627,8 @@ def last_row_probe(
         q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
         cache.k[lid, rows], cache.v[lid, rows] = k, v
         probs = attention_probs(q, cache.k[lid], visible, ref.scale)  # [n, G, R, T]
-        out.append(probs[-1].mean((0, 1))[span_rows])
+        last = probs[-1][..., span_rows]  # [G, R, S]
+        out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
         o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
         h = h + layer.self_attn.o_proj(o)
         h = h + layer.mlp(layer.post_attention_layernorm(h))

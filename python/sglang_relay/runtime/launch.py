@@ -4,6 +4,7 @@ for the demo, the benchmarks and the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -439,10 +440,7 @@ class _ChildProcess:
         pgid = self.proc.pid  # start_new_session: the child leads its own group
         if self.proc.poll() is None:
             os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
+            self._wait_for_leader(timeout)
         try:
             os.killpg(pgid, signal.SIGKILL)  # stragglers, also of a leader that died first
         except (ProcessLookupError, PermissionError):
@@ -450,11 +448,63 @@ class _ChildProcess:
         self.proc.wait(timeout=timeout)
         self._stopped = True  # its pid (the group's id) may be reused from now on
 
+    def _wait_for_leader(self, timeout: float) -> None:
+        """After SIGTERM to the group: wait for the leader to exit. Once every process it
+        started has exited (they got the SIGTERM too) it has nothing left to drain; SGLang's
+        HTTP server only notices its shutdown flag on a 5 s poll, so the leader is killed
+        then rather than waited for (``multiprocessing``'s resource tracker, which must
+        outlive it to clean up, is not counted)."""
+        import psutil
+
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.proc.wait(timeout=0.1)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            if not _live_workers(self.proc.pid):
+                try:
+                    self.proc.wait(timeout=LEADER_GRACE)
+                    return
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                        os.kill(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(timeout=timeout)
+                    return
+
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# how long a leader whose workers have all exited may take to exit on its own
+LEADER_GRACE = 0.5
+
+
+def _live_workers(pid: int) -> list[int]:
+    """The live (not zombie) descendants of ``pid``, ``multiprocessing``'s resource tracker
+    aside."""
+    import psutil
+
+    out = []
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any("resource_tracker" in part for part in child.cmdline()):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        out.append(child.pid)
+    return out
 
 
 def _get_ok(url: str) -> bool:
