@@ -463,50 +463,48 @@ def probe_variants(ref, relay, targets, shipped: RelayConfig) -> dict[str, float
     return out
 
 
+def print_kl_table(ref, tok, fingerprint, args, workload: str, per_relay, title: str, col: str):
+    """Run ``per_relay(relay) -> {"target|name": KL}`` on ``workload``'s first usable relays
+    and print one markdown row per key: mean / median first-token KL."""
+    cases = load_workload(None, name=workload)
+    usable, _ = prepare_usable(
+        ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
+    )
+    rows: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for case, path in usable:
+            for key, value in per_relay(load_relay(path, case)).items():
+                rows.setdefault(key, []).append(value)
+    print(f"\n{workload} ({len(usable)} relays){title}\n")
+    print(f"| target | {col} | first-token KL mean / median |")
+    print("|---|---|---|")
+    for key, vals in rows.items():
+        t, name = key.split("|")
+        mean, med = statistics.mean(vals), statistics.median(vals)
+        print(f"| {t} | {name} | {mean:.4f} / {med:.4f} |", flush=True)
+
+
 def main_probe_variants(ref, tok, fingerprint, args) -> int:
     from sglang_relay.embedded_model import ensure_model
 
     shipped, _ = load_profile(shipped_profile(str(ensure_model())))
     targets = [float(x) for x in args.targets.split(",")]
     for wl in args.workloads.split(","):
-        cases = load_workload(None, name=wl)
-        usable, _ = prepare_usable(
-            ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
-        )
-        rows: dict[str, list[float]] = {}
-        with torch.inference_mode():
-            for case, path in usable:
-                relay = load_relay(path, case)
-                for key, value in probe_variants(ref, relay, targets, shipped).items():
-                    rows.setdefault(key, []).append(value)
-        print(f"\n{wl} ({len(usable)} relays)\n")
-        print("| target | probe score | first-token KL mean / median |")
-        print("|---|---|---|")
-        for key, vals in rows.items():
-            t, name = key.split("|")
-            mean, med = statistics.mean(vals), statistics.median(vals)
-            print(f"| {t} | {name} | {mean:.4f} / {med:.4f} |", flush=True)
+        print_kl_table(
+            ref, tok, fingerprint, args, wl,
+            lambda relay: probe_variants(ref, relay, targets, shipped), "", "probe score",
+        )  # fmt: skip
     return 0
 
 
 def main_variants(ref, tok, fingerprint, args) -> int:
-    cases = load_workload(None, name="calibration_workload.jsonl")
-    usable, _ = prepare_usable(
-        ref, tok, cases, args.n_relays, default_cache_dir(), fingerprint, GenSettings()
-    )
     targets = [float(x) for x in args.targets.split(",")]
     layer = int(args.context_layers.split(",")[-1])
-    rows: dict[str, list[float]] = {}
-    with torch.inference_mode():
-        for case, path in usable:
-            for key, value in context_variants(ref, load_relay(path, case), targets, layer).items():
-                rows.setdefault(key, []).append(value)
-    print(f"\ncalibration_workload.jsonl ({len(usable)} relays), context mass at {layer}\n")
-    print("| target | variant | first-token KL mean / median |")
-    print("|---|---|---|")
-    for key, vals in rows.items():
-        t, name = key.split("|")
-        print(f"| {t} | {name} | {statistics.mean(vals):.4f} / {statistics.median(vals):.4f} |")
+    print_kl_table(
+        ref, tok, fingerprint, args, "calibration_workload.jsonl",
+        lambda relay: context_variants(ref, relay, targets, layer),
+        f", context mass at {layer}", "variant",
+    )  # fmt: skip
     return 0
 
 
