@@ -1,23 +1,29 @@
 """benchmark/selection_study.py's KL oracle: its differentiable forward must be the exact-KV
 oracle of the reference executor (and the full prefill with every token exact), and its
 greedy choice must spend exactly its budget and pick a token that brute force ranks among
-the best. First 6 layers of the embedded model, fp32."""
+the best. Its probe-variant table's baseline row must be the probe rule the reference
+(and so the server) runs. First 6 layers of the embedded model, fp32."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.operating import at_target
 from sglang_relay.core.reference import (
     SpanOccurrence,
     exact_kv_prefill,
     exact_prefill,
+    fidelity,
     first_token_kl,
     generate,
     load_model,
+    relay_prefill,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
@@ -93,3 +99,27 @@ def test_greedy_choice_spends_the_budget_and_brute_force_ranks_its_token_high(ca
         singles = torch.tensor([kl(torch.arange(n) == i) for i in range(n)])
         better = int((singles < kl(pick) - 1e-12).sum())
         assert better <= max(1, n // 10), (better, n)
+
+
+def test_probe_variants_baseline_row_is_the_probe_rule_the_reference_runs(case):
+    """The table's "shipped" row scores, caps and recomputes as ``relay_prefill`` does with
+    the probe rule at the target: same first-token KL; a rule without the probe differs."""
+    ref, prompt, spans, exact = case
+    cfg = RelayConfig(
+        l_start=0, l_det=0, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0, signal="context",
+        l_ctx=3, budget="request", max_ratio=0.2, probe=0.25,
+    )  # fmt: skip
+    cont = exact.logits[0].argmax().reshape(1).tolist()  # one forced-free token: KL only
+    relay = SimpleNamespace(prompt=prompt, spans=spans, continuation=cont)
+    with torch.inference_mode():
+        rows = study.probe_variants(ref, relay, [0.8], cfg)
+        ex = exact_prefill(ref, prompt)
+
+        def kl(rule: RelayConfig) -> float:
+            got = relay_prefill(ref, prompt, spans, at_target(rule, ref.num_layers, 0.8))
+            return fidelity(ex.logits, got.logits, cont)["first_token_kl"]
+
+        want = kl(cfg)
+        without = kl(RelayConfig(**{**cfg.to_dict(), "probe": None}))
+    assert rows["0.80|probe^0.25 (shipped)"] == pytest.approx(want, rel=1e-5, abs=1e-9)
+    assert abs(without - want) > 1e-6  # the probe changes the choice here: the check can tell
