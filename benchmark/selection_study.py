@@ -216,14 +216,7 @@ def kl_oracle(ref, relay, targets, shipped: RelayConfig, rounds: int) -> dict[st
     exact = ref_exec.exact_prefill(ref, relay.prompt, forced=forced)
     spans = sorted(relay.spans, key=lambda s: s.prompt_start)
     num_l = ref.num_layers
-    mass = torch.cat(
-        [
-            ref_exec.record_context_mass(ref, s.record, shipped.l_ctx)[
-                s.span_start : s.span_start + s.length
-            ]
-            for s in spans
-        ]
-    )
+    mass = ref_exec.span_context_mass(ref, spans, shipped.l_ctx)
     # the last prompt row's attention in a 1-row probe, mean over the upper half of the layers
     att = ref_exec.last_row_probe(ref, relay.prompt, spans)[list(probe_layers(num_l))].mean(0)
     out = {}
@@ -411,14 +404,7 @@ def probe_variants(ref, relay, targets, shipped: RelayConfig) -> dict[str, float
     lengths = [s.length for s in spans]
     total = sum(lengths)
     num_l = ref.num_layers
-    mass = torch.cat(
-        [
-            ref_exec.record_context_mass(ref, s.record, shipped.l_ctx)[
-                s.span_start : s.span_start + s.length
-            ]
-            for s in spans
-        ]
-    )
+    mass = ref_exec.span_context_mass(ref, spans, shipped.l_ctx)
     att = ref_exec.last_row_probe(ref, relay.prompt, spans, heads=True)  # [L, Hq, S]
     _, src_v = ref_exec._upstream_kv(spans)  # [L, S, Hkv, D]
     group = att.shape[1] // src_v.shape[2]

@@ -113,11 +113,10 @@ def test_probe_variants_baseline_row_is_the_probe_rule_the_reference_runs(case):
     relay = SimpleNamespace(prompt=prompt, spans=spans, continuation=cont)
     with torch.inference_mode():
         rows = study.probe_variants(ref, relay, [0.8], cfg)
-        ex = exact_prefill(ref, prompt)
 
         def kl(rule: RelayConfig) -> float:
             got = relay_prefill(ref, prompt, spans, at_target(rule, ref.num_layers, 0.8))
-            return fidelity(ex.logits, got.logits, cont)["first_token_kl"]
+            return fidelity(exact.logits, got.logits, cont)["first_token_kl"]
 
         want = kl(cfg)
         without = kl(RelayConfig(**{**cfg.to_dict(), "probe": None}))

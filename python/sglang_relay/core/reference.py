@@ -70,6 +70,7 @@ __all__ = [
     "generate",
     "greedy_continue",
     "last_row_probe",
+    "span_context_mass",
     "load_model",
     "record_context_mass",
     "record_decode_queries",
@@ -398,6 +399,17 @@ def record_context_mass(ref: RefModel, rec: UpstreamRecord, layer: int) -> torch
     return rec.context[layer]
 
 
+def span_context_mass(ref: RefModel, spans: Sequence[SpanOccurrence], layer: int) -> torch.Tensor:
+    """``[S]``: :func:`record_context_mass` of the span occurrences' tokens, in ``spans``'
+    order."""
+    return torch.cat(
+        [
+            record_context_mass(ref, s.record, layer)[s.span_start : s.span_start + s.length]
+            for s in spans
+        ]
+    )
+
+
 def record_decode_queries(
     ref: RefModel, rec: UpstreamRecord, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -551,15 +563,7 @@ def relay_prefill(
         if lid == sched.l_det and sched.l_det <= sched.l_end:
             infl = _influence(spans, lid) if cfg.tau_inf is not None else None
             if cfg.ranks_context:
-                layer = cfg.context_layer(num_l)
-                ctx = torch.cat(
-                    [
-                        record_context_mass(ref, s.record, layer)[
-                            s.span_start : s.span_start + s.length
-                        ]
-                        for s in spans
-                    ]
-                )
+                ctx = span_context_mass(ref, spans, cfg.context_layer(num_l))
             else:
                 ctx = None
             if probing:

@@ -451,28 +451,20 @@ class _ChildProcess:
     def _wait_for_leader(self, timeout: float) -> None:
         """After SIGTERM to the group: wait for the leader to exit. Once every process it
         started has exited (they got the SIGTERM too) it has nothing left to drain; SGLang's
-        HTTP server only notices its shutdown flag on a 5 s poll, so the leader is killed
-        then rather than waited for (``multiprocessing``'s resource tracker, which must
-        outlive it to clean up, is not counted)."""
-        import psutil
-
+        HTTP server only notices its shutdown flag on a 5 s poll, so after
+        :data:`LEADER_GRACE` it is killed rather than waited for (:meth:`stop` then kills
+        what is left of the group)."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                self.proc.wait(timeout=0.1)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-            if not _live_workers(self.proc.pid):
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if not _has_live_workers(self.proc.pid):
                 try:
                     self.proc.wait(timeout=LEADER_GRACE)
-                    return
                 except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait(timeout=timeout)
-                    return
+                return
+            time.sleep(0.1)
 
     def __enter__(self):
         return self.start()
@@ -485,26 +477,22 @@ class _ChildProcess:
 LEADER_GRACE = 0.5
 
 
-def _live_workers(pid: int) -> list[int]:
-    """The live (not zombie) descendants of ``pid``, ``multiprocessing``'s resource tracker
-    aside."""
+def _has_live_workers(pid: int) -> bool:
+    """Whether ``pid`` has a live (not zombie) descendant other than ``multiprocessing``'s
+    resource tracker (which must outlive it to clean up)."""
     import psutil
 
-    out = []
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        return out
+        return False
     for child in children:
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if any("resource_tracker" in part for part in child.cmdline()):
-                continue
-        except psutil.NoSuchProcess:
-            continue
-        out.append(child.pid)
-    return out
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE and not any(
+                "resource_tracker" in part for part in child.cmdline()
+            ):
+                return True
+    return False
 
 
 def _get_ok(url: str) -> bool:
