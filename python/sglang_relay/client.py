@@ -71,5 +71,37 @@ def generate(
     )
 
 
-def flush_cache(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+FLUSH_WAIT_S = 120.0
+HEALTH_WAIT_S = 120.0
+
+
+def flush_cache(url: str, wait_s: float = FLUSH_WAIT_S) -> None:
+    """Empty the server's radix cache (and relay's spans), waiting up to ``wait_s`` for it
+    to go idle. SGLang refuses a flush while its last batch or the overlap queue still holds
+    a request that has already returned to the client (``Scheduler.is_fully_idle``); without
+    ``?timeout=`` it answers 400 at once, a race a busy machine loses. With it, the scheduler
+    flushes as soon as it is idle, or answers 400 when ``wait_s`` has passed."""
+    resp = requests.post(url + "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 60)
+    if resp.status_code != 200:
+        raise RuntimeError(
+            f"/flush_cache returned {resp.status_code} after waiting up to {wait_s:.0f} s for "
+            f"the server to go idle: {resp.text.strip()[:300]}"
+        )
+
+
+def healthy(url: str, wait_s: float = HEALTH_WAIT_S) -> bool:
+    """Whether the server answers ``/health`` with 200 within ``wait_s``. SGLang's health
+    check runs a one-token generation and gives up after its own 20 s; a server busy with
+    other work (or a machine busy with other processes) may need several tries."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            resp = requests.get(url + "/health", timeout=max(1.0, min(left, 30.0)))
+            if resp.status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -61,16 +61,33 @@ def run_chain(
     return results
 
 
+def agreement(a: str, b: str, encode: Callable[[str], list[int]]) -> dict[str, Any]:
+    """How output ``a`` compares with standard's ``b``: leading tokens shared, ROUGE-L, and
+    whether ``a`` collapsed (:func:`sglang_relay.bench.chains.collapsed`)."""
+    from sglang_relay.bench.chains import collapsed, first_divergence, rouge_l
+
+    ta, tb = encode(a), encode(b)
+    div = first_divergence(ta, tb)
+    return {
+        "identical": a == b,
+        "same_tokens": len(ta) if div is None else div,
+        "tokens": len(ta),
+        "standard_tokens": len(tb),
+        "rouge_l": round(rouge_l(ta, tb), 4),
+        "collapsed": collapsed(ta, tb),
+    }
+
+
 def output_agreement(a: str, b: str, encode: Callable[[str], list[int]] | None) -> str:
-    """``identical``, or how many leading tokens two outputs share (``same 37/160 tok``)."""
+    """``identical``, or how many leading tokens two outputs share (``same 37/160 tok``),
+    and ``COLLAPSED`` when ``a`` stopped early or loops where ``b`` does not."""
     if a == b:
         return "identical"
     if encode is None:
         return "differs"
-    from sglang_relay.bench.chains import first_divergence
-
-    ta, tb = encode(a), encode(b)
-    return f"same {first_divergence(ta, tb)}/{len(tb)} tok"
+    agree = agreement(a, b, encode)
+    note = "  COLLAPSED" if agree["collapsed"] else ""
+    return f"same {agree['same_tokens']}/{agree['standard_tokens']} tok{note}"
 
 
 def format_table(
@@ -96,6 +113,30 @@ def format_table(
     return "\n".join(lines)
 
 
+def result_json(
+    chain: dict[str, Any],
+    relay: list[AgentResult],
+    standard: list[AgentResult],
+    encode: Callable[[str], list[int]],
+) -> dict[str, Any]:
+    """The demo's outcome, agent by agent, for scripts and tests (``--json``)."""
+    agents = []
+    for on, off in zip(relay, standard, strict=True):
+        agents.append(
+            {
+                "name": on.name,
+                "relay": {
+                    "text": on.generation.text,
+                    "ttft_s": on.generation.ttft_s,
+                    "relay": on.generation.relay,
+                },  # fmt: skip
+                "standard": {"text": off.generation.text, "ttft_s": off.generation.ttft_s},
+                **agreement(on.generation.text, off.generation.text, encode),
+            }
+        )
+    return {"chain": chain["name"], "agents": agents}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay demo", description=__doc__)
     parser.add_argument("--url", help="use a running server instead of starting one")
@@ -103,6 +144,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workload", help="chain JSON (default: the packaged demo chain)")
     parser.add_argument("--full-output", action="store_true", help="print whole outputs")
     parser.add_argument("--method", help="relay method for the relay pipeline (default: server's)")
+    parser.add_argument("--json", help="also write the outputs and measures to this file")
     args, server_flags = parser.parse_known_args(argv)
 
     from transformers import AutoTokenizer
@@ -122,9 +164,14 @@ def main(argv: list[str]) -> int:
         server = ServerProcess(["--model-path", model_path, *server_flags]).start()
         url = server.url
     try:
-        # One untimed request first (first-request costs would land on the relay pipeline),
-        # then each pipeline starts from an empty cache, so neither profits from the other.
-        generate(url, "Hello", {"max_new_tokens": 4, "custom_params": {"relay": "standard"}})
+        # Untimed requests first, one per method the pipelines use (first-request costs,
+        # e.g. the first request that stores its hidden stream, would land on one
+        # pipeline's first agent), then each pipeline starts from an empty cache, so
+        # neither profits from the other.
+        for warm in (args.method, "standard"):
+            relay_opt = {"custom_params": {"relay": warm}} if warm else {}
+            generate(url, chat_prompt(tokenizer, "Warm up.", "Hello"),
+                     {"max_new_tokens": 8, **relay_opt})  # fmt: skip
         flush_cache(url)
         relayed = run_chain(url, chain, tokenizer, method=args.method)
         flush_cache(url)
@@ -133,13 +180,19 @@ def main(argv: list[str]) -> int:
         if server is not None:
             server.stop()
     print(f"[demo] relay method: {args.method or 'server default'}; standard = plain SGLang")
-    print(
-        format_table(relayed, standard, lambda t: tokenizer(t, add_special_tokens=False).input_ids)
-    )
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    print(format_table(relayed, standard, encode))
     print(
         "[demo] outputs are greedy; relay reuses approximate KV, so a downstream agent's text\n"
         "       can drift from standard after its first tokens (see docs/fidelity.md)"
     )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(result_json(chain, relayed, standard, encode), indent=1)
+        )
     if args.full_output:
         for on, off in zip(relayed, standard, strict=True):
             print(f"\n=== {on.name} (relay) ===\n{on.generation.text.strip()}")

@@ -11,6 +11,8 @@ import pytest
 import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info
 
+from sglang_relay.client import healthy
+
 pytestmark = pytest.mark.e2e
 _unique = itertools.count(5000)
 EXACT = {"method": "relay", "config": ALL_SELECTED}
@@ -107,6 +109,6 @@ def test_fuzzed_options_never_disturb_other_requests(server, tok, upstream_text)
         assert fallback is None or fallback.startswith("bad_options"), (opt, fallback)
     for p in probes:
         assert p.result()["output_ids"] == alone["output_ids"]
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert healthy(server.url)
     assert relay_info(server.url).get("fallback_error", 0) == errors_before  # no crash inside
     _pool_balanced(server.url)

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
-import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
+from sglang_relay.client import healthy
 from sglang_relay.errors import RelayError
 
 pytestmark = pytest.mark.e2e
@@ -171,7 +171,7 @@ def test_mixed_chunk_keeps_decoded_spans_usable(model_dir, tok):
             busy.result()
         assert oracle["meta_info"]["relay"]["reused_tokens"] >= 150
         assert oracle["output_ids"] == generate(server.url, prompt, relay="standard")["output_ids"]
-        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+        assert healthy(server.url)
 
 
 def test_plain_requests_batched_with_relays_get_plain_sglangs_output(model_dir, tok):

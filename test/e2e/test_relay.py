@@ -9,6 +9,8 @@ import pytest
 import requests
 from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, generate_ids, relay_info
 
+from sglang_relay.client import healthy
+
 pytestmark = pytest.mark.e2e
 
 _unique = itertools.count()
@@ -123,7 +125,7 @@ def test_malformed_options_fall_back_cleanly(server, upstream, bad):
     assert relay["spans_matched"] == 0
     std = generate(server.url, prompt, relay="standard")
     assert out["output_ids"] == std["output_ids"]
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert healthy(server.url)
 
 
 def test_chain_of_three_reuses_both_upstream_outputs(server, tok):

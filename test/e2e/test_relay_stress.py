@@ -10,6 +10,8 @@ import pytest
 import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
+from sglang_relay.client import healthy
+
 pytestmark = pytest.mark.e2e
 _unique = itertools.count(1000)
 
@@ -111,7 +113,7 @@ def test_aborted_relay_requests_leak_nothing(small_server, tok):
                     break  # disconnect mid-generation
     time.sleep(2.0)
     _pool_balanced(small_server.url)
-    assert requests.get(small_server.url + "/health", timeout=10).status_code == 200
+    assert healthy(small_server.url)
 
 
 def test_soak_ci_variant(small_server, tok):

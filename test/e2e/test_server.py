@@ -6,6 +6,8 @@ import pytest
 import requests
 import torch
 
+from sglang_relay.client import healthy
+
 pytestmark = pytest.mark.e2e
 
 GREEDY_PROMPTS = [
@@ -16,7 +18,7 @@ GREEDY_PROMPTS = [
 
 
 def test_health(server):
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert healthy(server.url)
 
 
 def test_relay_backend_is_the_schedulers_tree_cache(server):

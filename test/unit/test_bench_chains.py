@@ -22,6 +22,46 @@ def test_rouge_l_and_divergence_on_known_sequences():
     assert chains.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
+def _tail_loop_brute(ids, min_repeats=3, max_period=32):
+    """Longest suffix that is a block repeated >= min_repeats times (possibly plus a partial
+    block in front), by trying every suffix and every period."""
+    best = 0
+    for period in range(1, max_period + 1):
+        for start in range(len(ids)):
+            tail = ids[start:]
+            if len(tail) >= min_repeats * period and all(
+                tail[j] == tail[j + period] for j in range(len(tail) - period)
+            ):
+                best = max(best, len(tail))
+                break
+    return best
+
+
+def test_tail_loop_equals_a_brute_force_search():
+    import random
+
+    rng = random.Random(0)
+    cases = [[1, 2, 3], [7] * 10, [1, 2] + [5, 6, 7] * 4, [1, 2, 3, 1, 2, 3, 1, 2], []]
+    for _ in range(300):
+        head = [rng.randrange(5) for _ in range(rng.randrange(8))]
+        block = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        cases.append(head + block * rng.randrange(1, 6) + block[: rng.randrange(len(block))])
+    for ids in cases:
+        assert chains.tail_loop(ids) == _tail_loop_brute(ids), ids
+    assert chains.tail_loop([7] * 10) == 10
+    assert chains.tail_loop([1, 2] + [5, 6, 7] * 4) == 12
+
+
+def test_collapse_is_a_short_or_looping_output_where_standard_is_neither():
+    ref = list(range(100))
+    assert chains.collapsed(ref[:10], ref)  # stopped early (the demo's Reviewer: 1 token)
+    assert not chains.collapsed(ref[:60], ref)
+    looping = list(range(40)) + [3, 4] * 30
+    assert chains.collapsed(looping, ref)
+    assert not chains.collapsed(looping, looping)  # standard loops the same way
+    assert not chains.collapsed(list(range(200, 300)), ref)  # different, not degenerate
+
+
 def test_method_order_rotates_relay_methods_and_keeps_standard_last():
     methods = ["standard", "naive", "relay"]
     assert chains.method_order(methods, 0) == ["naive", "relay", "standard"]

@@ -287,3 +287,65 @@ def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monk
             child.stop()
     finally:
         foreign.stop()
+
+
+def test_cpu_thread_binding_splits_the_cores_evenly():
+    from sglang_relay.runtime.cpu import threads_bind
+
+    assert threads_bind(2, [0, 1]) == "0|1"
+    assert threads_bind(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
+    assert threads_bind(3, [4, 5]) == "4|5|4"  # more ranks than cores: one core each
+    groups = [g.split(",") for g in threads_bind(4, list(range(16))).split("|")]
+    assert [len(g) for g in groups] == [4, 4, 4, 4]
+    assert sorted(int(c) for g in groups for c in g) == list(range(16))
+
+
+def _cpu_serve_env(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict]:
+    """`serve`'s CPU defaults for argv under environ, as the launcher computes them."""
+    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.launch import given_flags, parse_server_view
+
+    view = parse_server_view(["--model-path", "/m", *argv])
+    return cpu.serve_defaults(
+        view.tp_size * view.dp_size * view.pp_size,
+        view.enable_torch_compile,
+        given_flags(argv),
+        environ,
+    )
+
+
+def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
+    from sglang_relay.runtime import cpu
+
+    monkeypatch.setattr(cpu, "cuda_available", lambda: False)
+    monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid: {0, 1})
+    flags, env = _cpu_serve_env([], {})
+    assert (flags, env) == ([], {"OMP_WAIT_POLICY": "PASSIVE"})
+    # tp 2 and dp 2 (and their aliases) need a binding on one NUMA node, else SGLang asserts
+    for shape in (["--tp-size", "2"], ["--tensor-parallel-size=2"], ["--dp-size", "2"]):
+        assert _cpu_serve_env(shape, {})[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    flags, _ = _cpu_serve_env(["--enable-torch-compile"], {})
+    assert flags == ["--cuda-graph-bs-decode", "1", "2", "4", "--torch-compile-max-bs", "4"]
+
+
+def test_cpu_serve_defaults_never_override_the_user(monkeypatch):
+    from sglang_relay.runtime import cpu
+
+    monkeypatch.setattr(cpu, "cuda_available", lambda: False)
+    monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
+    user_env = {"OMP_WAIT_POLICY": "ACTIVE", "SGLANG_CPU_OMP_THREADS_BIND": "0-1|0-1"}
+    assert _cpu_serve_env(["--tp-size", "2"], user_env) == ([], {})
+    for bound in (["--torch-compile-max-bs", "8"], ["--cuda-graph-bs-decode", "1", "8"]):
+        flags, _ = _cpu_serve_env(["--enable-torch-compile", *bound], {})
+        assert flags == []
+    # as many NUMA nodes as ranks: SGLang's own one-node-per-rank binding is kept
+    monkeypatch.setattr(cpu, "numa_node_count", lambda: 2)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in _cpu_serve_env(["--tp-size", "2"], {})[1]
+
+
+def test_cpu_serve_defaults_leave_a_gpu_machine_alone(monkeypatch):
+    from sglang_relay.runtime import cpu
+
+    monkeypatch.setattr(cpu, "cuda_available", lambda: True)
+    assert _cpu_serve_env(["--tp-size", "2", "--enable-torch-compile"], {}) == ([], {})

@@ -69,6 +69,40 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def tail_loop(ids: Sequence[int], min_repeats: int = 3, max_period: int = 32) -> int:
+    """How many tokens at the end of ``ids`` one block covers, repeated back to back at least
+    ``min_repeats`` times (period <= ``max_period``); 0 when the output does not end in a
+    loop."""
+    best = 0
+    for period in range(1, max_period + 1):
+        i = len(ids) - 1
+        while i - period >= 0 and ids[i] == ids[i - period]:
+            i -= 1
+        covered = len(ids) - 1 - i + period  # the periodic tail, its first block included
+        if covered >= min_repeats * period:
+            best = max(best, covered)
+    return best
+
+
+# an output is short when under this share of the reference's length, looping when a
+# repeated block covers at least this share of it
+COLLAPSE_SHORT = 0.5
+COLLAPSE_LOOP = 0.25
+
+
+def collapsed(out: Sequence[int], reference: Sequence[int]) -> bool:
+    """Whether ``out`` collapsed where ``reference`` (standard's output for the same request)
+    did not: it ended before half of the reference's length, or it ends in a loop covering a
+    quarter of it while the reference does not."""
+
+    def looping(ids: Sequence[int]) -> bool:
+        return bool(ids) and tail_loop(ids) >= COLLAPSE_LOOP * len(ids)
+
+    if len(out) < COLLAPSE_SHORT * len(reference):
+        return True
+    return looping(out) and not looping(reference)
+
+
 def compare(tok: Any, text: str, reference: str) -> dict[str, Any]:
     a = tok(text, add_special_tokens=False).input_ids
     b = tok(reference, add_special_tokens=False).input_ids
@@ -80,6 +114,7 @@ def compare(tok: Any, text: str, reference: str) -> dict[str, Any]:
         "first_divergence": div,
         "agree_first64": round(agree, 4),
         "rouge_l": round(rouge_l(a, b), 4),
+        "collapsed": collapsed(a, b),
     }
 
 

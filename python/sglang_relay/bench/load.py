@@ -39,6 +39,7 @@ from typing import Any
 
 import requests
 
+from sglang_relay.client import healthy
 from sglang_relay.demo import chat_prompt
 
 BAD_OPTIONS = [7, {"method": "warp"}, {"config": {"l_start": 10**6}}, {"config": {"tau_dev": -3}}]
@@ -314,7 +315,7 @@ def run_load(
     _sample(url, pid, stats)
     leaked, pool_after = leaked_slots(url)
     after = relay_state(url)
-    healthy = requests.get(url + "/health", timeout=30).status_code == 200
+    ok = healthy(url)
     server_counters = {  # deltas over the run, except gauges (spans, span_tokens, ...)
         k: v - before.get(k, 0) if k in COUNTERS else v
         for k, v in after.items()
@@ -339,7 +340,7 @@ def run_load(
         "server_counters": server_counters,
         "leaked_slots": leaked,
         "pool_after": pool_after,
-        "healthy_after": healthy,
+        "healthy_after": ok,
         "windows": per_window,
         "hit_rate_first_last": [rates[0], rates[-1]] if rates else None,
         "memory_samples": stats.samples,

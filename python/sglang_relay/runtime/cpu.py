@@ -11,7 +11,10 @@ arguments alone. What it does on a CPU-only machine:
 * fills server defaults the CPU needs unless the user set them: ``device=cpu``,
   ``attention_backend=torch_native``, ``disable_cuda_graph``, ``dtype=float32``,
   ``sleep_on_idle`` (an idle scheduler busy-polls a core otherwise) and a bounded KV pool
-  (SGLang's default pool would take ~15 GB of RAM).
+  (SGLang's default pool would take ~15 GB of RAM);
+* for ``sglang-relay serve``, the environment and graph bounds of the shape it serves
+  (:func:`serve_defaults`): passive OpenMP waits, a thread binding for more ranks than NUMA
+  nodes, a bounded list of captured batch sizes.
 """
 
 from __future__ import annotations
@@ -67,6 +70,65 @@ def apply_server_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     if out.get("max_total_tokens") is None and out.get("mem_fraction_static") is None:
         out["max_total_tokens"] = DEFAULT_CPU_MAX_TOTAL_TOKENS
     return out
+
+
+# CPU graph mode (--enable-torch-compile) captures every batch size SGLang lists by default
+# (24 on 0.5.23, ~30 s each on a 2-core VM: 12 minutes before serving); these bound it.
+CPU_GRAPH_BATCH_SIZES = ("1", "2", "4")
+
+
+def numa_node_count() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def threads_bind(ranks: int, cpus: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on ``cpus``: contiguous, equal
+    groups (``"0,1|2,3"``); with more ranks than cpus, one cpu each, round robin."""
+    if ranks > len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    per, extra = divmod(len(cpus), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        size = per + (1 if r < extra else 0)
+        groups.append(",".join(str(c) for c in cpus[start : start + size]))
+        start += size
+    return "|".join(groups)
+
+
+def serve_defaults(
+    ranks: int, torch_compile: bool, user_flags: set[str], environ: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment a CPU server needs for the shape it serves (``ranks`` = tp x dp
+    x pp processes), where the user set none of them (``user_flags``: the flags given,
+    ``environ``: the environment). Returns (flags to add, environment to add).
+
+    * ``OMP_WAIT_POLICY=PASSIVE``: OpenMP's default spin-wait has idle threads of one process
+      burn the core another computes on (SGLang's own tokenizer and detokenizer, other ranks,
+      anything else on the machine): DP 2 beside one busy process decoded at 0.44 tokens/s
+      with it; the DP-2 and router tests ran 4-7x faster without it.
+    * ``SGLANG_CPU_OMP_THREADS_BIND`` when there are more ranks than NUMA nodes (SGLang
+      asserts at start-up otherwise): the cores this process may use, split evenly.
+    * with ``--enable-torch-compile``, the captured batch sizes bounded to
+      :data:`CPU_GRAPH_BATCH_SIZES` (larger batches decode eagerly).
+    """
+    if cuda_available():
+        return [], {}
+    env: dict[str, str] = {}
+    if "OMP_WAIT_POLICY" not in environ:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if (
+        ranks > 1
+        and "SGLANG_CPU_OMP_THREADS_BIND" not in environ
+        and ranks > numa_node_count()
+    ):
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
+    flags: list[str] = []
+    bounds = {"--cuda-graph-bs-decode", "--torch-compile-max-bs", "--cuda-graph-max-bs-decode"}
+    if torch_compile and not (bounds & user_flags):
+        flags += ["--cuda-graph-bs-decode", *CPU_GRAPH_BATCH_SIZES]
+        flags += ["--torch-compile-max-bs", max(CPU_GRAPH_BATCH_SIZES, key=int)]
+    return flags, env
 
 
 def cpu_engine_active() -> bool:

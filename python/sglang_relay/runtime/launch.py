@@ -252,18 +252,47 @@ def eager_decode_flags(argv: list[str], *, cpu: bool) -> list[str]:
     return ["--cuda-graph-backend-decode", "disabled"]
 
 
+def parse_server_view(argv: list[str]):
+    """SGLang's own parse of ``argv``, as the options relay depends on
+    (:class:`~sglang_relay.runtime.modes.ServerView`); one error line if SGLang rejects it."""
+    from sglang_relay.runtime import compat
+
+    try:
+        return compat.server_view(compat.parse_server_args(argv))
+    except SystemExit as exc:  # argparse already printed SGLang's own message
+        raise RelayError("invalid SGLang arguments (see above)") from exc
+
+
 def check_server_mode(argv: list[str]) -> None:
     """Refuse, before SGLang spawns anything, a server option relay cannot serve correctly
     (the same check runs again in the scheduler for SGLang's own launcher)."""
-    from sglang_relay.runtime import compat, modes
+    from sglang_relay.runtime import modes
 
-    try:
-        view = compat.server_view(compat.parse_server_args(argv))
-    except SystemExit as exc:  # argparse already printed SGLang's own message
-        raise RelayError("invalid SGLang arguments (see above)") from exc
-    message = modes.refusal(view)
+    message = modes.refusal(parse_server_view(argv))
     if message is not None:
         raise RelayError(message)
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``--flag`` names in ``argv`` (``--f v`` and ``--f=v`` alike)."""
+    return {item.split("=", 1)[0] for item in argv if item.startswith("--")}
+
+
+def apply_cpu_serve_defaults(argv: list[str]) -> list[str]:
+    """On a CPU-only machine, add the flags and set the environment (inherited by SGLang's
+    spawned processes) that the served shape needs, where the user set none
+    (:func:`sglang_relay.runtime.cpu.serve_defaults`)."""
+    from sglang_relay.runtime import cpu
+
+    view = parse_server_view(argv)
+    flags, env = cpu.serve_defaults(
+        view.tp_size * view.dp_size * view.pp_size,
+        view.enable_torch_compile,
+        given_flags(argv),
+        dict(os.environ),
+    )
+    os.environ.update(env)
+    return argv + flags
 
 
 def prepare(argv: list[str]) -> list[str]:
@@ -288,6 +317,8 @@ def prepare(argv: list[str]) -> list[str]:
     os.environ.update(relay_env)  # reaches the spawned scheduler
     if relay:
         check_server_mode(out)
+    if cpu_mode:
+        out = apply_cpu_serve_defaults(out)
     port = flag_value(out, "--port")
     try:
         port_num = int(port) if port is not None else DEFAULT_PORT
@@ -303,6 +334,10 @@ def serve(argv: list[str]) -> None:
 
     compat.run_http_server(prepare(argv))
 
+
+# How long a child may take to become ready: SGLang's start-up (imports, model load, pool)
+# takes 15-40 s on an idle 2-core VM and several times that beside other CPU-heavy work.
+START_TIMEOUT_S = 600.0
 
 # How uvicorn, the router and `serve`'s own port check report a port taken since it was
 # picked (case aside).
@@ -334,7 +369,7 @@ class _ChildProcess:
     def ready(self) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 300.0, bind_retries: int = 2):
+    def start(self, timeout: float = START_TIMEOUT_S, bind_retries: int = 2):
         """Launch and wait until :meth:`ready`. A child that could not bind the port this
         object picked (taken since the pick) is stopped and relaunched on a new one, up to
         ``bind_retries`` times; a port the caller chose is never changed."""
