@@ -34,6 +34,13 @@ REFUSED = [
     (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--dllm-algorithm", "LowConfidence"], "--dllm-algorithm"),
     (["--enable-hisparse"], "--enable-hisparse"),
+    (["--enable-pdmux"], "--enable-pdmux"),
+    (["--attn-cp-size", "2"], "--attn-cp-size 2"),
+    (["--enable-prefill-cp"], "--enable-prefill-cp"),
+    (["--dcp-size", "2"], "--dcp-size 2"),
+    (["--enable-attn-tp-input-scattered"], "--enable-attn-tp-input-scattered"),
+    (["--enable-layernorm-sp"], "--enable-layernorm-sp"),
+    (["--prefill-only-disable-kv-cache"], "--prefill-only-disable-kv-cache"),
 ]
 
 

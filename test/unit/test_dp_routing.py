@@ -219,3 +219,55 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     assert time.process_time() - start < 0.5
     assert feeds  # the watchdog is fed
     push.close(linger=0)
+
+
+class _Controller:
+    """The load snapshot ``compat.dp_loads`` reads of SGLang's DP controller."""
+
+    def __init__(self, loads):
+        self.dp_budget = type("Budget", (), {"total_requests": loads})()
+        self._active_workers = list(range(len(loads)))
+
+    def refresh_load_budget(self):
+        pass
+
+
+def test_the_routing_hook_never_raises_into_the_controller(tmp_path, monkeypatch):
+    """An embedding request (no ``extra_key``) used to raise AttributeError inside SGLang's
+    controller loop; the hook now leaves it to SGLang's own routing, counted."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import TokenizedEmbeddingReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_relay.runtime import dp_routing
+
+    router = _router(tmp_path)
+    span = list(range(500, 600))
+    router.apply(1, "add", 1, window_hashes(span, STRIDE))  # rank 1 holds the prompt's text
+    monkeypatch.setattr(dp_routing, "_ROUTER", [router])
+    req = TokenizedEmbeddingReqInput(
+        input_text=None,
+        input_ids=array("i", [3] * 5 + span),
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(),
+    )
+    assert not hasattr(req, "extra_key")
+    handed = []
+
+    def original(controller, r):  # SGLang's maybe_external_dp_rank_routing
+        handed.append(r)
+        return False
+
+    controller = _Controller([0, 0])
+    assert dp_routing.route_request(original, controller, req) is False
+    assert handed == [req] and req.routed_dp_rank is None  # SGLang's method decides
+    assert router.decisions == {"fallback_error": 1}
+
+    # a generate request (the shape the router reads) is still routed to its spans' rank
+    gen = _req([3] * 5 + span)
+    gen.routed_dp_rank = None
+    dp_routing.route_request(original, controller, gen)
+    assert gen.routed_dp_rank == 1 and handed[-1] is gen
+    assert router.decisions == {"fallback_error": 1, "matched": 1}

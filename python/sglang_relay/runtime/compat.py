@@ -235,13 +235,41 @@ def parse_server_args(argv: list[str]):
     return parser.parse_args(argv)
 
 
+def resolved_server_args(argv: list[str]):
+    """``argv`` as SGLang resolves it at start-up, without launching anything: the
+    ServerArgs record from SGLang's own parse, then ``ServerArgs.resolve_once()`` (the
+    resolution pipeline, ``srt/arg_groups/pipeline.py``; it reads the model's config and
+    may raise on options SGLang itself refuses)."""
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs.from_cli_args(parse_server_args(argv))
+    args.resolve_once()
+    return args
+
+
+def resolved_value(args, name: str, default=None):
+    """The value SGLang decided for ServerArgs field ``name``.
+
+    SGLang 0.5.23 keeps the fields as the user typed them and appends its own decisions
+    (``srt/arg_groups/overrides.py: declare_resolution``), e.g. ``page_size`` None -> 64
+    under ``trtllm_mha``, ``chunked_prefill_size`` None -> 4096 on a CPU.
+    ``resolution_result`` reads the last decision, else the raw input, else the field's
+    declared fallback (what ``ServerArgs.resolved_dict()`` reports). The record reaching a
+    scheduler (``TreeCacheBuildContext.server_args``) carries its decisions; an unresolved
+    record or an argparse namespace gives the raw value."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    value = resolution_result(args, name, default)
+    return default if value is None and default is not None else value
+
+
 def server_view(obj) -> ServerView:
-    """The options relay depends on, from a ServerArgs or a TreeCacheBuildContext."""
+    """The options relay depends on, as SGLang resolved them, from a ServerArgs (resolved
+    or not), an argparse namespace of its fields, or a TreeCacheBuildContext."""
     args = getattr(obj, "server_args", obj)
 
     def get(name, default):
-        value = getattr(args, name, default)
-        return default if value is None and default is not None else value
+        return resolved_value(args, name, default)
 
     hybrid = any(getattr(obj, f, False) for f in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa"))
     return ServerView(
@@ -265,6 +293,28 @@ def server_view(obj) -> ServerView:
         dllm_algorithm=get("dllm_algorithm", None),
         enable_hisparse=bool(get("enable_hisparse", False)),
         hybrid_model=hybrid,
+        enable_pdmux=bool(get("enable_pdmux", False)),
+        attn_cp_size=int(get("attn_cp_size", 1) or 1),
+        enable_prefill_cp=bool(get("enable_prefill_cp", False)),
+        dcp_size=int(get("dcp_size", 1) or 1),
+        enable_attn_tp_input_scattered=bool(get("enable_attn_tp_input_scattered", False)),
+        enable_layernorm_sp=bool(get("enable_layernorm_sp", False)),
+        prefill_only_disable_kv_cache=bool(get("prefill_only_disable_kv_cache", False)),
+    )
+
+
+def live_kv_layout(ctx) -> tuple[int, str, str]:
+    """(page size, KV buffer dtype, model dtype) of the pools a TreeCacheBuildContext
+    hands the cache: what the allocator and the KV pool really use, whatever the
+    arguments said (a checkpoint's own FP8 KV scheme resolves ``--kv-cache-dtype auto``
+    to FP8 in the model runner)."""
+    allocator = ctx.params.token_to_kv_pool_allocator
+    page = max(int(ctx.params.page_size or 1), int(getattr(allocator, "page_size", 1) or 1))
+    kv_dtype = allocator.get_kvcache().dtype
+    return (
+        page,
+        str(kv_dtype).removeprefix("torch."),
+        str(ctx.model_config.dtype).removeprefix("torch."),
     )
 
 
@@ -540,8 +590,9 @@ def remaining_input(req, limit: int | None = None) -> list[int]:
 
 
 def chunk_size(model_runner) -> int | None:
-    """``--chunked-prefill-size`` (None when prefill is not chunked)."""
-    size = getattr(model_runner.server_args, "chunked_prefill_size", None)
+    """The prefill chunk size SGLang resolved (``--chunked-prefill-size``, or its default
+    when unset: 4096 on a CPU); None when prefill is not chunked."""
+    size = resolved_value(model_runner.server_args, "chunked_prefill_size")
     return int(size) if size is not None and int(size) > 0 else None
 
 

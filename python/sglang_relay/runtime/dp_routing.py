@@ -18,6 +18,9 @@ its process, so routing needs no router of our own:
 * a request with a routing key (``X-SMG-Routing-Key`` / ``routing_key``) and no match goes
   to a stable hash of the key, so all agents of a keyed chain meet on one rank;
 * otherwise the configured method decides (``fallback``).
+* a request the router cannot read (an embedding request) or any routing error is left
+  to the configured method too, counted on the controller (``fallback_error``): the hook
+  never raises into SGLang's controller loop.
 
 The decision rides with the request to its rank (a private ``custom_params`` key, as
 SGLang's own renderer does for reasoning delimiters), which counts it:
@@ -164,6 +167,7 @@ class DPRouter:
         self.spans: dict[tuple[int, int], np.ndarray] = {}  # (rank, span id) -> fingerprints
         self.decisions: Counter[str] = Counter()
         self.last_decision: str | None = None
+        self.errors_seen: set[str] = set()  # exception kinds already logged (_route)
         self.scope = os.environ.get(ENV_SCOPE) or "shared"  # the ranks' relay scope
 
     def namespace(self, req) -> tuple | None:
@@ -277,11 +281,23 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
 
 def route_request(original, controller, req, *args, **kwargs):
     """Around ``maybe_external_dp_rank_routing``: pick the rank holding ``req``'s spans."""
+    if _ROUTER and getattr(req, "input_ids", None):
+        _route(_ROUTER[0], controller, req)
+    return original(controller, req, *args, **kwargs)
+
+
+def _route(router: DPRouter, controller, req) -> None:
+    """Set ``req.routed_dp_rank`` to the rank holding its spans and tag the decision.
+
+    Never raises into SGLang's controller loop: a request the router cannot read (an
+    embedding request has no ``extra_key``) or any other error leaves the request as it
+    came, to SGLang's own routing, counted as ``fallback_error`` (the first of each kind
+    logged with its traceback)."""
     from sglang_relay.runtime import compat
 
-    if _ROUTER and getattr(req, "input_ids", None):
-        router = _ROUTER[0]
-        if getattr(req, "routed_dp_rank", None) is not None:
+    given = getattr(req, "routed_dp_rank", None)
+    try:
+        if given is not None:
             decision = "explicit"  # the client chose (routed_dp_rank / X-Data-Parallel-Rank)
         else:
             loads, active = compat.dp_loads(controller)
@@ -294,7 +310,20 @@ def route_request(original, controller, req, *args, **kwargs):
             if sum(router.decisions.values()) % 256 == 1:
                 logger.info("sglang-relay DP routing: %s", router.stats())
         compat.tag_dp_route(req, decision)  # counted by the rank (get_server_info, metrics)
-    return original(controller, req, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the controller must keep serving
+        if getattr(req, "routed_dp_rank", None) != given:
+            req.routed_dp_rank = given
+        router._decided("fallback_error", None)
+        kind = type(exc).__name__
+        if kind not in router.errors_seen:
+            router.errors_seen.add(kind)
+            logger.warning(
+                "sglang-relay DP routing failed for a %s (%s); SGLang's load-balance method "
+                "routes it (counted as routed_fallback_error)",
+                type(req).__name__,
+                kind,
+                exc_info=True,
+            )
 
 
 def blocking_event_loop(original, controller, *args, **kwargs):

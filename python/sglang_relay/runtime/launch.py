@@ -265,10 +265,18 @@ def parse_server_view(argv: list[str]):
 
 def check_server_mode(argv: list[str]) -> None:
     """Refuse, before SGLang spawns anything, a server option relay cannot serve correctly
-    (the same check runs again in the scheduler for SGLang's own launcher)."""
-    from sglang_relay.runtime import modes
+    (the same check runs again in the scheduler for SGLang's own launcher): first the
+    options as typed, then as SGLang resolves them (a backend may force a page size)."""
+    from sglang_relay.runtime import compat, modes
 
     message = modes.refusal(parse_server_view(argv))
+    if message is None:
+        try:
+            resolved = compat.resolved_server_args(argv)
+        except Exception:  # noqa: BLE001 - SGLang reports its own refusal when it starts
+            resolved = None
+        if resolved is not None:
+            message = modes.refusal(compat.server_view(resolved))
     if message is not None:
         raise RelayError(message)
 

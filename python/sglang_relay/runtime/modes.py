@@ -26,8 +26,9 @@ OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay
 
 @dataclass(frozen=True, slots=True)
 class ServerView:
-    """The server options relay depends on, read once from SGLang's ServerArgs
-    (:func:`sglang_relay.runtime.compat.server_view`)."""
+    """The server options relay depends on, read once from SGLang's ServerArgs as SGLang
+    resolved them (:func:`sglang_relay.runtime.compat.server_view`): e.g. a ``page_size``
+    left unset is what the attention backend forced (64 under ``trtllm_mha``)."""
 
     model_path: str = ""
     tp_size: int = 1
@@ -49,6 +50,13 @@ class ServerView:
     dllm_algorithm: str | None = None
     enable_hisparse: bool = False
     hybrid_model: bool = False  # sliding window, Mamba or DSA layers
+    enable_pdmux: bool = False
+    attn_cp_size: int = 1
+    enable_prefill_cp: bool = False
+    dcp_size: int = 1
+    enable_attn_tp_input_scattered: bool = False
+    enable_layernorm_sp: bool = False
+    prefill_only_disable_kv_cache: bool = False
 
 
 def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
@@ -75,9 +83,9 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (
             view.page_size != 1,
-            f"--page-size {view.page_size} (relay owns and frees KV slots per token; "
-            "SGLang frees whole pages)",
-            "use --page-size 1",
+            f"--page-size {view.page_size} (typed, or forced by the attention backend; "
+            "relay owns and frees KV slots per token, SGLang frees whole pages)",
+            "use --page-size 1 with an attention backend that allows it",
         ),
         (
             view.kv_cache_dtype not in ("auto", None),
@@ -132,10 +140,68 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "--enable-hisparse (stages KV outside model forwards)",
             "drop --enable-hisparse",
         ),
+        (
+            view.enable_pdmux,
+            "--enable-pdmux (prefill runs through forward_split_prefill, outside relay's "
+            "hooked forward)",
+            "drop --enable-pdmux",
+        ),
+        (
+            view.attn_cp_size != 1,
+            f"--attn-cp-size {view.attn_cp_size} (context-parallel attention: each rank "
+            "holds a shard of a row, relay's loop the whole row)",
+            "use --attn-cp-size 1",
+        ),
+        (
+            view.enable_prefill_cp,
+            "--enable-prefill-cp (prefill context parallelism shards a row's tokens across ranks)",
+            "drop --enable-prefill-cp",
+        ),
+        (
+            view.dcp_size != 1,
+            f"--dcp-size {view.dcp_size} (decode context parallelism shards the KV of a "
+            "row across ranks)",
+            "use --dcp-size 1",
+        ),
+        (
+            view.enable_attn_tp_input_scattered,
+            "--enable-attn-tp-input-scattered (scatters the residual stream across TP "
+            "ranks at layer boundaries relay's loop does not run)",
+            "drop --enable-attn-tp-input-scattered",
+        ),
+        (
+            view.enable_layernorm_sp,
+            "--enable-layernorm-sp (sequence-parallel layer boundaries relay's loop does not run)",
+            "drop --enable-layernorm-sp",
+        ),
+        (
+            view.prefill_only_disable_kv_cache,
+            "--prefill-only-disable-kv-cache (no KV cache to relay into)",
+            "drop --prefill-only-disable-kv-cache",
+        ),
     ]
     for refused, what, way_out in checks:
         if refused:
             return f"sglang-relay cannot serve {what}; {way_out}, {OUT}"
+    return None
+
+
+def kv_layout_refusal(page_size: int, kv_dtype: str, model_dtype: str) -> str | None:
+    """Refuse the live KV pools (checked in the scheduler, whatever the arguments said):
+    pages of more than one token, or a KV buffer dtype other than the model's (an FP8
+    scheme of the checkpoint, ``--kv-cache-dtype``). Dtypes by torch name (``bfloat16``)."""
+    if page_size != 1:
+        return (
+            f"sglang-relay cannot serve --page-size {page_size} (the live KV allocator "
+            "frees whole pages of that size; relay owns and frees KV slots per token); use "
+            f"--page-size 1 with an attention backend that allows it, {OUT}"
+        )
+    if kv_dtype != model_dtype:
+        return (
+            f"sglang-relay cannot serve a {kv_dtype} KV cache for a {model_dtype} model "
+            "(--kv-cache-dtype, or the checkpoint's own KV scheme: re-rotation ignores KV "
+            f"scales); serve an unquantized KV cache (--kv-cache-dtype auto), {OUT}"
+        )
     return None
 
 

@@ -199,6 +199,7 @@ def build_relay_cache(ctx: Any) -> Any:
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
     refusal = modes.refusal(compat.server_view(ctx), architecture=arch)
+    refusal = refusal or modes.kv_layout_refusal(*compat.live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)
     settings = settings_from_env(ctx.server_args.model_path)
