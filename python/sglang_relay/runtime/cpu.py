@@ -117,11 +117,7 @@ def serve_defaults(
     env: dict[str, str] = {}
     if "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if (
-        ranks > 1
-        and "SGLANG_CPU_OMP_THREADS_BIND" not in environ
-        and ranks > numa_node_count()
-    ):
+    if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in environ and ranks > numa_node_count():
         env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
     flags: list[str] = []
     bounds = {"--cuda-graph-bs-decode", "--torch-compile-max-bs", "--cuda-graph-max-bs-decode"}
