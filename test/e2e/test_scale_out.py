@@ -31,9 +31,9 @@ OUT = 40  # upstream outputs: 39-token spans (>= min_span 32)
 
 @pytest.fixture(scope="module")
 def dp_server(model_dir):
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    # no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
     args = ["--model-path", str(model_dir), "--dp-size", "2", "--max-total-tokens", "8192"]
-    with running_server(args, env=env) as server:
+    with running_server(args) as server:
         yield server
 
 

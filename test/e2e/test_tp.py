@@ -70,7 +70,8 @@ def tp_model(model_dir, tmp_path_factory) -> Path:
 
 
 def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_RELAY_CONFIG": json.dumps(RELAY_CONFIG)}
+    # no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
+    env = {"SGLANG_RELAY_CONFIG": json.dumps(RELAY_CONFIG)}
     settings = settings_from_env(str(tp_model), env)
     args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]
     with running_server([*args, *GRAPH_ARGS], env=env) as server:

@@ -201,3 +201,46 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     functions = {re.search(r"def (\w+)\(", c.task).group(1) for c in humaneval}
     assert len(functions) == len(humaneval)
     assert not any(f + "(" in c.task for f in functions for c in calibration)
+
+
+def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
+    from sglang_relay.bench.fidelity import summarize
+
+    per = [
+        {
+            "id": f"r{i}",
+            "first_token_kl": kl,
+            "top1": t,
+            "tf_top1": 0.9,
+            "greedy_prefix": 0.5,
+            "first_divergence": 3,
+            "tf_tokens": 64,
+            "reuse_rate": 0.9,
+            "span_tokens": 100,
+            "selected": 10,
+            "seconds": 0.1,
+            "collapsed": 0,
+            "rouge_l": 0.5,
+        }  # fmt: skip
+        for i, (kl, t) in enumerate(zip(kls, top1, strict=True))
+    ]
+    row = summarize(method, per, 30)
+    row.update(method=method, target=0.9, per_relay=per)
+    return row
+
+
+def test_verdicts_compare_relay_with_the_best_baseline_of_each_measure_paired():
+    from sglang_relay.bench.frontier import measure_verdicts, verdict_table
+
+    n = 24
+    relay = _rows("relay", [0.01 * (1 + i % 5) for i in range(n)], [1] * (n - 6) + [0] * 6)
+    epic = _rows("epic", [0.02 * (1 + i % 5) for i in range(n)], [1] * n)
+    blend = _rows("cacheblend", [0.03 * (1 + i % 5) for i in range(n)], [1] * (n - 1) + [0])
+    found = {m: (base, word) for m, base, _, word in measure_verdicts(relay, [epic, blend])}
+    assert found["first_token_kl"] == ("epic", "better")  # half of epic's on every relay
+    assert found["top1_agreement"] == ("epic", "worse")  # 6 of 24 flipped, epic none
+    assert found["tf_top1_agreement_64"][1] == "tie"  # equal everywhere
+    assert found["collapse_rate"][1] == "tie"
+    assert "ci" in relay and relay["ci"]["first_token_kl"][0] < relay["first_token_kl"]
+    table = verdict_table([relay, epic, blend])
+    assert "| 0.90 | first_token_kl | epic |" in table and "worse" in table

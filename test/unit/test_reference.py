@@ -19,6 +19,7 @@ from sglang_relay.core.reference import (
     fidelity,
     first_token_kl,
     generate,
+    greedy_after_forced,
     greedy_continue,
     last_row_probe,
     load_model,
@@ -272,6 +273,27 @@ def test_teacher_forcing_and_greedy_agree_with_one_pass(ref, tok, upstream):
     same = fidelity(exact_tf, exact_tf, cont)
     assert same["tf_top1"] == 1.0 and same["greedy_prefix"] == 1.0
     assert same["first_token_kl"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_greedy_after_forced_equals_greedy_decoding_from_scratch(ref, tok, upstream):
+    """The fidelity bench's free-running outputs come from the teacher-forced pass plus the
+    steps after the first divergence; they must equal a plain greedy decode."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    n = 20
+    naive = RelayConfig(method="naive")
+    free = greedy_continue(ref, relay_prefill(ref, prompt, [span], naive), n)
+    exact_cont = greedy_continue(ref, exact_prefill(ref, prompt), n)
+    # forced: the exact continuation, and one that leaves the method's path at step 4
+    bent = free[:4] + [(free[4] + 1) % tok.vocab_size] + free[5:]
+    for forced in (exact_cont, bent, free):
+        res = relay_prefill(ref, prompt, [span], naive, forced=forced[:-1])
+        assert greedy_after_forced(ref, res, forced, n) == free
+    # a stop token ends it, also when the forced text goes on
+    stop = free[6]
+    res = relay_prefill(ref, prompt, [span], naive, forced=bent[:-1])
+    want = free[: free.index(stop) + 1]
+    assert greedy_after_forced(ref, res, bent, n, stop_ids=[stop]) == want
+    assert greedy_continue(ref, relay_prefill(ref, prompt, [span], naive), n, [stop]) == want
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

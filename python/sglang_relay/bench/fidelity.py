@@ -34,6 +34,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
@@ -41,6 +42,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sglang_relay.bench.chains import collapsed, rouge_l
+from sglang_relay.bench.intervals import bootstrap_ci
 from sglang_relay.bench.workload import (
     Case,
     GenSettings,
@@ -52,7 +55,13 @@ from sglang_relay.bench.workload import (
 )
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import at_target
-from sglang_relay.core.reference import RefModel, exact_prefill, fidelity, relay_prefill
+from sglang_relay.core.reference import (
+    RefModel,
+    exact_prefill,
+    fidelity,
+    greedy_after_forced,
+    relay_prefill,
+)
 from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
@@ -133,9 +142,16 @@ def prepare_usable(
 
 
 def evaluate_relay(
-    ref: RefModel, relay: RelayCase, configs: dict[str, RelayConfig | None]
+    ref: RefModel,
+    relay: RelayCase,
+    configs: dict[str, RelayConfig | None],
+    stop_ids: Sequence[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per-method metrics of one relay (one exact pass shared by all methods)."""
+    """Per-method metrics of one relay (one exact pass shared by all methods). With
+    ``stop_ids`` also each method's free-running greedy output, as long as the exact
+    continuation may be (:func:`greedy_after_forced`): ``collapsed`` (it stops before half
+    of the exact one's length or ends in a loop the exact one does not,
+    :func:`~sglang_relay.bench.chains.collapsed`) and ``rouge_l`` against the exact one."""
     cont = relay.continuation
     forced = cont[:-1]
     t0 = time.perf_counter()
@@ -150,6 +166,9 @@ def evaluate_relay(
             res = relay_prefill(ref, relay.prompt, relay.spans, cfg, forced=forced)
             seconds = time.perf_counter() - t0
         row = fidelity(exact.logits, res.logits, cont)
+        if stop_ids is not None:
+            free = greedy_after_forced(ref, res, cont, len(cont), stop_ids)
+            row.update(collapsed=int(collapsed(free, cont)), rouge_l=rouge_l(free, cont))
         row.update(
             id=relay.case.id,
             span_tokens=relay.span_tokens,
@@ -188,7 +207,40 @@ def summarize(name: str, rows: list[dict[str, Any]], num_layers: int) -> dict[st
         "seconds_per_relay": statistics.fmean(r["seconds"] for r in rows),
         "span_tokens_mean": span / len(rows),
         "num_layers": num_layers,
+        **free_running_summary(rows),
+        "ci": intervals(rows),
     }
+
+
+def free_running_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``collapse_rate`` and mean ``rouge_l_64`` when the rows carry free-running outputs."""
+    if not rows or "collapsed" not in rows[0]:
+        return {}
+    return {
+        "collapse_rate": statistics.fmean(r["collapsed"] for r in rows),
+        "rouge_l_64": statistics.fmean(r["rouge_l"] for r in rows),
+    }
+
+
+# summary measure -> (per-relay field, statistic, lower is better)
+MEASURES = {
+    "first_token_kl": ("first_token_kl", "mean", True),
+    "first_token_kl_median": ("first_token_kl", "median", True),
+    "top1_agreement": ("top1", "mean", False),
+    "tf_top1_agreement_64": ("tf_top1", "mean", False),
+    "greedy_prefix_64": ("greedy_prefix", "mean", False),
+    "collapse_rate": ("collapsed", "mean", True),
+    "rouge_l_64": ("rouge_l", "mean", False),
+}
+
+
+def intervals(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Bootstrap 95 % interval of every summary measure the rows carry."""
+    out = {}
+    for name, (field_name, stat, _) in MEASURES.items():
+        if rows and field_name in rows[0]:
+            out[name] = list(bootstrap_ci([r[field_name] for r in rows], stat))
+    return out
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -361,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for case, path in tqdm(usable, desc="relays", unit="relay", disable=args.no_progress):
         relay = load_relay(path, case)
-        for name, row in evaluate_relay(ref, relay, configs).items():
+        for name, row in evaluate_relay(ref, relay, configs, [tok.eos_token_id]).items():
             per_method[name].append(row)
         del relay
     rows = [summarize(m, per_method[m], ref.num_layers) for m in methods]

@@ -147,7 +147,11 @@ def sweep_points(
 
 
 def evaluate_points(
-    ref: Any, relays: Any, points: list[Point], progress: Any = None
+    ref: Any,
+    relays: Any,
+    points: list[Point],
+    progress: Any = None,
+    stop_ids: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Summary rows (:func:`~sglang_relay.bench.fidelity.summarize`) of every point over
     ``relays`` (an iterable of :class:`~sglang_relay.bench.workload.RelayCase`, consumed
@@ -155,7 +159,7 @@ def evaluate_points(
     configs = {p.label: p.config for p in points}
     per_point: dict[str, list[dict[str, Any]]] = {p.label: [] for p in points}
     for relay in relays:
-        for label, row in evaluate_relay(ref, relay, configs).items():
+        for label, row in evaluate_relay(ref, relay, configs, stop_ids).items():
             per_point[label].append(row)
         if progress is not None:
             progress()
@@ -185,19 +189,87 @@ def _value(row: dict[str, Any]) -> str:
     return f"{row['knob']} {v}" if isinstance(v, int) else f"{row['knob']} {v:.3f}"
 
 
+def _ci(row: dict[str, Any], name: str, fmt: str) -> str:
+    """``value [lo, hi]`` of a summary measure (the value alone without an interval)."""
+    value = format(row[name], fmt)
+    ci = row.get("ci", {}).get(name)
+    return value if ci is None else f"{value} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
 def points_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| method | knob | target | reuse | KL first token (mean / median) | top-1 | "
-        "TF top-1 (64) | relays |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    """Every point, every measure, with bootstrap 95 % intervals."""
+    free = any("collapse_rate" in r for r in rows)
+    head = (
+        "| method | knob | target | reuse | KL mean | KL median | top-1 | TF top-1 (64) | "
+        "greedy prefix (64) |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|---|"
+    if free:
+        head += " collapse rate | ROUGE-L (64) |"
+        rule += "---|---|"
+    lines = [head + " relays |", rule + "---|"]
     for r in rows:
         target = "-" if r["target"] is None else f"{r['target']:.2f}"
-        lines.append(
+        line = (
             f"| {r['method']} | {_value(r)} | {target} | {r['reuse_rate']:.3f} | "
-            f"{r['first_token_kl']:.4f} / {r['first_token_kl_median']:.4f} | "
-            f"{r['top1_agreement']:.3f} | {r['tf_top1_agreement_64']:.3f} | {r['n_relays']} |"
+            f"{_ci(r, 'first_token_kl', '.4f')} | {_ci(r, 'first_token_kl_median', '.4f')} | "
+            f"{_ci(r, 'top1_agreement', '.3f')} | {_ci(r, 'tf_top1_agreement_64', '.3f')} | "
+            f"{_ci(r, 'greedy_prefix_64', '.3f')} |"
         )
+        if free:
+            line += f" {_ci(r, 'collapse_rate', '.3f')} | {_ci(r, 'rouge_l_64', '.3f')} |"
+        lines.append(line + f" {r['n_relays']} |")
+    return "\n".join(lines)
+
+
+def measure_verdicts(
+    mine: dict[str, Any], baselines: list[dict[str, Any]]
+) -> list[tuple[str, str, str, str]]:
+    """Per measure: ``(measure, best baseline, paired 95 % interval of mine - it, verdict)``.
+    The best baseline is the one with the best value of that measure; the interval
+    resamples the relays both ran (:func:`~sglang_relay.bench.intervals.paired_ci`)."""
+    from sglang_relay.bench.fidelity import MEASURES
+    from sglang_relay.bench.intervals import paired_ci, verdict
+
+    out = []
+    mine_by_id = {r["id"]: r for r in mine["per_relay"]}
+    for name, (field_name, stat, lower) in MEASURES.items():
+        rivals = [b for b in baselines if name in b]
+        if name not in mine or not rivals:
+            continue
+        best = (min if lower else max)(rivals, key=lambda b: b[name])
+        pairs = [
+            (mine_by_id[r["id"]][field_name], r[field_name])
+            for r in best["per_relay"]
+            if r["id"] in mine_by_id
+        ]
+        lo, hi = paired_ci([a for a, _ in pairs], [b for _, b in pairs], stat)
+        out.append(
+            (
+                name,
+                best["method"],
+                f"[{lo:+.4f}, {hi:+.4f}]",
+                verdict(lo, hi, lower_is_better=lower),
+            )
+        )
+    return out
+
+
+def verdict_table(rows: list[dict[str, Any]]) -> str:
+    """Relay against the best baseline of each measure at each target: better, worse or a
+    tie by the paired interval (a point is better only if no measure is worse)."""
+    targets = sorted({r["target"] for r in rows if r["target"] is not None})
+    lines = [
+        "| target | measure | best baseline | relay - baseline (95 % CI) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for t in targets:
+        at = {r["method"]: r for r in rows if r["target"] == t}
+        baselines = [at[m] for m in ("cacheblend", "epic") if m in at]
+        if "relay" not in at or not baselines:
+            continue
+        for name, base, ci, word in measure_verdicts(at["relay"], baselines):
+            lines.append(f"| {t:.2f} | {name} | {base} | {ci} | {word} |")
     return "\n".join(lines)
 
 
@@ -248,7 +320,9 @@ def workload_markdown(result: dict[str, Any]) -> str:
         f"### {result['workload']} ({result['n_relays']} relays, spans {spans[0]}-{spans[1]} "
         f"tokens, mean {result['span_tokens_mean']:.0f})\n\n"
         + comparison_table(result["points"])
-        + "\n\nAll points:\n\n"
+        + "\n\nRelay vs the best baseline per measure (paired bootstrap over the relays):\n\n"
+        + verdict_table(result["points"])
+        + "\n\nAll points (bootstrap 95 % intervals):\n\n"
         + points_table(result["points"])
     )
 
@@ -364,7 +438,9 @@ def run_frontier(args: argparse.Namespace) -> int:
             total=len(usable), desc=f"{label}: {len(points)} points", disable=args.no_progress
         )
         relays = (load_relay(path, case) for case, path in usable)
-        rows = evaluate_points(ref, relays, points, progress=bar.update)
+        rows = evaluate_points(
+            ref, relays, points, progress=bar.update, stop_ids=[tok.eos_token_id]
+        )
         bar.close()
         per_relay_spans = [r["span_tokens"] for r in rows[0]["per_relay"]]
         results.append(

@@ -838,6 +838,42 @@ def greedy_continue(
     return out
 
 
+@torch.no_grad()
+def greedy_after_forced(
+    ref: RefModel,
+    result: RelayResult,
+    continuation: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+) -> list[int]:
+    """Free-running greedy decode from a prefill that teacher-forced ``continuation[:-1]``
+    (``result.logits``: ``[1 + m, vocab]``, as :func:`relay_prefill` returns with
+    ``forced``): greedy decoding repeats ``continuation`` until the first step whose argmax
+    differs, so only the steps after it run, over the cache cut at that point (positions
+    past it are overwritten before anything attends to them). Equals
+    :func:`greedy_continue` on the same prefill without the forced tokens. Does not modify
+    ``result``."""
+    m = result.logits.shape[0]
+    if m != len(continuation):
+        raise ValueError("need one logits row per continuation token")
+    mine = result.logits.argmax(-1).tolist()
+    out: list[int] = []
+    for i, want in enumerate(continuation[:max_new_tokens]):
+        out.append(int(mine[i]))
+        if mine[i] != want or mine[i] in stop_ids:
+            break
+    if len(out) >= max_new_tokens or out[-1] in stop_ids:
+        return out
+    start = result.prompt_len + len(out) - 1  # position of the last token, not yet in KV
+    cache = result.cache.grown(result.prompt_len + max_new_tokens)
+    tok = out[-1]
+    while len(out) < max_new_tokens and tok not in stop_ids:
+        tok = int(extend(ref, cache, start, [tok])[0].argmax())
+        out.append(tok)
+        start += 1
+    return out
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
