@@ -152,24 +152,3 @@ def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
 
     plain = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool(1, torch.float32), False)
     assert modes.kv_layout_refusal(*compat.live_kv_layout(_ctx(plain, 1, torch.float32))) is None
-
-
-# the deny-list rows for modes that write KV outside the hooked forward or move layer
-# boundaries: (flags as typed, what the one message must name)
-DENIED = [
-    (["--enable-pdmux"], "--enable-pdmux"),
-    (["--attn-cp-size", "2"], "--attn-cp-size 2"),
-    (["--enable-prefill-cp"], "--enable-prefill-cp"),
-    (["--dcp-size", "2"], "--dcp-size 2"),
-    (["--enable-attn-tp-input-scattered"], "--enable-attn-tp-input-scattered"),
-    (["--enable-layernorm-sp"], "--enable-layernorm-sp"),
-    (["--prefill-only-disable-kv-cache"], "--prefill-only-disable-kv-cache"),
-]
-
-
-@pytest.mark.parametrize("flags, needle", DENIED, ids=[" ".join(f) for f, _ in DENIED])
-def test_modes_outside_the_hooked_forward_are_refused(cpu_args, flags, needle):
-    message = modes.refusal(compat.server_view(compat.parse_server_args([*cpu_args, *flags])))
-    assert message is not None and needle in message and "\n" not in message
-    assert message.endswith(modes.OUT)
-    assert modes.refusal(compat.server_view(compat.parse_server_args(cpu_args))) is None
