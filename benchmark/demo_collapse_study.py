@@ -1,0 +1,122 @@
+"""Why the demo's Reviewer collapses under relay (docs/fidelity.md, "The demo's Reviewer").
+
+Offline, on the reference executor: the relay pipeline's Architect and Developer texts
+(``data/demo_relay_chain.json``, captured from a relay server) are teacher-forced so their
+decode KV is exact; then the Reviewer prompt is relayed with chosen span tokens recomputed
+(oracle selections) and under the shipped operating points and rule variants. Reported:
+the probability of the end of turn after the reply's first token three backticks, the
+first-token KL and the greedy output.
+
+    python benchmark/demo_collapse_study.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DATA = Path(__file__).with_name("data") / "demo_relay_chain.json"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.workload import chat_ids, find_spans
+    from sglang_relay.core.config import RelayConfig, load_profile
+    from sglang_relay.core.operating import Frontier
+    from sglang_relay.core.reference import (
+        exact_prefill,
+        generate,
+        greedy_continue,
+        load_model,
+        relay_prefill,
+    )
+    from sglang_relay.demo import load_chain
+    from sglang_relay.embedded_model import ensure_model
+
+    model = ensure_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = load_model(str(model))
+    chain = load_chain(None)
+    outs = json.loads(DATA.read_text())["outs"]
+    eos = tok.eos_token_id
+    texts, records = {"task": chain["task"]}, []
+    for agent in chain["agents"][:2]:
+        prompt = chat_ids(tok, agent["system"], agent["template"].format(**texts))
+        want = tok(outs[agent["name"]], add_special_tokens=False).input_ids + [eos]
+        records.append(generate(ref, [prompt], len(want), stop_ids=[eos], force=[want])[0])
+        texts[agent["name"]] = outs[agent["name"]]
+    agent = chain["agents"][2]
+    prompt = chat_ids(tok, agent["system"], agent["template"].format(**texts))
+    spans = find_spans(prompt, records, 32)
+    ticks = tok("```", add_special_tokens=False).input_ids
+
+    def logp(row: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(row.double(), -1)
+
+    def p_end(res) -> float:
+        return float(logp(res.logits[-1]).exp()[eos])
+
+    exact = exact_prefill(ref, prompt, forced=ticks)
+    exact0 = exact_prefill(ref, prompt)
+    print(f"spans {[(s.prompt_start, s.length) for s in spans]}, prompt {len(prompt)} tokens")
+    greedy0 = tok.decode(greedy_continue(ref, exact0, 12, [eos]))
+    print(f"exact: P(end | ```) {p_end(exact):.3f}, greedy {greedy0!r}")
+
+    lengths = [s.length for s in spans]
+
+    def pick(fn) -> torch.Tensor:
+        return torch.cat([torch.tensor([i in set(fn(n)) for i in range(n)]) for n in lengths])
+
+    every = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, max_ratio=None, l_suf=0)
+    oracles = {
+        "none (naive)": lambda n: [],
+        "first 16 per span": lambda n: range(16),
+        "first 32 per span": lambda n: range(32),
+        "first 16 + last 16": lambda n: [*range(16), *range(n - 16, n)],
+        "last 4 per span": lambda n: range(n - 4, n),
+        "last 16 per span": lambda n: range(n - 16, n),
+        "tokens 16..n-16": lambda n: range(16, n - 16),
+        "all": lambda n: range(n),
+    }
+    print("\n| recomputed (all layers) | tokens | P(end | ```) |\n|---|---|---|")
+    for name, fn in oracles.items():
+        sel = pick(fn)
+        res = relay_prefill(ref, prompt, spans, every, forced=ticks, selection=sel)
+        print(f"| {name} | {int(sel.sum())} | {p_end(res):.3f} |")
+
+    base, data = load_profile(shipped_profile_path(model))
+    frontier = Frontier.from_profile(data)
+    print("\n| point | variant | reuse | selected | KL first token | P(end | ```) | greedy |")
+    print("|---|---|---|---|---|---|---|")
+    variants = {"shipped": {}, "l_suf 8": {"l_suf": 8}, "l_suf 16": {"l_suf": 16},
+                "l_ctx 2": {"l_ctx": 2}, "l_ctx 20": {"l_ctx": 20}}  # fmt: skip
+    for target in (0.8, 0.9, 0.95):
+        point = frontier.point(base, target, ref.num_layers).config
+        for name, change in variants.items():
+            cfg = replace(point, **change)
+            res = relay_prefill(ref, prompt, spans, cfg, forced=ticks)
+            free = relay_prefill(ref, prompt, spans, cfg)
+            kl = float(
+                (
+                    logp(exact0.logits[-1]).exp()
+                    * (logp(exact0.logits[-1]) - logp(free.logits[-1]))
+                ).sum()
+            )
+            greedy = tok.decode(greedy_continue(ref, free, 8, [eos]))
+            print(f"| {target:.2f} | {name} | {res.reuse_rate:.3f} | {sum(res.selected)} | "
+                  f"{kl:.4f} | {p_end(res):.3f} | {greedy!r} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
