@@ -320,11 +320,11 @@ def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
     monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid: {0, 1})
-    flags, env = _cpu_serve_env([], {})
-    assert (flags, env) == ([], {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert _cpu_serve_env([], {}) == ([], {})  # one rank: OpenMP's and SGLang's defaults
     # tp 2 and dp 2 (and their aliases) need a binding on one NUMA node, else SGLang asserts
     for shape in (["--tp-size", "2"], ["--tensor-parallel-size=2"], ["--dp-size", "2"]):
-        assert _cpu_serve_env(shape, {})[1]["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+        env = _cpu_serve_env(shape, {})[1]
+        assert env == {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_WAIT_POLICY": "PASSIVE"}
     flags, _ = _cpu_serve_env(["--enable-torch-compile"], {})
     assert flags == ["--cuda-graph-bs-decode", "1", "2", "4", "--torch-compile-max-bs", "4"]
 

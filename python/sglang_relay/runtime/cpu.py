@@ -103,10 +103,11 @@ def serve_defaults(
     x pp processes), where the user set none of them (``user_flags``: the flags given,
     ``environ``: the environment). Returns (flags to add, environment to add).
 
-    * ``OMP_WAIT_POLICY=PASSIVE``: OpenMP's default spin-wait has idle threads of one process
-      burn the core another computes on (SGLang's own tokenizer and detokenizer, other ranks,
-      anything else on the machine): DP 2 beside one busy process decoded at 0.44 tokens/s
-      with it; the DP-2 and router tests ran 4-7x faster without it.
+    * ``OMP_WAIT_POLICY=PASSIVE`` with more than one rank: OpenMP's default spin-wait has
+      the idle threads of one rank burn the core another computes on: DP 2 beside one busy
+      process decoded at 0.44 tokens/s with it; the DP-2 and router tests ran 4-7x faster
+      without it. A single rank keeps OpenMP's default (what PASSIVE costs it is not
+      measured yet).
     * ``SGLANG_CPU_OMP_THREADS_BIND`` when there are more ranks than NUMA nodes (SGLang
       asserts at start-up otherwise): the cores this process may use, split evenly.
     * with ``--enable-torch-compile``, the captured batch sizes bounded to
@@ -115,7 +116,7 @@ def serve_defaults(
     if cuda_available():
         return [], {}
     env: dict[str, str] = {}
-    if "OMP_WAIT_POLICY" not in environ:
+    if ranks > 1 and "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in environ and ranks > numa_node_count():
         env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
