@@ -1,0 +1,325 @@
+"""``sglang-relay bench serve``: what relay buys a loaded server (open-loop agent chains).
+
+Agent chains arrive as a Poisson process at each ``--rates`` (chains per minute) for
+``--duration`` seconds against one server; one method per run (``--methods``: per-request
+``custom_params.relay``, so every method runs on the same server), the cache flushed
+between runs. Chain kinds (``--mix``): a ``pipeline`` (3 agents, each reads all earlier
+outputs), a ``fanin`` (3 independent agents, then one that reads the three outputs), a
+``groupchat`` (4 turns, each reads all earlier turns) and ``plain`` requests that relay
+nothing (the control). Outputs have a fixed length (``ignore_eos``), so every method does
+the same decode work and only prefill differs.
+
+Reported per method and rate: chains completed per minute, TTFT p50/p99 of every request
+and of the requests that could relay, chain latency p50/p99, the share of prompt tokens
+relayed, fallbacks by reason, and the server's relay counters over the run (spans
+recorded / evicted, pool use). **Goodput** at an SLO is the highest rate whose p99 TTFT
+meets it (:func:`goodput`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_relay.client import flush_cache, generate
+from sglang_relay.demo import chat_prompt
+
+KINDS = ("pipeline", "fanin", "groupchat", "plain")
+DEFAULT_MIX = "pipeline:0.4,fanin:0.2,groupchat:0.2,plain:0.2"
+METHOD_OPTIONS: dict[str, Any] = {
+    "standard": "standard",
+    "relay": None,  # the server's default operating point
+    "relay@speed": {"reuse": "speed"},
+    "epic": "epic",
+    "cacheblend": "cacheblend",
+    "naive": "naive",
+}
+TOPICS = ["rate limiting", "B-trees", "TCP congestion control", "garbage collection",
+          "consistent hashing", "ray tracing", "vector clocks", "bloom filters"]  # fmt: skip
+
+
+def arrivals(rate_per_min: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times (seconds from the start) of a Poisson process of ``rate_per_min``
+    events per minute over ``duration_s``: exponential gaps, fixed seed."""
+    if rate_per_min <= 0 or duration_s <= 0:
+        return []
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate_per_min / 60.0)
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``kind:weight,...`` -> normalized weights over :data:`KINDS`."""
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        kind, _, weight = part.strip().partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown chain kind {kind!r}; choose from {', '.join(KINDS)}")
+        mix[kind] = float(weight or 1.0)
+    total = sum(mix.values())
+    if total <= 0 or any(w < 0 for w in mix.values()):
+        raise ValueError(f"mix weights must be >= 0 and not all 0: {text!r}")
+    return {k: w / total for k, w in mix.items()}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0-100) by linear interpolation; None without values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def goodput(rows: list[dict[str, Any]], slo_s: float, key: str = "ttft_p99") -> float:
+    """The highest arrival rate (chains/min) whose ``key`` meets ``slo_s``, counting only
+    rates below the first one that misses it (a rate past saturation that happens to pass
+    does not count); 0 if the lowest rate misses."""
+    best = 0.0
+    for row in sorted(rows, key=lambda r: r["rate"]):
+        value = row.get(key)
+        if value is None or value > slo_s or row.get("incomplete", 0):
+            break
+        best = row["rate"]
+    return best
+
+
+@dataclass
+class Record:
+    """One request of a chain as the client saw it."""
+
+    chain: int
+    kind: str
+    agent: int
+    could_relay: bool
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    relay: dict[str, Any] = field(default_factory=dict)
+
+
+def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str, str, bool]:
+    """(system, user message, whether it quotes earlier outputs) of agent ``len(outs)``."""
+    i = len(outs)
+    if kind == "plain":
+        return f"Assistant {k}.", f"Explain {topic} in a few paragraphs.", False
+    if kind == "pipeline":
+        roles = ["Planner", "Engineer", "Reviewer"]
+        quoted = "".join(f"\n\n{roles[j]} wrote:\n{o}" for j, o in enumerate(outs))
+        task = ["Plan how to teach", "Write a worked example of", "Review the material on"][i]
+        return f"You are the {roles[i]} ({k}).", f"{task} {topic}.{quoted}", i > 0
+    if kind == "fanin":
+        if i < 3:
+            angle = ["its history", "how it works", "its pitfalls"][i]
+            return f"Expert {i} ({k}).", f"Write about {topic}: {angle}.", False
+        notes = "".join(f"\n\nNote {j + 1}:\n{o}" for j, o in enumerate(outs))
+        return f"Editor ({k}).", f"Merge these notes on {topic} into one text.{notes}", True
+    turns = "".join(f"\n\nSpeaker {j % 2 + 1}: {o}" for j, o in enumerate(outs))
+    return (
+        f"Speaker {i % 2 + 1} of a debate ({k}).",
+        f"Debate: is {topic} worth it?{turns}\n\nYour turn.",
+        i > 0,
+    )
+
+
+AGENTS = {"pipeline": 3, "fanin": 4, "groupchat": 4, "plain": 1}
+
+
+def run_chain(
+    url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int
+) -> list[Record]:
+    """One chain, agent after agent (a fan-in's first three agents are independent but run
+    in order too: the client of a fan-in waits for all of them)."""
+    outs: list[str] = []
+    records = []
+    for i in range(AGENTS[kind]):
+        system, user, quotes = _chain_prompts(kind, k, topic, outs)
+        params: dict[str, Any] = {"max_new_tokens": out_tokens, "temperature": 0.0,
+                                  "ignore_eos": True}  # fmt: skip
+        if relay is not None:
+            params["custom_params"] = {"relay": relay}
+        gen = generate(url, chat_prompt(tok, system, user), params)
+        outs.append(gen.text.strip())
+        records.append(
+            Record(
+                k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens, gen.relay or {}
+            )  # fmt: skip
+        )
+    return records
+
+
+def run_rate(
+    url: str, tok: Any, method: str, rate: float, args: argparse.Namespace, seed: int
+) -> dict[str, Any]:
+    """One open-loop run: chains submitted at their arrival times, whether or not earlier
+    ones finished; waits for stragglers up to ``args.drain`` seconds."""
+    rng = random.Random(seed)
+    mix = parse_mix(args.mix)
+    kinds, weights = list(mix), list(mix.values())
+    times = arrivals(rate, args.duration, seed)
+    chains: list[tuple[float, float | None, list[Record]]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(k: int, kind: str, topic: str) -> None:
+        start = time.monotonic()
+        try:
+            recs = run_chain(url, tok, kind, k, topic, METHOD_OPTIONS[method], args.out_tokens)
+            with lock:
+                chains.append((start, time.monotonic() - start, recs))
+        except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    flush_cache(url)
+    began = time.monotonic()
+    pool = cf.ThreadPoolExecutor(max_workers=max(4, len(times)))
+    futures = []
+    for k, t in enumerate(times):
+        time.sleep(max(0.0, began + t - time.monotonic()))
+        kind = rng.choices(kinds, weights)[0]
+        futures.append(pool.submit(one, k, kind, rng.choice(TOPICS)))
+    done, pending = cf.wait(futures, timeout=args.drain)
+    pool.shutdown(wait=False, cancel_futures=True)
+    elapsed = time.monotonic() - began
+    return summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
+
+
+def summarize(
+    method: str,
+    rate: float,
+    chains: list[tuple[float, float | None, list[Record]]],
+    errors: list[str],
+    arrived: int,
+    incomplete: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """One row of the report from the chains a run completed."""
+    records = [r for _, _, recs in chains for r in recs]
+    ttft = [r.ttft_s for r in records]
+    down = [r.ttft_s for r in records if r.could_relay]
+    latency = [lat for _, lat, _ in chains if lat is not None]
+    prompt = sum(r.prompt_tokens for r in records)
+    relayed = sum(int(r.relay.get("reused_tokens", 0)) for r in records)
+    fallbacks = collections.Counter(
+        str(r.relay["fallback"]).split(":")[0] for r in records if r.relay.get("fallback")
+    )
+    return {
+        "method": method,
+        "rate": rate,
+        "arrived": arrived,
+        "completed": len(chains),
+        "incomplete": incomplete,
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "chains_per_min": 60.0 * len(chains) / elapsed_s if elapsed_s > 0 else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "ttft_relayable_p50": percentile(down, 50),
+        "ttft_relayable_p99": percentile(down, 99),
+        "chain_latency_p50": percentile(latency, 50),
+        "chain_latency_p99": percentile(latency, 99),
+        "requests": len(records),
+        "relayed_prompt_share": relayed / prompt if prompt else 0.0,
+        "fallbacks": dict(fallbacks),
+        "reuse_rate_mean": statistics.fmean(
+            [float(r.relay.get("reuse_rate", 0.0)) for r in records if r.relay.get("spans_matched")]
+            or [0.0]
+        ),
+    }
+
+
+def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
+    lines = [
+        "| method | rate (chains/min) | completed/min | TTFT p50 / p99 (s) | relayable TTFT p99 "
+        "| chain latency p50 / p99 (s) | relayed prompt share | fallbacks | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['rate']:g} | {r['chains_per_min']:.1f} | "
+            f"{f(r['ttft_p50'])} / {f(r['ttft_p99'])} | {f(r['ttft_relayable_p99'])} | "
+            f"{f(r['chain_latency_p50'])} / {f(r['chain_latency_p99'])} | "
+            f"{r['relayed_prompt_share']:.2f} | {r['fallbacks'] or '-'} | {r['errors']} |"
+        )
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines += ["", "| method | " + " | ".join(f"goodput @ p99 TTFT <= {s:g} s" for s in slos) + " |",
+              "|---" * (len(slos) + 1) + "|"]  # fmt: skip
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m]
+        lines.append(f"| {m} | " + " | ".join(f"{goodput(mine, s):g}" for s in slos) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="sglang-relay bench serve", description=__doc__)
+    p.add_argument("--url", help="a running relay server (default: start one)")
+    p.add_argument("--rates", default="2,4,8", help="chains per minute, comma list")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run")
+    p.add_argument("--drain", type=float, default=300.0, help="seconds to wait for stragglers")
+    p.add_argument("--methods", default="standard,relay,relay@speed,epic,cacheblend,naive")
+    p.add_argument("--mix", default=DEFAULT_MIX, help=f"chain kinds and weights ({DEFAULT_MIX})")
+    p.add_argument("--out-tokens", type=int, default=96, help="output tokens of every agent")
+    p.add_argument("--slos", default="0.5,1,2,4", help="TTFT SLOs (s) for the goodput table")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
+    p.add_argument("--json", help="write the rows here")
+    args, server_flags = p.parse_known_args(argv)
+    if args.quick:
+        args.rates, args.duration, args.methods = "2,6", 45.0, "standard,relay"
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHOD_OPTIONS]
+    if bad:
+        p.error(f"unknown methods {bad}; choose from {', '.join(METHOD_OPTIONS)}")
+    parse_mix(args.mix)
+    rates = [float(x) for x in args.rates.split(",")]
+    slos = [float(x) for x in args.slos.split(",")]
+
+    from transformers import AutoTokenizer
+
+    from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.runtime.launch import ServerProcess
+
+    model = str(ensure_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    server = None
+    url = args.url
+    if url is None:
+        server = ServerProcess(["--model-path", model, *server_flags]).start()
+        url = server.url
+    rows = []
+    try:
+        generate(url, chat_prompt(tok, "Warm up.", "Hello"), {"max_new_tokens": 8})
+        for rate in rates:
+            for method in methods:  # same arrivals (seed) for every method at a rate
+                row = run_rate(url, tok, method, rate, args, seed=args.seed + int(rate * 1000))
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("method", "rate", "completed",
+                      "ttft_p99", "chain_latency_p50", "errors")}), flush=True)  # fmt: skip
+    finally:
+        if server is not None:
+            server.stop()
+    print(markdown(rows, slos))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0

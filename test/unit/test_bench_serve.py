@@ -1,0 +1,77 @@
+"""The open-loop serving bench's arithmetic: arrivals, mix, percentiles, goodput, prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_relay.bench import serve
+
+
+def test_arrivals_are_a_poisson_process_at_the_rate():
+    times = serve.arrivals(30.0, 20 * 60.0, seed=3)  # 30/min for 20 min: ~600 arrivals
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 1200
+    assert len(times) == pytest.approx(600, rel=0.1)
+    gaps = np.diff([0.0, *times])
+    assert gaps.mean() == pytest.approx(2.0, rel=0.1)  # exponential: mean = sd = 60/rate
+    assert gaps.std() == pytest.approx(2.0, rel=0.15)
+    assert serve.arrivals(30.0, 60.0, seed=3) == serve.arrivals(30.0, 60.0, seed=3)
+    assert serve.arrivals(0, 60.0, seed=1) == []
+
+
+def test_mix_is_normalized_and_checked():
+    assert serve.parse_mix("pipeline:3,plain:1") == {"pipeline": 0.75, "plain": 0.25}
+    with pytest.raises(ValueError, match="unknown chain kind"):
+        serve.parse_mix("pipeline:1,swarm:1")
+    with pytest.raises(ValueError):
+        serve.parse_mix("plain:0")
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    xs = list(rng.exponential(1.0, size=37))
+    for q in (0, 50, 90, 99, 100):
+        assert serve.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    assert serve.percentile([], 50) is None
+
+
+def test_goodput_is_the_highest_rate_before_the_slo_is_first_missed():
+    rows = [
+        {"rate": 2, "ttft_p99": 0.4},
+        {"rate": 4, "ttft_p99": 0.9},
+        {"rate": 8, "ttft_p99": 3.0},
+        {"rate": 16, "ttft_p99": 0.8},  # past saturation a lucky pass does not count
+    ]
+    assert serve.goodput(rows, 1.0) == 4
+    assert serve.goodput(rows, 0.5) == 2
+    assert serve.goodput(rows, 0.3) == 0
+    assert serve.goodput([{**r, "incomplete": 1} if r["rate"] == 4 else r for r in rows], 1.0) == 2
+
+
+def test_downstream_prompts_quote_earlier_outputs_verbatim():
+    outs = ["first output text", "second output text", "third output text"]
+    for kind, n in (("pipeline", 2), ("fanin", 3), ("groupchat", 3)):
+        system, user, quotes = serve._chain_prompts(kind, 7, "B-trees", outs[:n])
+        assert quotes and all(o in user for o in outs[:n]), (kind, user)
+    _, user, quotes = serve._chain_prompts("plain", 7, "B-trees", [])
+    assert not quotes and "B-trees" in user
+    _, _, quotes = serve._chain_prompts("fanin", 7, "B-trees", outs[:1])  # an expert
+    assert not quotes
+
+
+def test_summary_counts_relayed_tokens_and_fallbacks():
+    rec = serve.Record
+    chains = [
+        (0.0, 2.0, [rec(0, "pipeline", 0, False, 0.3, 1.0, 100),
+                    rec(0, "pipeline", 1, True, 0.1, 1.0, 300,
+                        {"reused_tokens": 150, "spans_matched": 1, "reuse_rate": 0.8})]),
+        (1.0, 4.0, [rec(1, "plain", 0, False, 0.5, 1.0, 100,
+                        {"fallback": "span_evicted: x"})]),
+    ]  # fmt: skip
+    row = serve.summarize("relay", 4.0, chains, [], arrived=3, incomplete=1, elapsed_s=60.0)
+    assert row["completed"] == 2 and row["chains_per_min"] == 2.0 and row["incomplete"] == 1
+    assert row["relayed_prompt_share"] == pytest.approx(150 / 500)
+    assert row["fallbacks"] == {"span_evicted": 1}
+    assert row["ttft_relayable_p50"] == pytest.approx(0.1)
+    assert row["chain_latency_p50"] == pytest.approx(3.0)
+    assert row["reuse_rate_mean"] == pytest.approx(0.8)
