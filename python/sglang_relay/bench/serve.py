@@ -278,7 +278,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--drain", type=float, default=300.0, help="seconds to wait for stragglers")
     p.add_argument("--methods", default="standard,relay,relay@speed,epic,cacheblend,naive")
     p.add_argument("--mix", default=DEFAULT_MIX, help=f"chain kinds and weights ({DEFAULT_MIX})")
-    p.add_argument("--out-tokens", type=int, default=96, help="output tokens of every agent")
+    p.add_argument(
+        "--out-tokens",
+        type=int,
+        default=96,
+        help="output tokens of every agent (spans shorter than the server's min span, 32 by "
+        "default, are not relayed: keep it well above)",
+    )
     p.add_argument("--slos", default="0.5,1,2,4", help="TTFT SLOs (s) for the goodput table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
