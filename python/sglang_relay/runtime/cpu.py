@@ -82,6 +82,13 @@ def numa_node_count() -> int:
     return max(1, len(nodes))
 
 
+def usable_cpus() -> list[int]:
+    """The cpus this process may run on (all of them where affinity is not reported)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def threads_bind(ranks: int, cpus: list[int]) -> str:
     """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on ``cpus``: contiguous, equal
     groups (``"0,1|2,3"``); with more ranks than cpus, one cpu each, round robin."""
@@ -119,7 +126,7 @@ def serve_defaults(
     if ranks > 1 and "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in environ and ranks > numa_node_count():
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, usable_cpus())
     flags: list[str] = []
     bounds = {"--cuda-graph-bs-decode", "--torch-compile-max-bs", "--cuda-graph-max-bs-decode"}
     if torch_compile and not (bounds & user_flags):
