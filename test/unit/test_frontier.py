@@ -201,6 +201,14 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     functions = {re.search(r"def (\w+)\(", c.task).group(1) for c in humaneval}
     assert len(functions) == len(humaneval)
     assert not any(f + "(" in c.task for f in functions for c in calibration)
+    # the larger HumanEval set (every second problem, >= 64 relays): no calibration task or
+    # function, the same roles as the 20-case set, and it contains that set's problems
+    large = load_workload(name="humaneval82_workload.jsonl")
+    assert len(large) == 82 and len({c.id for c in large}) == 82
+    assert {c.task for c in humaneval} <= {c.task for c in large}
+    assert not {c.task for c in large} & {c.task for c in calibration}
+    large_functions = {re.search(r"def (\w+)\(", c.task).group(1) for c in large}
+    assert not any(f + "(" in c.task for f in large_functions for c in calibration)
 
 
 def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
