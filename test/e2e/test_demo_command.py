@@ -34,7 +34,9 @@ def test_the_demo_command_runs_and_relays_every_downstream_agent(tmp_path):
     for name in ("Developer", "Reviewer"):
         info = agents[name]["relay"]["relay"]
         assert info["reused_tokens"] >= SHORT_TOKENS - 2 and info["reuse_rate"] >= 0.7, info
-    for agent in agents.values():  # the measures the table reports, per agent
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
+    for name, agent in agents.items():  # the table says what the JSON measured
         assert 0.0 <= agent["rouge_l"] <= 1.0 and agent["same_tokens"] <= agent["tokens"]
-        assert isinstance(agent["collapsed"], bool)
+        assert ("COLLAPSED" in rows[name]) == agent["collapsed"], rows[name]
+        assert rows[name].endswith("identical") == agent["identical"], rows[name]
     assert "Reviewer" in proc.stdout and "TTFT" in proc.stdout  # the table was printed

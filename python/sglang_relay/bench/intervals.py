@@ -27,6 +27,11 @@ def _stat(name: str) -> Callable[[np.ndarray], np.ndarray]:
     raise ValueError(f"unknown statistic {name!r} (mean, median)")
 
 
+def _percentiles(boot: np.ndarray, level: float) -> tuple[float, float]:
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def _indices(n: int, resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
@@ -43,9 +48,7 @@ def bootstrap_ci(
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         raise ValueError("no values")
-    boot = _stat(stat)(x[_indices(x.size, resamples, seed)])
-    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    return _percentiles(_stat(stat)(x[_indices(x.size, resamples, seed)]), level)
 
 
 def paired_ci(
@@ -64,9 +67,7 @@ def paired_ci(
         raise ValueError("need two equally long, non-empty sequences")
     idx = _indices(x.size, resamples, seed)
     f = _stat(stat)
-    diff = f(x[idx]) - f(y[idx])
-    lo, hi = np.quantile(diff, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    return _percentiles(f(x[idx]) - f(y[idx]), level)
 
 
 def verdict(lo: float, hi: float, *, lower_is_better: bool) -> str:

@@ -194,7 +194,8 @@ def run_rate(
         time.sleep(max(0.0, began + t - time.monotonic()))
         kind = rng.choices(kinds, weights)[0]
         futures.append(pool.submit(one, k, kind, rng.choice(TOPICS)))
-    done, pending = cf.wait(futures, timeout=args.drain)
+    _, pending = cf.wait(futures, timeout=args.drain)
+    # stragglers past the drain keep running; the next run's flush waits for them
     pool.shutdown(wait=False, cancel_futures=True)
     elapsed = time.monotonic() - began
     return summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
@@ -303,17 +304,12 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.launch import ServerProcess
+    from sglang_relay.runtime.launch import server_at
 
     model = str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model)
-    server = None
-    url = args.url
-    if url is None:
-        server = ServerProcess(["--model-path", model, *server_flags]).start()
-        url = server.url
     rows = []
-    try:
+    with server_at(args.url, ["--model-path", model, *server_flags]) as url:
         generate(url, chat_prompt(tok, "Warm up.", "Hello"), {"max_new_tokens": 8})
         for rate in rates:
             for method in methods:  # same arrivals (seed) for every method at a rate
@@ -321,9 +317,6 @@ def main(argv: list[str]) -> int:
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in ("method", "rate", "completed",
                       "ttft_p99", "chain_latency_p50", "errors")}), flush=True)  # fmt: skip
-    finally:
-        if server is not None:
-            server.stop()
     print(markdown(rows, slos))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.launch import ServerProcess
+    from sglang_relay.runtime.launch import server_at
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = {m for m in methods if m not in METHODS and not m.startswith("relay@")}
@@ -271,18 +271,10 @@ def main(argv: list[str]) -> int:
     reps = args.reps or (3 if args.quick else 7)
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)
-    server = None
-    url = args.url
-    if url is None:
-        server = ServerProcess(["--model-path", model_path, *server_flags]).start()
-        url = server.url
-    try:
+    with server_at(args.url, ["--model-path", model_path, *server_flags]) as url:
         started = time.time()
         rows = run(url, tok, cases, reps, methods)
         elapsed = time.time() - started
-    finally:
-        if server is not None:
-            server.stop()
     print(markdown(rows))
     if args.json:
         meta = {

@@ -592,3 +592,14 @@ class RouterProcess(_ChildProcess):
             return False
         healthy = sum(1 for w in workers if w.get("is_healthy"))
         return healthy >= (self.expected_workers or len(self.workers))
+
+
+@contextlib.contextmanager
+def server_at(url: str | None, args: list[str]):
+    """The URL of a server for a bench: ``url`` if given, else a :class:`ServerProcess`
+    started with ``args`` and stopped on exit."""
+    if url is not None:
+        yield url
+        return
+    with ServerProcess(args) as server:
+        yield server.url
