@@ -27,6 +27,19 @@ ALL_SELECTED = {
 }
 
 
+# a server rule that captures the stream (layer 2) in decode: context masses at layer 2
+# times the last-row probe, one cap per request
+CONTEXT_RULE_AT_2 = {
+    "l_start": 0, "l_det": 0, "l_end": -1, "signal": "context", "l_ctx": 2, "tau_dev": 0.0,
+    "first_k": 0, "l_suf": 0, "budget": "request", "probe": 0.25,
+}  # fmt: skip
+# a request's rule: the stored hidden state at layer 2, detection (fresh K/V) at 3
+DEVIATION_AT_3 = {
+    "l_start": 2, "l_det": 3, "first_k": 4, "tau_dev": 1.0, "l_suf": 0, "signal": "value",
+    "budget": "span", "probe": None,
+}  # fmt: skip
+
+
 @contextlib.contextmanager
 def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A real server on loopback (``args`` + ``EXTRA_ARGS``, ``env`` added to its
@@ -116,6 +129,22 @@ def assert_matches_reference(served: dict, result, tol: float = 2e-3) -> None:
     ref_lp = result.logits[-1].double().log_softmax(-1)
     for lp, tid, _ in served["meta_info"]["output_top_logprobs"][0]:
         assert math.isclose(lp, float(ref_lp[tid]), abs_tol=tol), (tid, lp, float(ref_lp[tid]))
+
+
+def assert_all_selected_equals_standard(url: str, span: list[int], n: int = 8) -> None:
+    """The all-selected oracle (every span token recomputed in every layer) through the
+    server: the same tokens and logprobs as standard prefill of the same prompt."""
+    import math
+
+    prompt = list(range(4000, 4017)) + span + list(range(3000, 3011))
+    relay = {"method": "relay", "config": ALL_SELECTED}
+    oracle = generate_ids(url, prompt, n, relay, return_logprob=True)
+    std = generate_ids(url, prompt, n, "standard", return_logprob=True)
+    assert oracle["meta_info"]["relay"]["reused_tokens"] == len(span)
+    assert oracle["output_ids"] == std["output_ids"]
+    got = [x[0] for x in oracle["meta_info"]["output_token_logprobs"]]
+    want = [x[0] for x in std["meta_info"]["output_token_logprobs"]]
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, want, strict=True))
 
 
 def relay_info(url):

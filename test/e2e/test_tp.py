@@ -22,12 +22,13 @@ whose greedy outputs are diverse enough for exact span matching."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 from relay_helpers import (
-    ALL_SELECTED,
+    CONTEXT_RULE_AT_2,
+    DEVIATION_AT_3,
+    assert_all_selected_equals_standard,
     assert_matches_reference,
     generate_ids,
     relay_info,
@@ -41,17 +42,8 @@ from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# the server's rule: context masses at layer 2 (so the stream is captured under TP and
-# inside the graphs) times the last-row probe, one cap per request
-RELAY_CONFIG = {
-    "l_start": 0, "l_det": 0, "l_end": -1, "signal": "context", "l_ctx": 2, "tau_dev": 0.0,
-    "first_k": 0, "l_suf": 0, "budget": "request", "probe": 0.25,
-}  # fmt: skip
-# a request's rule: the stored hidden state at layer 2, detection at 3
-DEVIATION = {
-    "l_start": 2, "l_det": 3, "first_k": 4, "tau_dev": 1.0, "l_suf": 0, "signal": "value",
-    "budget": "span", "probe": None,
-}  # fmt: skip
+RELAY_CONFIG = CONTEXT_RULE_AT_2  # the stream is captured under TP and inside the graphs
+DEVIATION = DEVIATION_AT_3
 # one captured batch size keeps the compile short on 2 cores; batches of 2+ decode eagerly
 GRAPH_ARGS = [
     "--enable-torch-compile",
@@ -107,16 +99,7 @@ def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
         assert relay_info(server.url)["forwards_decode"] >= 60
 
         # all-selected oracle == standard prefill, under TP too
-        prompt2 = list(range(4000, 4017)) + span + list(range(3000, 3011))
-        oracle = generate_ids(
-            server.url, prompt2, 8, {"method": "relay", "config": ALL_SELECTED}, return_logprob=True
-        )
-        std = generate_ids(server.url, prompt2, 8, "standard", return_logprob=True)
-        assert oracle["meta_info"]["relay"]["reused_tokens"] == len(span)
-        assert oracle["output_ids"] == std["output_ids"]
-        got = [x[0] for x in oracle["meta_info"]["output_token_logprobs"]]
-        want = [x[0] for x in std["meta_info"]["output_token_logprobs"]]
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, want, strict=True))
+        assert_all_selected_equals_standard(server.url, span)
 
         info = relay_info(server.url)
         # every relay extend compared its plan, and every detected group its selection,

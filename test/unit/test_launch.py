@@ -320,7 +320,9 @@ def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
     monkeypatch.setattr(cpu, "usable_cpus", lambda: [0, 1])
-    assert _cpu_serve_env([], {}) == ([], {})  # one rank: OpenMP's and SGLang's defaults
+    # one rank: passive OpenMP waits (a spinning rank beside a busy process: 7-20x slower)
+    assert _cpu_serve_env([], {}) == ([], {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert _cpu_serve_env([], {"GOMP_SPINCOUNT": "10000"}) == ([], {})  # the user tuned it
     # tp 2 and dp 2 (and their aliases) need a binding on one NUMA node, else SGLang asserts
     for shape in (["--tp-size", "2"], ["--tensor-parallel-size=2"], ["--dp-size", "2"]):
         env = _cpu_serve_env(shape, {})[1]

@@ -155,6 +155,9 @@ def test_span_store_budget_evicts_lru_and_releases_owned_slots():
     assert store.release_owned(10) == 40 and len(released) == 1
     assert torch.equal(released[0], torch.arange(40))
     assert set(store.spans) == {c} and store.owned_tokens == 0
+    stats = store.stats()  # the budget's drop of b was not for room; a's was
+    assert stats["owned_spans_released_for_room"] == 1
+    assert stats["owned_tokens_released_for_room"] == 40
     assert b is not None and store.add([1, 2, 3], z[:3], z[:3], z[:3], "ns") is None  # short
 
 

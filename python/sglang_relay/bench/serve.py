@@ -33,6 +33,11 @@ from typing import Any
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.demo import chat_prompt
 
+# server counters (get_server_info) reported as deltas over a run
+SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_tokens",
+                   "fallbacks", "owned_spans_released_for_room",
+                   "owned_tokens_released_for_room", "batches_split")  # fmt: skip
+
 KINDS = ("pipeline", "fanin", "groupchat", "plain")
 DEFAULT_MIX = "pipeline:0.4,fanin:0.2,groupchat:0.2,plain:0.2"
 METHOD_OPTIONS: dict[str, Any] = {
@@ -187,6 +192,22 @@ def run_rate(
                 errors.append(f"{type(exc).__name__}: {exc}")
 
     flush_cache(url)
+    before = server_state(url)
+    peak = {"used": 0, "owned": 0}
+    done = threading.Event()
+
+    def sample() -> None:  # the KV pool's peak use (slots neither free nor evictable)
+        while not done.wait(1.0):
+            try:
+                st = server_state(url)
+            except Exception:  # noqa: BLE001 - a busy server may miss one sample
+                continue
+            pool_ = st.get("pool", {})
+            used = int(pool_.get("total", 0)) - int(pool_.get("available", 0))
+            peak["used"] = max(peak["used"], used)
+            peak["owned"] = max(peak["owned"], int(st.get("owned_span_tokens", 0)))
+
+    threading.Thread(target=sample, daemon=True).start()
     began = time.monotonic()
     pool = cf.ThreadPoolExecutor(max_workers=max(4, len(times)))
     futures = []
@@ -198,7 +219,22 @@ def run_rate(
     # stragglers past the drain keep running; the next run's flush waits for them
     pool.shutdown(wait=False, cancel_futures=True)
     elapsed = time.monotonic() - began
-    return summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
+    done.set()
+    row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
+    after = server_state(url)
+    row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
+    total = int(after.get("pool", {}).get("total", 0))
+    row["pool_peak_share"] = peak["used"] / total if total else None
+    row["owned_span_tokens_peak"] = peak["owned"]
+    return row
+
+
+def server_state(url: str) -> dict[str, Any]:
+    """The relay counters and pool balance of ``/get_server_info`` (first rank)."""
+    import requests
+
+    info = requests.get(url + "/get_server_info", timeout=30).json()
+    return info["internal_states"][0].get("relay", {})
 
 
 def summarize(
@@ -248,8 +284,9 @@ def summarize(
 def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
     lines = [
         "| method | rate (chains/min) | completed/min | TTFT p50 / p99 (s) | relayable TTFT p99 "
-        "| chain latency p50 / p99 (s) | relayed prompt share | fallbacks | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| chain latency p50 / p99 (s) | relayed prompt share | fallbacks | pool peak "
+        "| owned spans released for room | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: float | None) -> str:
@@ -260,7 +297,9 @@ def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
             f"| {r['method']} | {r['rate']:g} | {r['chains_per_min']:.1f} | "
             f"{f(r['ttft_p50'])} / {f(r['ttft_p99'])} | {f(r['ttft_relayable_p99'])} | "
             f"{f(r['chain_latency_p50'])} / {f(r['chain_latency_p99'])} | "
-            f"{r['relayed_prompt_share']:.2f} | {r['fallbacks'] or '-'} | {r['errors']} |"
+            f"{r['relayed_prompt_share']:.2f} | {r['fallbacks'] or '-'} | "
+            f"{f(r.get('pool_peak_share'))} | "
+            f"{r.get('server', {}).get('owned_spans_released_for_room', '-')} | {r['errors']} |"
         )
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lines += ["", "| method | " + " | ".join(f"goodput @ p99 TTFT <= {s:g} s" for s in slos) + " |",

@@ -1,4 +1,5 @@
-"""Reference executor of the relay semantics on a Hugging Face ``LlamaForCausalLM``.
+"""Reference executor of the relay semantics on a Hugging Face Llama-family causal LM
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
 
 This is the plain, per-request twin of :mod:`sglang_relay.runtime.extend`: the same
 layer loop with explicit per-layer active rows, written on the HF modules of the model
@@ -147,6 +148,8 @@ class RefModel:
         q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.rope(positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         return q, k, v

@@ -2,8 +2,9 @@
 
 This file is the whole contract between sglang-relay and SGLang 0.5.23: every ``sglang``
 import, every dotted hook target, and every attribute of an SGLang object the plug-in
-reads (``Req``, ``ForwardBatch``, ``ServerArgs``, the model runner, the Llama/Qwen2
-modules) is named here, behind small typed adapters. At start-up
+reads (``Req``, ``ForwardBatch``, ``ServerArgs``, the model runner) is named here, behind
+small typed adapters; the decoder modules each supported architecture has, and the
+attributes read off them, are named in its half of the contract, ``runtime/anatomy.py``. At start-up
 :func:`check_hooks_installed` verifies that every hook is really in place and
 :func:`check_model_anatomy` that the served model has the modules the relay loops call;
 either fails loudly instead of serving "nothing relayed, no error".
@@ -40,8 +41,9 @@ INTERNAL_STATE_TARGET = (
     "SchedulerInternalStateController.get_internal_state"
 )
 
-# Model architectures whose attention, RoPE and KV layout the relay path understands.
-from sglang_relay.runtime.modes import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES  # noqa: E402
+# Model architectures whose decoder the relay loops drive (runtime/anatomy.py: per
+# architecture, the modules run and the forward hooked).
+from sglang_relay.runtime.anatomy import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES  # noqa: E402
 from sglang_relay.runtime.modes import ServerView  # noqa: E402
 
 MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
@@ -155,11 +157,10 @@ def kv_write_loc(loc):
     return KVWriteLoc(loc)
 
 
-# Model classes whose forward the relay loop may take over (dotted hook targets).
-MODEL_FORWARD_TARGETS = (
-    "sglang.srt.models.llama.LlamaModel.forward",
-    "sglang.srt.models.qwen2.Qwen2Model.forward",
-)
+# Model classes whose forward the relay loop may take over (dotted hook targets), one per
+# adapter: sglang.srt.models.{llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model}.forward
+from sglang_relay.runtime.anatomy import MODEL_FORWARD_TARGETS as MODEL_FORWARD_TARGETS  # noqa: E402
+
 PREPARE_FOR_EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 MIX_WITH_RUNNING_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running"
 ADD_ONE_REQ_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
@@ -396,28 +397,18 @@ def inner_model(model_runner):
     return getattr(outer, "model", outer)
 
 
-def check_model_anatomy(model) -> None:
-    """Fail loudly unless ``model`` has the modules :mod:`.llama` calls."""
-    missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(model, a)]
-    layer = model.layers[0] if not missing and len(model.layers) else None
-    if layer is not None:
-        for path in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.qkv_proj",
-                     "self_attn.rotary_emb", "self_attn.attn", "self_attn.o_proj",
-                     "mlp.down_proj"):  # fmt: skip
-            obj = layer
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is None:
-                missing.append(f"layers[0].{path}")
-    if missing:
+def check_model_anatomy(model_runner) -> None:
+    """Fail loudly unless the served decoder stack has exactly the modules its
+    architecture's adapter drives (``runtime/anatomy.py``), in every layer."""
+    from sglang_relay.runtime.anatomy import anatomy_of, anatomy_problems
+
+    architecture = type(model_runner.model).__name__
+    problems = anatomy_problems(anatomy_of(architecture), inner_model(model_runner), SUPPORTED_ROPE)
+    if problems:
         raise ValueError(
-            f"sglang-relay cannot run this model's layer loop (missing {', '.join(missing)})"
-        )
-    rope = layer.self_attn.rotary_emb
-    if type(rope).__name__ not in SUPPORTED_ROPE:
-        raise ValueError(
-            f"sglang-relay cannot re-rotate keys of {type(rope).__name__} "
-            f"(supported: {', '.join(sorted(SUPPORTED_ROPE))})"
+            f"sglang-relay cannot run the layer loop of this {architecture} model: "
+            + "; ".join(problems[:4])
+            + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         )
 
 

@@ -110,11 +110,14 @@ def serve_defaults(
     x pp processes), where the user set none of them (``user_flags``: the flags given,
     ``environ``: the environment). Returns (flags to add, environment to add).
 
-    * ``OMP_WAIT_POLICY=PASSIVE`` with more than one rank: OpenMP's default spin-wait has
-      the idle threads of one rank burn the core another computes on: DP 2 beside one busy
-      process decoded at 0.44 tokens/s with it; the DP-2 and router tests ran 4-7x faster
-      without it. A single rank keeps OpenMP's default (what PASSIVE costs it is not
-      measured yet).
+    * ``OMP_WAIT_POLICY=PASSIVE`` (unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+      set): OpenMP's default spin-wait has a rank's idle threads burn a core another
+      process (or rank) needs. Measured on 2 cores, one rank of the embedded model,
+      greedy decode tokens/s at batch 1 / 4 (``benchmark/omp_wait.py``, docs/results.md):
+      idle 10.3 / 22.4 spinning vs 8.4 / 15.8 passive; beside one busy process 1.3 / 1.0 spinning vs
+      8.8 / 20.6 passive (a spin count of 10,000: 10.3 / 23.8 idle, 6.1 / 7.3 busy). DP 2
+      beside one busy process decoded at 0.44 tokens/s spinning. A server that owns its
+      cores can set ``OMP_WAIT_POLICY=ACTIVE`` for the idle-machine figures.
     * ``SGLANG_CPU_OMP_THREADS_BIND`` when there are more ranks than NUMA nodes (SGLang
       asserts at start-up otherwise): the cores this process may use, split evenly.
     * with ``--enable-torch-compile``, the captured batch sizes bounded to
@@ -123,7 +126,7 @@ def serve_defaults(
     if cuda_available():
         return [], {}
     env: dict[str, str] = {}
-    if ranks > 1 and "OMP_WAIT_POLICY" not in environ:
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in environ and ranks > numa_node_count():
         env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, usable_cpus())

@@ -1,10 +1,10 @@
-"""The anatomy of SGLang's Llama-family decoder the relay loops run (Llama, Qwen2).
+"""One pre-norm decoder layer as the relay loops run it, on SGLang's own modules.
 
-Pre-norm decoder layers: ``input_layernorm`` -> ``self_attn.{qkv_proj, rotary_emb, attn,
-o_proj}`` -> ``post_attention_layernorm`` -> ``mlp``; norms take and return the residual
-stream separately (``norm(h, r) -> (x, h + r)``); ``model.{embed_tokens, layers, norm}``.
-These names are part of the SGLang contract (:mod:`sglang_relay.runtime.compat` checks them
-on the served model at start-up).
+``input_layernorm`` -> the attention block's q/k/v preparation (per architecture:
+:mod:`sglang_relay.runtime.anatomy`) -> attention (the caller's) -> ``o_proj`` ->
+``post_attention_layernorm`` -> ``mlp``; norms take and return the residual stream
+separately (``norm(h, r) -> (x, h + r)``); ``model.{embed_tokens, layers, norm}``. Which
+modules a served model may have is checked at start-up (``anatomy.anatomy_problems``).
 """
 
 from __future__ import annotations
@@ -14,16 +14,11 @@ from collections.abc import Callable
 import torch
 
 from sglang_relay.runtime import compat
+from sglang_relay.runtime.anatomy import qkv
+
+__all__ = ["qkv", "run_layer", "stream", "write_kv"]
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def qkv(attn_mod, positions: torch.Tensor, x: torch.Tensor):
-    """q, k, v of an attention block (post-RoPE q and k), flat ``[n, heads*dim]``."""
-    out, _ = attn_mod.qkv_proj(x)
-    q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
-    q, k = attn_mod.rotary_emb(positions, q, k)
-    return q, k, v
 
 
 def write_kv(pool, radix_attn, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

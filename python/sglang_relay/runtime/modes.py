@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+from sglang_relay.runtime.anatomy import SUPPORTED_ARCHITECTURES
+
 OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay)"
 
 
@@ -68,7 +69,7 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "relay to serve this model without relay"
         )
     checks = [
-        (view.hybrid_model, "sliding-window, Mamba or DSA models", "use a dense Llama/Qwen2 model"),
+        (view.hybrid_model, "sliding-window, Mamba or DSA models", "use a dense model"),
         (
             view.disable_radix_cache,
             "--disable-radix-cache (relay is a radix cache)",

@@ -72,7 +72,7 @@ class RelayRuntime:
         self.cfg = settings.config
         self.model = compat.inner_model(model_runner)
         self.num_layers = len(self.model.layers)
-        compat.check_model_anatomy(self.model)
+        compat.check_model_anatomy(model_runner)
         self.kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)

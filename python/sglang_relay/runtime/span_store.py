@@ -82,6 +82,8 @@ class SpanStore:
         self._next_id = 1
         self.scans = 0  # index look-ups (admission checks and plans)
         self.scans_truncated = 0  # ... that hit the index's work bound (see SpanIndex)
+        self.pressure_spans = 0  # owned spans dropped because SGLang needed their slots
+        self.pressure_tokens = 0  # ... and the slots they gave back
 
     # ---- recording ------------------------------------------------------------------
     def add(
@@ -141,6 +143,8 @@ class SpanStore:
             if released >= num_tokens:
                 break
             released += self.drop(span_id)
+            self.pressure_spans += 1
+        self.pressure_tokens += released
         return released
 
     def clear(self, *, release: bool = True) -> None:
@@ -190,4 +194,6 @@ class SpanStore:
             "span_token_budget": self.max_tokens,
             "match_scans": self.scans,
             "match_scans_truncated": self.scans_truncated,
+            "owned_spans_released_for_room": self.pressure_spans,
+            "owned_tokens_released_for_room": self.pressure_tokens,
         }

@@ -1,0 +1,136 @@
+"""Per-architecture adapters: which SGLang decoder modules the relay loops drive, and the
+check that a served model has exactly those.
+
+The relay loops (:mod:`.extend`, :mod:`.decode`, :mod:`.probe`) run a decoder layer as
+SGLang's own modules in SGLang's order: ``input_layernorm``, the attention block's own
+q/k/v preparation (``forward_prepare_native``: projection, any per-head q/k norm, RoPE),
+attention (relay's, over the request's KV), ``o_proj``, ``post_attention_layernorm``,
+``mlp``. Only the attention kernel is relay's. What an architecture adds inside its
+attention block therefore comes with SGLang's module, and what the loop would not run
+(a module the adapter does not list, a logit cap, a sliding window, partial rotary, KV
+scales) refuses the server at start-up instead of being dropped silently.
+
+Pure data plus checks on live modules; SGLang's dotted names live in
+:mod:`sglang_relay.runtime.compat` (the forward targets below are named there too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the layer modules every adapter's loop calls (boundaries are plain objects, not modules)
+LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "mlp", "post_attention_layernorm"})
+BASE_ATTENTION = frozenset({"qkv_proj", "o_proj", "rotary_emb", "attn"})
+
+
+@dataclass(frozen=True, slots=True)
+class Anatomy:
+    """How the relay loop drives one architecture's SGLang decoder.
+
+    Attributes:
+        architecture: the Hugging Face ``architectures`` name SGLang serves it under.
+        model_forward: the dotted ``forward`` of its decoder stack (the hook target).
+        attention_modules: every child module of a layer's ``self_attn`` the q/k/v
+            preparation uses; a model with any other is refused.
+        prepare: ``"native"``: SGLang's own ``self_attn.forward_prepare_native(positions,
+            x)`` gives post-RoPE q, k, v; ``"split"``: the block has no such method and
+            its forward is ``qkv_proj`` -> split -> ``rotary_emb`` (Qwen2), which the loop
+            repeats.
+        random_weights_only: served here on random weights only (no checkpoint of it ran).
+    """
+
+    architecture: str
+    model_forward: str
+    attention_modules: frozenset[str] = BASE_ATTENTION
+    prepare: str = "native"
+    random_weights_only: bool = True
+
+
+_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
+ANATOMIES: dict[str, Anatomy] = {
+    a.architecture: a
+    for a in (
+        Anatomy("LlamaForCausalLM", _LLAMA_FORWARD, random_weights_only=False),
+        # SGLang serves Mistral with its Llama classes (MistralForCausalLM subclasses them)
+        Anatomy("MistralForCausalLM", _LLAMA_FORWARD),
+        Anatomy("Qwen2ForCausalLM", "sglang.srt.models.qwen2.Qwen2Model.forward", prepare="split"),
+        Anatomy(
+            "Qwen3ForCausalLM",
+            "sglang.srt.models.qwen3.Qwen3Model.forward",
+            attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
+        ),
+    )
+}
+SUPPORTED_ARCHITECTURES = frozenset(ANATOMIES)
+MODEL_FORWARD_TARGETS = tuple(dict.fromkeys(a.model_forward for a in ANATOMIES.values()))
+
+
+def anatomy_of(architecture: str) -> Anatomy:
+    try:
+        return ANATOMIES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"sglang-relay has no adapter for the {architecture} architecture (supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        ) from None
+
+
+def qkv(attn_mod, positions, x):
+    """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of the attention block ``attn_mod``
+    for normed input ``x``: SGLang's own preparation where the block has one."""
+    prepare = getattr(attn_mod, "forward_prepare_native", None)
+    if prepare is not None:
+        return prepare(positions, x)
+    out, _ = attn_mod.qkv_proj(x)
+    q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+    q, k = attn_mod.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) -> list[str]:
+    """What in the served decoder stack ``model`` the relay loop of ``anatomy`` would not
+    run as SGLang does (empty: nothing). Checks every layer."""
+    problems = [f"no {a}" for a in ("embed_tokens", "layers", "norm") if not hasattr(model, a)]
+    if problems or not len(model.layers):
+        return problems or ["no decoder layers"]
+    for lid, layer in enumerate(model.layers):
+        where = f"layers[{lid}]"
+        extra = {n for n, _ in layer.named_children()} - LAYER_MODULES
+        missing = LAYER_MODULES - {n for n, _ in layer.named_children()}
+        if extra or missing:
+            problems.append(f"{where} has modules {sorted(extra)} / lacks {sorted(missing)}")
+            continue
+        attn_mod = layer.self_attn
+        children = {n for n, _ in attn_mod.named_children()}
+        if children != anatomy.attention_modules:
+            problems.append(
+                f"{where}.self_attn has {sorted(children - anatomy.attention_modules)} / lacks "
+                f"{sorted(anatomy.attention_modules - children)} (the {anatomy.architecture} "
+                "adapter runs exactly "
+                f"{sorted(anatomy.attention_modules)})"
+            )
+            continue
+        if anatomy.prepare == "native" and not hasattr(attn_mod, "forward_prepare_native"):
+            problems.append(f"{where}.self_attn has no forward_prepare_native")
+        if not hasattr(layer.mlp, "down_proj"):
+            problems.append(f"{where}.mlp has no down_proj")
+        ra, rope = attn_mod.attn, attn_mod.rotary_emb
+        if type(rope).__name__ not in supported_rope:
+            problems.append(
+                f"{where}: cannot re-rotate keys of {type(rope).__name__} "
+                f"(supported: {', '.join(sorted(supported_rope))})"
+            )
+        elif getattr(rope, "rotary_dim", None) != getattr(rope, "head_size", None):
+            problems.append(f"{where}: partial rotary (rotary_dim {rope.rotary_dim} of "
+                            f"{rope.head_size})")  # fmt: skip
+        if getattr(ra, "logit_cap", 0) not in (0, 0.0, None):
+            problems.append(f"{where}: attention logit cap {ra.logit_cap}")
+        if getattr(ra, "sliding_window_size", -1) not in (-1, None):
+            problems.append(f"{where}: sliding-window attention ({ra.sliding_window_size})")
+        if getattr(ra, "k_scale", None) is not None or getattr(ra, "v_scale", None) is not None:
+            problems.append(f"{where}: scaled (quantized) KV")
+        if getattr(ra, "is_cross_attention", False) or getattr(ra, "use_irope", False):
+            problems.append(f"{where}: cross attention / iRoPE")
+        if ra.qk_head_dim != ra.v_head_dim:
+            problems.append(f"{where}: qk head dim {ra.qk_head_dim} != v head dim")
+    return problems

@@ -1,0 +1,68 @@
+"""Architectures beyond the embedded Llama, served end to end on random weights (no
+checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): Qwen3 (per-head
+q/k norms, a head dim other than hidden / heads, its own decoder forward) and Mistral
+(SGLang's Llama classes under another architecture name).
+
+On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
+serves the random model as Hugging Face computes it); the relay of its output computes
+what the reference computes with the server's rule (context masses at layer 2 from a
+stream captured in decode, last-row probe) and with a per-request deviation rule (fresh
+K/V at layer 3 from the stored stream); the all-selected oracle equals standard prefill."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from relay_helpers import (
+    CONTEXT_RULE_AT_2,
+    DEVIATION_AT_3,
+    assert_all_selected_equals_standard,
+    assert_matches_reference,
+    generate_ids,
+    relay_info,
+    relay_one_upstream,
+    running_server,
+)
+
+from sglang_relay.core import reference as R
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.runtime.settings import settings_from_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_relay_on_another_architecture_computes_what_the_reference_computes(
+    arch, model_dir, tmp_path_factory
+):
+    from sglang_relay.bench.models import random_model
+
+    path = random_model(arch, tmp_path_factory.mktemp(arch) / f"Random-{arch}", model_dir)
+    env = {"SGLANG_RELAY_CONFIG": json.dumps(CONTEXT_RULE_AT_2)}
+    settings = settings_from_env(str(path), env)
+    with running_server(["--model-path", str(path), "--max-total-tokens", "8192"], env=env) as s:
+        assert relay_info(s.url)["capture_layer"] == 2
+        ref = R.load_model(str(path))
+        point = settings.point(settings.reuse_target, ref.num_layers)
+        served, result, span = relay_one_upstream(s.url, ref, point.config)
+        assert served["meta_info"]["relay"]["probe"] == "last_row"
+        assert_matches_reference(served, result)
+        assert R.greedy_continue(ref, result, 4) == served["output_ids"]
+
+        head, tail = list(range(2100, 2117)), list(range(3000, 3011))
+        prompt = head + span + tail
+        option = {"method": "relay", "config": DEVIATION_AT_3}
+        down = generate_ids(s.url, prompt, 2, option, return_logprob=True, top_logprobs_num=5)
+        assert down["meta_info"]["relay"]["reused_tokens"] == len(span)
+        (record,) = R.generate(ref, [list(range(1000, 1040))], 96)  # relay_one_upstream's
+        assert record.span_tokens == span
+        occ = R.SpanOccurrence(len(head), record, 0, len(span))
+        deviation = RelayConfig.from_dict({**point.config.to_dict(), **DEVIATION_AT_3})
+        assert_matches_reference(down, R.relay_prefill(ref, prompt, [occ], deviation))
+
+        assert_all_selected_equals_standard(s.url, span)
+        info = relay_info(s.url)
+        assert info.get("fallbacks", 0) == 0
+        pool = info["pool"]
+        assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"]

@@ -1,0 +1,144 @@
+"""Architecture adapters: the reference executor against Hugging Face forwards of every
+adapted architecture (random weights), and the start-up anatomy check against module trees
+that differ from what an adapter drives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sglang_relay.bench.models import ARCHITECTURES, random_hf_model
+from sglang_relay.core.config import RelayConfig
+from sglang_relay.core.reference import (
+    RefModel,
+    SpanOccurrence,
+    exact_prefill,
+    generate,
+    relay_prefill,
+)
+from sglang_relay.runtime.anatomy import (
+    ANATOMIES,
+    BASE_ATTENTION,
+    anatomy_of,
+    anatomy_problems,
+)
+from sglang_relay.runtime.compat import SUPPORTED_ROPE
+
+FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_reference_executor_is_the_hf_forward_of_each_architecture(arch):
+    torch.manual_seed(1)
+    ref = RefModel(random_hf_model(arch, num_hidden_layers=3))
+    ids = torch.randint(100, 40000, (48,)).tolist()
+    ours = exact_prefill(ref, ids[:-12], forced=ids[-12:-1])
+    with torch.no_grad():
+        theirs = ref.model(torch.tensor([ids[:-1]])).logits[0].float()
+    torch.testing.assert_close(ours.logits, theirs[-12:], atol=1e-4, rtol=0)
+    # and its relay oracle: every span token recomputed in every layer is exact
+    (rec,) = generate(ref, [ids[:10]], 24)
+    span = rec.span_tokens
+    prompt = ids[20:30] + span + ids[30:36]
+    occ = SpanOccurrence(10, rec, 0, len(span))
+    relayed = relay_prefill(ref, prompt, [occ], FULL)
+    torch.testing.assert_close(relayed.logits, exact_prefill(ref, prompt).logits, atol=1e-4,
+                               rtol=0)  # fmt: skip
+
+
+def test_every_random_model_has_an_adapter():
+    for name, _ in ARCHITECTURES.values():
+        assert f"{name}ForCausalLM" in ANATOMIES
+
+
+# ---- the start-up check, on module trees named like SGLang's (its real modules need an
+# initialised SGLang process; the e2e tests serve them)
+
+
+class Rope(nn.Module):
+    def __init__(self, head_size=64, rotary_dim=64):
+        super().__init__()
+        self.head_size, self.rotary_dim = head_size, rotary_dim
+
+
+Rope.__name__ = "RotaryEmbedding"
+
+
+class Radix(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.logit_cap, self.sliding_window_size = 0.0, -1
+        self.k_scale = self.v_scale = None
+        self.qk_head_dim = self.v_head_dim = 64
+        self.__dict__.update(kw)
+
+
+class Attn(nn.Module):
+    def __init__(self, children=BASE_ATTENTION, rope=None, radix=None):
+        super().__init__()
+        for name in sorted(children):
+            setattr(self, name, nn.Identity())
+        self.rotary_emb = rope or Rope()
+        self.attn = radix or Radix()
+
+    def forward_prepare_native(self, positions, x):  # pragma: no cover - not called
+        raise AssertionError
+
+
+class Layer(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.input_layernorm = nn.Identity()
+        self.self_attn = attn
+        self.post_attention_layernorm = nn.Identity()
+        self.mlp = nn.Module()
+        self.mlp.down_proj = nn.Identity()
+
+
+def stack(*attns):
+    model = nn.Module()
+    model.embed_tokens, model.norm = nn.Identity(), nn.Identity()
+    model.layers = nn.ModuleList(Layer(a) for a in attns)
+    return model
+
+
+def problems(arch, model):
+    return anatomy_problems(anatomy_of(arch), model, SUPPORTED_ROPE)
+
+
+def test_a_model_the_adapter_drives_passes():
+    assert problems("LlamaForCausalLM", stack(Attn(), Attn())) == []
+    qwen3 = BASE_ATTENTION | {"q_norm", "k_norm"}
+    assert problems("Qwen3ForCausalLM", stack(Attn(qwen3))) == []
+
+
+def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():
+    # the old check tested names only: a Qwen3 layer passed it and q_norm/k_norm were skipped
+    out = problems("LlamaForCausalLM", stack(Attn(BASE_ATTENTION | {"q_norm", "k_norm"})))
+    assert len(out) == 1 and "['k_norm', 'q_norm']" in out[0]
+    # and a Qwen3 adapter on a layer without them is refused too
+    assert problems("Qwen3ForCausalLM", stack(Attn()))
+
+
+@pytest.mark.parametrize(
+    "attn, words",
+    [
+        (Attn(radix=Radix(logit_cap=30.0)), "logit cap"),
+        (Attn(radix=Radix(sliding_window_size=4096)), "sliding-window"),
+        (Attn(radix=Radix(k_scale=torch.tensor(0.5))), "scaled (quantized) KV"),
+        (Attn(rope=Rope(rotary_dim=32)), "partial rotary"),
+        (Attn(radix=Radix(v_head_dim=32)), "v head dim"),
+    ],
+)
+def test_what_the_loop_would_not_run_is_refused_in_any_layer(attn, words):
+    out = problems("LlamaForCausalLM", stack(Attn(), attn))
+    assert len(out) == 1 and out[0].startswith("layers[1]") and words in out[0]
+
+
+def test_unknown_rope_and_unknown_architecture_are_refused():
+    odd = Rope()
+    odd.__class__ = type("MRotaryEmbedding", (Rope,), {})
+    assert "cannot re-rotate" in problems("LlamaForCausalLM", stack(Attn(rope=odd)))[0]
+    with pytest.raises(ValueError, match="no adapter for the Gemma3ForCausalLM"):
+        anatomy_of("Gemma3ForCausalLM")
