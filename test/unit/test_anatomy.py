@@ -103,6 +103,12 @@ def stack(*attns):
     return model
 
 
+def _shifted_rope():
+    rope = Rope()
+    rope.position_start = -8192  # e.g. a video M-RoPE's table
+    return rope
+
+
 def problems(arch, model):
     return anatomy_problems(anatomy_of(arch), model, SUPPORTED_ROPE)
 
@@ -128,6 +134,7 @@ def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():
         (Attn(radix=Radix(sliding_window_size=4096)), "sliding-window"),
         (Attn(radix=Radix(k_scale=torch.tensor(0.5))), "scaled (quantized) KV"),
         (Attn(rope=Rope(rotary_dim=32)), "partial rotary"),
+        (Attn(rope=_shifted_rope()), "positions start at -8192"),
         (Attn(radix=Radix(v_head_dim=32)), "v head dim"),
     ],
 )
@@ -142,3 +149,30 @@ def test_unknown_rope_and_unknown_architecture_are_refused():
     assert "cannot re-rotate" in problems("LlamaForCausalLM", stack(Attn(rope=odd)))[0]
     with pytest.raises(ValueError, match="no adapter for the Gemma3ForCausalLM"):
         anatomy_of("Gemma3ForCausalLM")
+
+
+def test_rotation_table_is_float32_where_sglang_keeps_a_bf16_cache():
+    from sglang_relay.core.rope import apply_rope_ref, build_cos_sin_cache, rerotate_keys
+    from sglang_relay.runtime.anatomy import rotation_table
+
+    full = build_cos_sin_cache(64, 8192, base=1e5)  # float32, as _compute_cos_sin_cache
+    rope = nn.Module()
+    rope.cos_sin_cache = full.bfloat16()  # SGLang's cache off CUDA / HIP / XPU
+    rope._compute_cos_sin_cache = lambda: full
+    table = rotation_table(rope)
+    assert table.dtype == torch.float32 and torch.equal(table, full)
+    assert rotation_table(rope) is table  # computed once
+    torch.manual_seed(0)
+    raw = torch.randn(200, 2, 64)
+    old, new = torch.randint(0, 8192, (200,)), torch.randint(0, 8192, (200,))
+    cached = apply_rope_ref(raw, old, full).float()
+    truth = apply_rope_ref(raw, new, full)  # float64
+
+    def err(cache):
+        got = rerotate_keys(cached, new - old, cache).double()
+        return float((got - truth).norm() / truth.norm())
+
+    assert err(table) < 1e-5 < 1e-3 < err(rope.cos_sin_cache)  # bf16 angles are far off
+    fp32 = nn.Module()
+    fp32.cos_sin_cache = full
+    assert rotation_table(fp32) is full  # SGLang's own float32 cache is used as it is

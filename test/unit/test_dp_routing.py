@@ -12,6 +12,8 @@ from sglang_relay.runtime.dp_routing import (
     WINDOW,
     DPRouter,
     FingerprintPublisher,
+    decode_message,
+    encode_message,
     fingerprint_choice,
     key_worker,
     window_hashes,
@@ -117,6 +119,37 @@ def test_ranks_publish_to_the_controller_over_zmq(tmp_path):
         time.sleep(0.01)
     assert router.spans == {} and router.holders == {}
     assert pub.sent == 2 and pub.dropped == 0
+
+
+def test_fingerprint_messages_are_raw_bytes_and_malformed_ones_are_dropped(tmp_path):
+    import numpy as np
+    import pytest
+    import zmq
+
+    hashes = window_hashes(list(range(500, 600)), STRIDE, 12345)
+    raw = encode_message(1, "add", 2**40 + 3, hashes)
+    assert b"\x80\x04" not in raw[:2] and len(raw) == 13 + 8 * len(hashes)  # no pickle
+    rank, op, span_id, got = decode_message(raw)
+    assert (rank, op, span_id) == (1, "add", 2**40 + 3) and np.array_equal(got, hashes)
+    assert decode_message(encode_message(0, "drop", 7, None)) == (0, "drop", 7, None)
+    for bad in (b"", raw[:-3], b"\x01\x00\x00\x00\x09" + bytes(8),
+                encode_message(0, "drop", 7, None) + bytes(8)):  # fmt: skip
+        with pytest.raises(ValueError):
+            decode_message(bad)
+    # the controller skips what it cannot decode (and ranks it does not have)
+    router = _router(tmp_path)
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(router.endpoint)
+    for msg in (b"garbage", encode_message(9, "add", 1, hashes), raw):
+        sock.send(msg)
+    deadline = time.time() + 5
+    while not router.spans and time.time() < deadline:
+        router.drain()
+        time.sleep(0.01)
+    assert list(router.spans) == [(1, 2**40 + 3)]
+    assert router.decisions["bad_fingerprint_messages"] == 1
+    sock.close()
 
 
 def test_the_decision_rides_with_the_request_to_its_rank():

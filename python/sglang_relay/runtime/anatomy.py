@@ -87,6 +87,24 @@ def qkv(attn_mod, positions, x):
     return q, k, v
 
 
+def rotation_table(rope):
+    """The ``[max_pos, rot_dim]`` cos || sin table keys are re-rotated with, in float32:
+    SGLang's own ``cos_sin_cache`` where it keeps it in float32 (CUDA, HIP, XPU), else the
+    module's own ``_compute_cos_sin_cache()`` (float32; SGLang casts its cache to the model
+    dtype elsewhere, e.g. bf16 on a CPU, which would round every re-rotation angle).
+    Cached on the module."""
+    import torch
+
+    cache = rope.cos_sin_cache
+    if cache.dtype == torch.float32:
+        return cache
+    table = getattr(rope, "_sglang_relay_rotation_table", None)
+    if table is None or table.device != cache.device:
+        table = rope._compute_cos_sin_cache().float().to(cache.device)
+        rope._sglang_relay_rotation_table = table
+    return table
+
+
 def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) -> list[str]:
     """What in the served decoder stack ``model`` the relay loop of ``anatomy`` would not
     run as SGLang does (empty: nothing). Checks every layer."""
@@ -120,6 +138,8 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 f"{where}: cannot re-rotate keys of {type(rope).__name__} "
                 f"(supported: {', '.join(sorted(supported_rope))})"
             )
+        elif getattr(rope, "position_start", 0) != 0:  # the table's row p is not angle p
+            problems.append(f"{where}: RoPE positions start at {rope.position_start}")
         elif getattr(rope, "rotary_dim", None) != getattr(rope, "head_size", None):
             problems.append(f"{where}: partial rotary (rotary_dim {rope.rotary_dim} of "
                             f"{rope.head_size})")  # fmt: skip

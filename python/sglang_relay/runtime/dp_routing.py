@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pickle
+import struct
 import uuid
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -119,6 +119,31 @@ def fingerprint_choice(
     return None
 
 
+# a fingerprint message: rank (u32), op (u8: 1 add, 2 drop), span id (i64), then the
+# span's window hashes as little-endian u64 (add only). Raw bytes, not pickle: the
+# controller never unpickles what a socket hands it.
+_HEADER = struct.Struct("<IBq")
+_OPS = {"add": 1, "drop": 2}
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+
+
+def encode_message(rank: int, op: str, span_id: int, hashes: np.ndarray | None) -> bytes:
+    body = b"" if hashes is None else np.asarray(hashes, dtype="<u8").tobytes()
+    return _HEADER.pack(rank, _OPS[op], span_id) + body
+
+
+def decode_message(raw: bytes) -> tuple[int, str, int, np.ndarray | None]:
+    """The fields of :func:`encode_message`'s bytes; ValueError when they are not one."""
+    if len(raw) < _HEADER.size or (len(raw) - _HEADER.size) % 8:
+        raise ValueError(f"fingerprint message of {len(raw)} bytes")
+    rank, code, span_id = _HEADER.unpack_from(raw)
+    op = _OP_NAMES.get(code)
+    if op is None or (op == "drop" and len(raw) != _HEADER.size):
+        raise ValueError(f"fingerprint message with op {code} and {len(raw)} bytes")
+    hashes = np.frombuffer(raw, dtype="<u8", offset=_HEADER.size).astype(np.uint64)
+    return rank, op, span_id, hashes if op == "add" else None
+
+
 class FingerprintPublisher:
     """The rank side: tells the controller which span fingerprints this rank holds."""
 
@@ -134,21 +159,21 @@ class FingerprintPublisher:
         self.sent = 0
         self.dropped = 0  # messages the socket could not take (controller gone or slow)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, op: str, span_id: int, hashes: np.ndarray | None) -> None:
         import zmq
 
         try:
-            self._sock.send(pickle.dumps(message), flags=zmq.NOBLOCK)
+            self._sock.send(encode_message(self.rank, op, span_id, hashes), flags=zmq.NOBLOCK)
             self.sent += 1
         except zmq.ZMQError:
             self.dropped += 1  # routing degrades to the load-balance method, never wrong
 
     def added(self, span_id: int, tokens: list[int], namespace: Hashable = None) -> None:
         hashes = window_hashes(tokens, STRIDE, namespace_salt(namespace))
-        self._send((self.rank, "add", span_id, hashes))
+        self._send("add", span_id, hashes)
 
     def dropped_span(self, span_id: int) -> None:
-        self._send((self.rank, "drop", span_id, None))
+        self._send("drop", span_id, None)
 
 
 class DPRouter:
@@ -189,8 +214,13 @@ class DPRouter:
                 raw = self._sock.recv(flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
-            rank, op, span_id, hashes = pickle.loads(raw)
-            self.apply(rank, op, span_id, hashes)
+            try:
+                rank, op, span_id, hashes = decode_message(raw)
+            except ValueError:
+                self.decisions["bad_fingerprint_messages"] += 1
+                continue
+            if 0 <= rank < self.num_ranks:
+                self.apply(rank, op, span_id, hashes)
 
     def apply(self, rank: int, op: str, span_id: int, hashes: np.ndarray | None) -> None:
         key = (rank, span_id)

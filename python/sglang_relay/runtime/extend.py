@@ -21,6 +21,7 @@ import torch
 from sglang_relay.core.config import LayerSchedule, RelayConfig
 from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
+from sglang_relay.runtime.anatomy import rotation_table
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.probe import ProbeTarget, run_probe
@@ -65,7 +66,7 @@ class BatchPlan:
 def splice(fb, model, plan: BatchPlan) -> None:
     """Copy every span's KV into the request's slots, keys re-rotated, in all layers."""
     rope = model.layers[0].self_attn.rotary_emb
-    cos, sin = delta_cos_sin(rope.cos_sin_cache, plan.span_delta)
+    cos, sin = delta_cos_sin(rotation_table(rope), plan.span_delta)
     dst = fb.out_cache_loc[plan.span_rows]
     pool = plan.kv_pool
     ids = [layer.self_attn.attn.layer_id for layer in model.layers]
@@ -145,8 +146,13 @@ def _phase(g: SpanGroup, lid: int) -> str:
     return "idle"
 
 
+# what a TP rank without a plan for an extend batch sends (a plan has >= 1 group)
+NO_PLAN = [0] * 8
+
+
 def plan_fingerprint(plan: BatchPlan) -> list[int]:
-    """What every TP rank must agree on before the plan's first collective."""
+    """What every TP rank must agree on before the plan's first collective (8 ints, like
+    :data:`NO_PLAN`)."""
     # str hashes are salted per process: a stable digest of each group's config instead
     methods = sum(zlib.crc32(repr(g.cfg.to_dict()).encode()) for g in plan.groups)
     return [len(plan.groups), methods] + fingerprint(plan.span_rows, plan.span_src)

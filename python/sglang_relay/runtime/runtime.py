@@ -32,7 +32,7 @@ from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
 from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_routing import FingerprintPublisher
-from sglang_relay.runtime.extend import plan_fingerprint, relay_extend
+from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
 from sglang_relay.runtime.llama import qkv as layer_qkv
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
@@ -322,6 +322,10 @@ class RelayRuntime:
             plan, dropped = self.planner.plan_batch(fb)
             for stats, reason in dropped:
                 self._discard(stats, reason)
+            if self.tp is not None and not self._tp_agreed(plan):
+                # every rank sees the same MIN/MAX, so every rank takes this path together
+                self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+                return original(model, input_ids, positions, fb, *args, **kwargs)
             if plan is not None:
                 return self._relay(original, model, input_ids, positions, fb, plan, args, kwargs)
         else:  # plans cannot run in any other mode
@@ -354,13 +358,19 @@ class RelayRuntime:
         for plan in self.planner.take_pending():  # plans run in eager extends only
             self._discard(plan.stats, f"{mode.lower()}_batch")
 
+    def _tp_agreed(self, plan: BatchPlan | None) -> bool:
+        """Under TP, before any plan-shaped collective: whether every rank holds the same
+        plan for this extend batch. Every rank takes part, with or without a plan (a rank
+        whose planning found nothing or dropped its requests sends :data:`NO_PLAN`), so
+        no rank skips the collective the others wait in. On a mismatch the plan's
+        requests fall back (``tp_mismatch``)."""
+        if self.tp.agree(NO_PLAN if plan is None else plan_fingerprint(plan), "plan"):
+            return True
+        for stats in plan.owners if plan is not None else ():
+            self._discard(stats, "tp_mismatch: plans differ across ranks")
+        return False
+
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
-        if self.tp is not None and not self.tp.agree(plan_fingerprint(plan), "plan"):
-            # every rank sees the same MIN/MAX, so every rank falls back here together
-            for stats in plan.owners:
-                self._discard(stats, "tp_mismatch: plans differ across ranks")
-            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-            return original(model, input_ids, positions, fb, *args, **kwargs)
         try:
             out = relay_extend(
                 model, input_ids, positions, fb, plan, self.ledger, self.capture_layer

@@ -1,0 +1,84 @@
+"""Tensor-parallel agreement over a real gloo group of two processes: a rank without a plan
+for an extend batch still takes part in the plan check (before, it skipped the collective
+its neighbour waited in), and a mismatch is seen by both ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang_relay.runtime.extend import NO_PLAN
+from sglang_relay.runtime.runtime import RelayRuntime
+from sglang_relay.runtime.tp import TPSync
+
+
+class _Group:
+    """The two attributes of SGLang's GroupCoordinator TPSync reads, over the default
+    (gloo) process group."""
+
+    def __init__(self) -> None:
+        self.world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_rank()
+        self.cpu_group = dist.group.WORLD
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+
+def _worker(rank: int, port: int, cases, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=_timeout())
+    tp = TPSync(_Group())
+    out = []
+    for has_plan in cases:
+        discarded: list[str] = []
+        plan = None
+        if has_plan[rank]:
+            owner = SimpleNamespace(name=f"r{rank}")
+            plan = SimpleNamespace(owners=[owner], fingerprint=[1, 7, 3, 5, 9, 3, 5, 9])
+        me = SimpleNamespace(tp=tp, _discard=lambda stats, reason, d=discarded: d.append(reason))
+        agreed = RelayRuntime._tp_agreed(me, plan)
+        out.append((agreed, discarded))
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def _timeout():
+    import datetime
+
+    return datetime.timedelta(seconds=60)
+
+
+def test_every_rank_takes_part_in_the_plan_check(monkeypatch):
+    from sglang_relay.runtime import runtime
+
+    # a plan's fingerprint is whatever the (fake) plan carries
+    monkeypatch.setattr(runtime, "plan_fingerprint", lambda plan: plan.fingerprint)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cases = [(False, False), (True, False), (False, True), (True, True)]
+    ctx = mp.get_context("fork")
+    results = ctx.Manager().dict()
+    procs = [ctx.Process(target=_worker, args=(r, port, cases, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for rank in range(2):
+        got = results[rank]
+        assert got[0] == (True, [])  # neither has a plan: plain forward, no fallback
+        for case in (1, 2):  # one rank has a plan, the other none: both see the mismatch
+            agreed, discarded = got[case]
+            assert agreed is False
+            assert discarded == (["tp_mismatch: plans differ across ranks"]
+                                 if cases[case][rank] else [])  # fmt: skip
+        assert got[3] == (True, [])  # the same plan on both
+    assert NO_PLAN != [1, 7, 3, 5, 9, 3, 5, 9]
