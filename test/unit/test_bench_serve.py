@@ -75,3 +75,10 @@ def test_summary_counts_relayed_tokens_and_fallbacks():
     assert row["ttft_relayable_p50"] == pytest.approx(0.1)
     assert row["chain_latency_p50"] == pytest.approx(3.0)
     assert row["reuse_rate_mean"] == pytest.approx(0.8)
+
+
+def test_only_the_last_agent_of_a_chain_answers_short():
+    assert serve.output_lengths("pipeline", 256, 32) == [256, 256, 32]
+    assert serve.output_lengths("fanin", 256, 32) == [256, 256, 256, 32]
+    assert serve.output_lengths("groupchat", 96, None) == [96] * 4
+    assert serve.output_lengths("plain", 256, 32) == [256]  # reads nothing: not an answer

@@ -145,16 +145,26 @@ def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str,
 AGENTS = {"pipeline": 3, "fanin": 4, "groupchat": 4, "plain": 1}
 
 
+def output_lengths(kind: str, out_tokens: int, answer_tokens: int | None) -> list[int]:
+    """Output tokens of each agent of a ``kind`` chain: ``out_tokens``, except the last
+    agent of a chain that reads earlier outputs, which answers in ``answer_tokens`` (None:
+    ``out_tokens`` too)."""
+    n = AGENTS[kind]
+    last = out_tokens if answer_tokens is None or kind == "plain" else answer_tokens
+    return [out_tokens] * (n - 1) + [last]
+
+
 def run_chain(
-    url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int
-) -> list[Record]:
+    url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int,
+    answer_tokens: int | None = None,
+) -> list[Record]:  # fmt: skip
     """One chain, agent after agent (a fan-in's first three agents are independent but run
     in order too: the client of a fan-in waits for all of them)."""
     outs: list[str] = []
     records = []
-    for i in range(AGENTS[kind]):
+    for i, n in enumerate(output_lengths(kind, out_tokens, answer_tokens)):
         system, user, quotes = _chain_prompts(kind, k, topic, outs)
-        params: dict[str, Any] = {"max_new_tokens": out_tokens, "temperature": 0.0,
+        params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0.0,
                                   "ignore_eos": True}  # fmt: skip
         if relay is not None:
             params["custom_params"] = {"relay": relay}
@@ -184,7 +194,8 @@ def run_rate(
     def one(k: int, kind: str, topic: str) -> None:
         start = time.monotonic()
         try:
-            recs = run_chain(url, tok, kind, k, topic, METHOD_OPTIONS[method], args.out_tokens)
+            recs = run_chain(url, tok, kind, k, topic, METHOD_OPTIONS[method], args.out_tokens,
+                             args.answer_tokens)  # fmt: skip
             with lock:
                 chains.append((start, time.monotonic() - start, recs))
         except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
@@ -324,6 +335,13 @@ def main(argv: list[str]) -> int:
         default=96,
         help="output tokens of every agent (spans shorter than the server's min span, 32 by "
         "default, are not relayed: keep it well above)",
+    )
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=None,
+        help="output tokens of a chain's last agent (default: --out-tokens); short answers "
+        "after long pasted outputs are the shape where prefill, which relay saves, dominates",
     )
     p.add_argument("--slos", default="0.5,1,2,4", help="TTFT SLOs (s) for the goodput table")
     p.add_argument("--seed", type=int, default=0)
