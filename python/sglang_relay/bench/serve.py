@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_relay.bench.load import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.demo import chat_prompt
 
@@ -238,14 +239,6 @@ def run_rate(
     row["pool_peak_share"] = peak["used"] / total if total else None
     row["owned_span_tokens_peak"] = peak["owned"]
     return row
-
-
-def server_state(url: str) -> dict[str, Any]:
-    """The relay counters and pool balance of ``/get_server_info`` (first rank)."""
-    import requests
-
-    info = requests.get(url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0].get("relay", {})
 
 
 def summarize(

@@ -16,6 +16,7 @@ Pure data plus checks on live modules; SGLang's dotted names live in
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 # the layer modules every adapter's loop calls (boundaries are plain objects, not modules)
@@ -36,21 +37,19 @@ class Anatomy:
             x)`` gives post-RoPE q, k, v; ``"split"``: the block has no such method and
             its forward is ``qkv_proj`` -> split -> ``rotary_emb`` (Qwen2), which the loop
             repeats.
-        random_weights_only: served here on random weights only (no checkpoint of it ran).
     """
 
     architecture: str
     model_forward: str
     attention_modules: frozenset[str] = BASE_ATTENTION
     prepare: str = "native"
-    random_weights_only: bool = True
 
 
 _LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
 ANATOMIES: dict[str, Anatomy] = {
     a.architecture: a
     for a in (
-        Anatomy("LlamaForCausalLM", _LLAMA_FORWARD, random_weights_only=False),
+        Anatomy("LlamaForCausalLM", _LLAMA_FORWARD),
         # SGLang serves Mistral with its Llama classes (MistralForCausalLM subclasses them)
         Anatomy("MistralForCausalLM", _LLAMA_FORWARD),
         Anatomy("Qwen2ForCausalLM", "sglang.srt.models.qwen2.Qwen2Model.forward", prepare="split"),
@@ -92,17 +91,20 @@ def rotation_table(rope):
     SGLang's own ``cos_sin_cache`` where it keeps it in float32 (CUDA, HIP, XPU), else the
     module's own ``_compute_cos_sin_cache()`` (float32; SGLang casts its cache to the model
     dtype elsewhere, e.g. bf16 on a CPU, which would round every re-rotation angle).
-    Cached on the module."""
+    Computed once per module (kept here, not on SGLang's object)."""
     import torch
 
     cache = rope.cos_sin_cache
     if cache.dtype == torch.float32:
         return cache
-    table = getattr(rope, "_sglang_relay_rotation_table", None)
+    table = _ROTATION_TABLES.get(rope)
     if table is None or table.device != cache.device:
         table = rope._compute_cos_sin_cache().float().to(cache.device)
-        rope._sglang_relay_rotation_table = table
+        _ROTATION_TABLES[rope] = table
     return table
+
+
+_ROTATION_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) -> list[str]:
