@@ -40,17 +40,25 @@ def generate(
     sampling_params: dict[str, Any],
     *,
     timeout: float = 600.0,
+    stream: bool = True,
     **extra: Any,
 ) -> Generation:
-    """POST ``/generate`` with streaming; TTFT is the arrival of the first chunk with text."""
-    payload = {"text": text, "sampling_params": sampling_params, "stream": True, **extra}
+    """POST ``/generate``. Streamed (default): TTFT is the arrival of the first chunk with
+    text. Not streamed (as agent frameworks call): TTFT is the one a relay server measures
+    from the request's arrival to its first output token (``meta_info["relay"]["ttft_s"]``,
+    including a redo by the early-stop guard), else the whole latency."""
+    payload = {"text": text, "sampling_params": sampling_params, "stream": stream, **extra}
     start = time.perf_counter()
     ttft = None
     last: dict[str, Any] = {}
-    with requests.post(url + "/generate", json=payload, stream=True, timeout=timeout) as resp:
+    with requests.post(url + "/generate", json=payload, stream=stream, timeout=timeout) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"/generate returned {resp.status_code}: {resp.text[:500]}")
-        for line in resp.iter_lines():
+        if not stream:
+            last = resp.json()
+            if isinstance(last, dict) and "error" in last:
+                raise RuntimeError(f"/generate failed: {last['error']}")
+        for line in resp.iter_lines() if stream else ():
             if not line or not line.startswith(b"data:"):
                 continue
             body = line[5:].strip()
@@ -63,12 +71,11 @@ def generate(
                 ttft = time.perf_counter() - start
             last = chunk
     latency = time.perf_counter() - start
-    return Generation(
-        text=last.get("text", ""),
-        ttft_s=ttft if ttft is not None else latency,
-        latency_s=latency,
-        meta=last.get("meta_info", {}),
-    )
+    gen = Generation(text=last.get("text", ""), ttft_s=latency, latency_s=latency,
+                     meta=last.get("meta_info", {}))  # fmt: skip
+    server_ttft = (gen.relay or {}).get("ttft_s")
+    gen.ttft_s = ttft if ttft is not None else float(server_ttft or latency)
+    return gen
 
 
 FLUSH_WAIT_S = 120.0

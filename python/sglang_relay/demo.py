@@ -55,7 +55,9 @@ def run_chain(
         params["custom_params"] = {"relay": method}
     for agent in chain["agents"]:
         user = agent["template"].format(**outputs)
-        gen = generate(url, chat_prompt(tokenizer, agent["system"], user), params)
+        # not streamed, as agent frameworks call: the early-stop guard covers these
+        # (runtime/guard.py); TTFT is the server's measure
+        gen = generate(url, chat_prompt(tokenizer, agent["system"], user), params, stream=False)
         outputs[agent["name"]] = gen.text.strip()
         results.append(AgentResult(agent["name"], gen))
     return results
@@ -103,8 +105,13 @@ def format_table(
     lines = [header, "-" * len(header)]
     for on, off in zip(relay, standard, strict=True):
         info = on.generation.relay or {}
+        guard = info.get("guard")
+        if isinstance(guard, dict):  # the early-stop guard redid it: show what was relayed
+            info = guard.get("relayed") or {}
         speedup = off.generation.ttft_s / on.generation.ttft_s if on.generation.ttft_s else 0.0
         same = output_agreement(on.generation.text, off.generation.text, encode)
+        if isinstance(guard, dict):
+            same += f"  (guard redid it: {guard.get('reason')})"
         lines.append(
             f"{on.name:<10} {on.generation.prompt_tokens:>6} {info.get('reused_tokens', 0):>7} "
             f"{info.get('reuse_rate', 0.0):>6.2f} {on.generation.ttft_s * 1e3:>8.0f}ms "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
@@ -244,3 +245,50 @@ def test_a_short_run_of_an_output_is_not_relayed_but_the_whole_output_is(server)
     pasted = generate_ids(server.url, [800 + k, *head[1:], *up, *tail], 4)
     info = pasted["meta_info"]["relay"]
     assert info["fallback"] is None and info["reused_tokens"] >= 150, info
+
+
+def test_guard_redoes_a_relayed_reply_that_stops_at_once(server, upstream):
+    """The early-stop guard (runtime/guard.py): a relayed reply that ends by a stop
+    condition within its first 4 tokens is answered again with standard prefill. Made
+    deterministic with a stop token: the relayed greedy reply's second token."""
+    _, prompt = upstream
+    full = generate(server.url, prompt, n=12)  # long enough: not guarded
+    assert full["meta_info"]["relay"]["reused_tokens"] > 0
+    assert "guard" not in full["meta_info"]["relay"]
+    assert full["meta_info"]["relay"]["ttft_s"] > 0  # the server's measure
+    stop = {"stop_token_ids": [full["output_ids"][1]]}
+    before = relay_info(server.url)
+
+    def run(relay=None, **extra):
+        params = {"max_new_tokens": 12, "temperature": 0, **stop}
+        if relay is not None:
+            params["custom_params"] = {"relay": relay}
+        body = {"text": prompt, "sampling_params": params, **extra}
+        resp = requests.post(server.url + "/generate", json=body, timeout=300)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    guarded = run()
+    info = guarded["meta_info"]["relay"]
+    assert info["guard"]["reprefilled"] is True, info
+    assert info["guard"]["relayed"]["reused_tokens"] > 0
+    assert "stopped after" in info["guard"]["reason"]
+    assert info["reused_tokens"] == 0 and info["method"] == "standard"
+    assert info["ttft_s"] > info["guard"]["relayed"]["ttft_s"]  # the redo is in it
+    want = run("standard")
+    assert guarded["output_ids"] == want["output_ids"] and guarded["text"] == want["text"]
+    after = relay_info(server.url)
+    assert after["guard_reprefills"] == before["guard_reprefills"] + 1
+    assert after["guard_relayed_tokens_redone"] > before["guard_relayed_tokens_redone"]
+    # streams are not held back by default: the relayed reply comes as it is
+    resp = requests.post(
+        server.url + "/generate",
+        json={"text": prompt, "stream": True,
+              "sampling_params": {"max_new_tokens": 12, "temperature": 0, **stop}},
+        stream=True, timeout=300,
+    )  # fmt: skip
+    chunks = [ln for ln in resp.iter_lines() if ln.startswith(b"data:") and b"[DONE]" not in ln]
+    last = json.loads(chunks[-1][5:])
+    assert "guard" not in (last["meta_info"]["relay"] or {}), last["meta_info"]
+    assert last["output_ids"] == full["output_ids"][: len(last["output_ids"])]
+    assert len(last["output_ids"]) <= 2

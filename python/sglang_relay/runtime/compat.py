@@ -357,6 +357,11 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "TreeCacheBuildContext": (
         "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
     ),
+    # the early-stop guard (runtime/guard.py), in the tokenizer manager
+    "TokenizerManager": ("generate_request", "server_args"),
+    "GenerateReqInput": ("rid", "sampling_params", "session_params", "stream"),
+    "ReqState": ("time_stats",),
+    "ReqTimeStats": ("created_time", "first_token_time"),
 }  # fmt: skip
 
 
@@ -507,6 +512,41 @@ def tag_dp_route(req, decision: str) -> None:
     params = sp.custom_params if isinstance(sp.custom_params, dict) else {}
     params[DP_ROUTE_KEY] = decision
     sp.custom_params = params
+
+
+GUARD_KEY = "__sglang_relay_guard"  # private custom_params key: guard redo -> scheduler
+
+
+def guard_redo_of(req) -> dict | None:
+    """The early-stop guard's note on a scheduler request that redoes a relayed one
+    (``{"of": rid, "reused_tokens": n}``), else None."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    note = params.get(GUARD_KEY) if isinstance(params, dict) else None
+    return note if isinstance(note, dict) else None
+
+
+def check_tokenizer_surface(manager, state) -> None:
+    """The tokenizer manager's part of the contract (the early-stop guard and the
+    server-measured TTFT), checked on a relay server's first response."""
+    check_surface("TokenizerManager", manager)
+    check_surface("ReqState", state)
+    check_surface("ReqTimeStats", state.time_stats)
+
+
+def submit_request(manager, obj, request):
+    """Send a new generate request through the tokenizer manager as the HTTP server
+    would; its responses (an async generator)."""
+    check_surface("GenerateReqInput", obj)
+    return manager.generate_request(obj, request)
+
+
+def request_times(state) -> tuple[float, float] | None:
+    """(arrival, first output) of a tokenizer-manager request state, on the monotonic
+    clock SGLang stamps them with (``time.perf_counter``); None before its first output."""
+    stats = getattr(state, "time_stats", None)
+    created = getattr(stats, "created_time", 0.0)
+    first = getattr(stats, "first_token_time", 0.0)
+    return (float(created), float(first)) if created and first else None
 
 
 def dp_route(req) -> str | None:

@@ -195,8 +195,12 @@ RELAY_FLAGS = {
     "--relay-scope": "SGLANG_RELAY_SCOPE",
     "--relay-min-share": "SGLANG_RELAY_MIN_SHARE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
+    "--relay-guard-tokens": "SGLANG_RELAY_GUARD_TOKENS",
 }
-RELAY_SWITCHES = {"--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX"}
+RELAY_SWITCHES = {
+    "--relay-allow-approx-prefix": "SGLANG_RELAY_ALLOW_APPROX_PREFIX",
+    "--relay-guard-streams": "SGLANG_RELAY_GUARD_STREAMS",
+}
 
 
 def split_relay_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -228,9 +232,11 @@ def split_relay_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def check_relay_settings(env: dict[str, str], model_path: str) -> bool:
     """Validate the relay settings the scheduler will read; one clear error if wrong.
     Returns whether they need eager decode (influence scores: the profile's ``tau_inf``)."""
+    from sglang_relay.runtime.guard import guard_policy
     from sglang_relay.runtime.settings import settings_from_env
 
     try:
+        guard_policy({**os.environ, **env})
         settings = settings_from_env(model_path, {**os.environ, **env})
         if settings.config.method != "standard" and Path(model_path, "config.json").is_file():
             layers = json.loads(Path(model_path, "config.json").read_text())["num_hidden_layers"]

@@ -178,8 +178,53 @@ def _unwrap_meta_info(result, manager, meta_info, *args, **kwargs):
 
 async def _unwrapped_responses(original, manager, *args, **kwargs):
     """Every response the client gets has ``meta_info["relay"]`` as one object, also the
-    streamed chunks SGLang completes from its accumulated list (chunked prefills)."""
-    async for out in original(manager, *args, **kwargs):
-        if isinstance(out, dict):
-            _unwrap(out.get("meta_info"))
+    streamed chunks SGLang completes from its accumulated list (chunked prefills). On a
+    relay server the final one also carries the server-measured TTFT, and a relayed reply
+    that stops within its first tokens is redone exactly (:mod:`.guard`)."""
+    from sglang_relay.runtime import compat, guard
+
+    obj = kwargs.get("obj", args[0] if args else None)
+    state = kwargs.get("state", args[1] if len(args) > 1 else None)
+    request = kwargs.get("request", args[2] if len(args) > 2 else None)
+    policy = _guard_policy(manager, state)
+
+    async def unwrapped():
+        async for out in original(manager, *args, **kwargs):
+            meta = out.get("meta_info") if isinstance(out, dict) else None
+            _unwrap(meta)
+            if policy is not None and isinstance(meta, dict) and meta.get("finish_reason"):
+                times = compat.request_times(state)
+                if times is not None and isinstance(meta.get(RELAY_INFO_KEY), dict):
+                    meta[RELAY_INFO_KEY]["ttft_s"] = round(times[1] - times[0], 6)
+            yield out
+
+    if policy is None:
+        async for out in unwrapped():
+            yield out
+        return
+    async for out in guard.guarded(unwrapped(), manager, obj, request, policy, state):
         yield out
+
+
+_GUARD_POLICY: list = []  # this process's guard policy, read once (None: not a relay server)
+
+
+def _guard_policy(manager, state):
+    """The guard's policy in this process (:class:`.guard.GuardPolicy`), or None on a
+    server that does not serve relay (nothing is added or held back there). A bad value
+    was refused at launch; here it only turns the guard off, loudly."""
+    if not _GUARD_POLICY:
+        from sglang_relay.runtime import compat
+        from sglang_relay.runtime.guard import GuardPolicy, guard_policy
+
+        policy = None
+        args = getattr(manager, "server_args", None)
+        if getattr(args, "radix_cache_backend", None) == BACKEND_NAME:
+            compat.check_tokenizer_surface(manager, state)
+            try:
+                policy = guard_policy()
+            except ValueError:
+                logger.exception("sglang-relay: early-stop guard off")
+                policy = GuardPolicy(tokens=0, streams=False)
+        _GUARD_POLICY.append(policy)
+    return _GUARD_POLICY[0]

@@ -44,6 +44,8 @@ class RelayRadixCache(UnifiedRadixCache):
             "finished_requests": 0,
             "recorded_spans": 0,
             "unstored_outputs": 0,
+            "guard_reprefills": 0,  # redos of relayed replies that stopped early (guard.py)
+            "guard_relayed_tokens_redone": 0,
         }
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
@@ -62,6 +64,12 @@ class RelayRadixCache(UnifiedRadixCache):
         if req.finished() and req.rid not in self._recorded and not compat.beam_search(req):
             self._recorded.add(req.rid)
             self.relay_counters["finished_requests"] += 1
+            redo = compat.guard_redo_of(req)
+            if redo is not None:
+                self.relay_counters["guard_reprefills"] += 1
+                self.relay_counters["guard_relayed_tokens_redone"] += int(
+                    redo.get("reused_tokens") or 0
+                )
             namespace = rt.store_namespace(req)  # None: not stored (no context pass either)
             span = self._span_of(req, up_to, with_context=namespace is not None)
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
