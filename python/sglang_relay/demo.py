@@ -168,7 +168,10 @@ def main(argv: list[str]) -> int:
     url = args.url
     if url is None:
         print("[demo] starting SGLang with the relay backend on 127.0.0.1 ...", flush=True)
-        server = ServerProcess(["--model-path", model_path, *server_flags]).start()
+        # --enable-metrics: the server then knows a whole-reply request's time to its first
+        # token (meta_info["relay"]["ttft_s"]), the demo's TTFT
+        flags = ["--model-path", model_path, "--enable-metrics", *server_flags]
+        server = ServerProcess(flags).start()
         url = server.url
     try:
         # Untimed requests first, one per method the pipelines use (first-request costs,

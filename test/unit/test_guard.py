@@ -103,3 +103,14 @@ def test_policy_from_the_environment_and_serve_flags(model_dir):
             guard_policy(bad)
     with pytest.raises(Exception, match="SGLANG_RELAY_GUARD_TOKENS"):
         check_relay_settings({"SGLANG_RELAY_GUARD_TOKENS": "x"}, str(model_dir))
+
+
+def test_the_frontier_models_the_guard_as_the_server_runs_it():
+    from sglang_relay.bench.fidelity import guard_outcome
+
+    eos, exact = 2, [10, 11, 12, 13, 14, 2]
+    assert guard_outcome([7, eos], exact, [eos]) == (True, exact)  # stopped at once: redone
+    assert guard_outcome([7, 8, 9, eos], exact, [eos], limit=4)[0]
+    assert guard_outcome([7, 8, 9, 9, eos], exact, [eos], limit=4) == (False, [7, 8, 9, 9, eos])
+    assert guard_outcome([7, 8], exact, [eos]) == (False, [7, 8])  # cut by length, no stop
+    assert guard_outcome([7, eos], exact, [eos], limit=0) == (False, [7, eos])

@@ -62,6 +62,7 @@ from sglang_relay.core.reference import (
     greedy_after_forced,
     relay_prefill,
 )
+from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS as GUARD_TOKENS
 from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE
 
 METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
@@ -169,6 +170,12 @@ def evaluate_relay(
         if stop_ids is not None:
             free = greedy_after_forced(ref, res, cont, len(cont), stop_ids)
             row.update(collapsed=int(collapsed(free, cont)), rouge_l=rouge_l(free, cont))
+            redo, kept = guard_outcome(free, cont, stop_ids) if cfg is not None else (False, free)
+            row.update(
+                guard_redo=int(redo),
+                collapsed_guarded=int(collapsed(kept, cont)),
+                rouge_l_guarded=rouge_l(kept, cont),
+            )
         row.update(
             id=relay.case.id,
             span_tokens=relay.span_tokens,
@@ -180,6 +187,16 @@ def evaluate_relay(
         )
         out[name] = row
     return out
+
+
+def guard_outcome(
+    free: Sequence[int], exact: Sequence[int], stop_ids: Sequence[int], limit: int = GUARD_TOKENS
+) -> tuple[bool, Sequence[int]]:
+    """What a relay server's early-stop guard (runtime/guard.py) makes of a relayed reply
+    ``free`` (greedy, with its stop token): whether it redoes it (the reply ended by a stop
+    within ``limit`` tokens) and the reply the user gets (then ``exact``, standard's)."""
+    redo = bool(free) and len(free) <= limit and free[-1] in stop_ids
+    return redo, (exact if redo else free)
 
 
 def summarize(name: str, rows: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
@@ -216,10 +233,17 @@ def free_running_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     """``collapse_rate`` and mean ``rouge_l_64`` when the rows carry free-running outputs."""
     if not rows or "collapsed" not in rows[0]:
         return {}
-    return {
+    out = {
         "collapse_rate": statistics.fmean(r["collapsed"] for r in rows),
         "rouge_l_64": statistics.fmean(r["rouge_l"] for r in rows),
     }
+    if "guard_redo" in rows[0]:
+        out.update(
+            guard_rate=statistics.fmean(r["guard_redo"] for r in rows),
+            collapse_rate_guarded=statistics.fmean(r["collapsed_guarded"] for r in rows),
+            rouge_l_64_guarded=statistics.fmean(r["rouge_l_guarded"] for r in rows),
+        )
+    return out
 
 
 # summary measure -> (per-relay field, statistic, lower is better)
@@ -231,6 +255,8 @@ MEASURES = {
     "greedy_prefix_64": ("greedy_prefix", "mean", False),
     "collapse_rate": ("collapsed", "mean", True),
     "rouge_l_64": ("rouge_l", "mean", False),
+    "collapse_rate_guarded": ("collapsed_guarded", "mean", True),
+    "rouge_l_64_guarded": ("rouge_l_guarded", "mean", False),
 }
 
 

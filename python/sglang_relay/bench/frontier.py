@@ -204,8 +204,12 @@ def points_table(rows: list[dict[str, Any]]) -> str:
         "greedy prefix (64) |"
     )
     rule = "|---|---|---|---|---|---|---|---|---|"
+    guarded = any("guard_rate" in r for r in rows)
     if free:
         head += " collapse rate | ROUGE-L (64) |"
+        rule += "---|---|"
+    if guarded:
+        head += " guard redo rate | collapse rate, guard on |"
         rule += "---|---|"
     lines = [head + " relays |", rule + "---|"]
     for r in rows:
@@ -218,6 +222,8 @@ def points_table(rows: list[dict[str, Any]]) -> str:
         )
         if free:
             line += f" {_ci(r, 'collapse_rate', '.3f')} | {_ci(r, 'rouge_l_64', '.3f')} |"
+        if guarded:
+            line += f" {r.get('guard_rate', 0.0):.3f} | {_ci(r, 'collapse_rate_guarded', '.3f')} |"
         lines.append(line + f" {r['n_relays']} |")
     return "\n".join(lines)
 

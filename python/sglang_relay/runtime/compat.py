@@ -549,6 +549,12 @@ def request_times(state) -> tuple[float, float] | None:
     return (float(created), float(first)) if created and first else None
 
 
+def scheduler_times_sent(manager) -> bool:
+    """Whether the schedulers send their per-request time stats (``--enable-metrics``), the
+    only source of a non-streamed request's first-token time in the tokenizer manager."""
+    return bool(getattr(manager.server_args, "enable_metrics", False))
+
+
 def dp_route(req) -> str | None:
     """The DP controller's routing decision for a scheduler request (None: no DP routing)."""
     params = getattr(req.sampling_params, "custom_params", None)

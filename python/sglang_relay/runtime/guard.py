@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_relay.runtime import compat
+from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS
 
 ENV_GUARD_TOKENS = "SGLANG_RELAY_GUARD_TOKENS"
-DEFAULT_GUARD_TOKENS = 4
 
 
 ENV_GUARD_STREAMS = "SGLANG_RELAY_GUARD_STREAMS"

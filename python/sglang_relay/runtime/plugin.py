@@ -187,12 +187,17 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
     state = kwargs.get("state", args[1] if len(args) > 1 else None)
     request = kwargs.get("request", args[2] if len(args) > 2 else None)
     policy = _guard_policy(manager, state)
+    # SGLang knows a whole-reply request's first-token time only from the scheduler's
+    # time stats, which it sends with --enable-metrics; otherwise it is the reply's end
+    timed = policy is not None and (
+        getattr(obj, "stream", False) or compat.scheduler_times_sent(manager)
+    )
 
     async def unwrapped():
         async for out in original(manager, *args, **kwargs):
             meta = out.get("meta_info") if isinstance(out, dict) else None
             _unwrap(meta)
-            if policy is not None and isinstance(meta, dict) and meta.get("finish_reason"):
+            if timed and isinstance(meta, dict) and meta.get("finish_reason"):
                 times = compat.request_times(state)
                 if times is not None and isinstance(meta.get(RELAY_INFO_KEY), dict):
                     meta[RELAY_INFO_KEY]["ttft_s"] = round(times[1] - times[0], 6)

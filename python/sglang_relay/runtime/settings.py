@@ -52,6 +52,8 @@ SCOPES = ("shared", "key")
 # instead (core/operating.py, MAX_DENSE_SHARE; docs/fidelity.md, "Models without a profile").
 UNPROFILED = RelayConfig(l_start=0, l_det=1, l_end=-1, tau_dev=1.0, l_suf=0, first_k=16)
 UNPROFILED_REUSE = 0.80
+# the early-stop guard's window (runtime/guard.py, SGLANG_RELAY_GUARD_TOKENS)
+DEFAULT_GUARD_TOKENS = 4
 # RelayConfig fields that make a layer schedule (an operator who sets one keeps it)
 SCHEDULE_FIELDS = frozenset({"l_start", "l_det", "l_end", "signal"})
 ENV_SPAN_TOKENS = "SGLANG_RELAY_SPAN_TOKENS"
