@@ -181,29 +181,30 @@ def test_mixed_chunk_keeps_decoded_spans_usable(model_dir, tok):
         assert healthy(server.url)
 
 
-def test_plain_requests_batched_with_relays_get_plain_sglangs_output(model_dir, tok):
+def test_plain_requests_batched_with_relays_get_plain_sglangs_output(server, model_dir, tok):
     """Plain requests that arrive together with a relaying one never share its prefill
-    batch: they run SGLang's own forward and get what a --no-relay server gives."""
+    batch: they run SGLang's own forward and get what a --no-relay server gives. (The
+    relay side runs on the session's server, the reference on a plain one.)"""
     import concurrent.futures as cf
 
     plains = [
         chat(tok, f"Helper {i}.", f"List {i + 3} fruits and their colours.") for i in range(3)
     ]
+    a = _long_upstream(server.url, tok, "plain", 160)
+    relayed = chat(tok, "Critic.", f"History:\n\n{a['text']}\n\nCritique it.")
+    blocker = chat(tok, "Reader.", "Read this. " * 600)  # a long prefill: the rest queues
+    before = relay_info(server.url).get("batches_split", 0)
+    with cf.ThreadPoolExecutor(5) as pool:
+        busy = pool.submit(generate, server.url, blocker, 4)
+        time.sleep(0.5)
+        futures = [pool.submit(generate, server.url, relayed, 24, None, True)]
+        futures += [pool.submit(generate, server.url, p, 24, None, True) for p in plains]
+        outs = [f.result() for f in futures]
+        busy.result()
+    assert outs[0]["meta_info"]["relay"]["reused_tokens"] >= 100
+    stats = relay_info(server.url)
+    assert stats.get("batches_split", 0) > before, stats  # they did arrive together
     args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
-    with running_server(args) as server:
-        a = _long_upstream(server.url, tok, "plain", 160)
-        relayed = chat(tok, "Critic.", f"History:\n\n{a['text']}\n\nCritique it.")
-        blocker = chat(tok, "Reader.", "Read this. " * 600)  # a long prefill: the rest queues
-        with cf.ThreadPoolExecutor(5) as pool:
-            busy = pool.submit(generate, server.url, blocker, 4)
-            time.sleep(0.5)
-            futures = [pool.submit(generate, server.url, relayed, 24, None, True)]
-            futures += [pool.submit(generate, server.url, p, 24, None, True) for p in plains]
-            outs = [f.result() for f in futures]
-            busy.result()
-        assert outs[0]["meta_info"]["relay"]["reused_tokens"] >= 100
-        stats = relay_info(server.url)
-        assert stats.get("batches_split", 0) > 0, stats  # they did arrive together
     with running_server([*args, "--no-relay"]) as plain_server:
         with cf.ThreadPoolExecutor(3) as pool:
             ref = list(pool.map(lambda p: generate(plain_server.url, p, 24, None, True), plains))
