@@ -1,7 +1,8 @@
 """Architectures beyond the embedded Llama, served end to end on random weights (no
 checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): Qwen3 (per-head
-q/k norms, a head dim other than hidden / heads, its own decoder forward) and Mistral
-(SGLang's Llama classes under another architecture name).
+q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistral
+(SGLang's Llama classes under another architecture name) and Phi-3 (the same classes
+loading fused qkv / gate_up checkpoint weights).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -32,7 +33,7 @@ from sglang_relay.runtime.settings import settings_from_env
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3"])
 def test_relay_on_another_architecture_computes_what_the_reference_computes(
     arch, model_dir, tmp_path_factory
 ):

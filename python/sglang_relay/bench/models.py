@@ -35,6 +35,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("Mistral", {"sliding_window": None}),
     "qwen2": ("Qwen2", {"use_sliding_window": False}),
     "qwen3": ("Qwen3", {"head_dim": 48, "use_sliding_window": False}),
+    # fused qkv_proj / gate_up_proj in the checkpoint
+    "phi3": ("Phi3", {"sliding_window": None, "pad_token_id": 0}),
 }
 
 

@@ -145,9 +145,14 @@ class RefModel:
 
         attn = layer.self_attn
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.rope(positions)

@@ -52,6 +52,8 @@ ANATOMIES: dict[str, Anatomy] = {
         Anatomy("LlamaForCausalLM", _LLAMA_FORWARD),
         # SGLang serves Mistral with its Llama classes (MistralForCausalLM subclasses them)
         Anatomy("MistralForCausalLM", _LLAMA_FORWARD),
+        # and Phi-3 / Phi-4 (Phi3ForCausalLM: Llama's classes, fused qkv / gate_up weights)
+        Anatomy("Phi3ForCausalLM", _LLAMA_FORWARD),
         Anatomy("Qwen2ForCausalLM", "sglang.srt.models.qwen2.Qwen2Model.forward", prepare="split"),
         Anatomy(
             "Qwen3ForCausalLM",
