@@ -24,6 +24,7 @@ calls do, are guarded by default. ``SGLANG_RELAY_GUARD_TOKENS`` (``serve
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from typing import Any
 
 from sglang_relay.runtime import compat
 from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS
+
+logger = logging.getLogger(__name__)
 
 ENV_GUARD_TOKENS = "SGLANG_RELAY_GUARD_TOKENS"
 
@@ -152,17 +155,31 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
         first = meta["relay"]
         times = compat.request_times(state)
         waited = time.perf_counter() - times[0] if times is not None else 0.0
-        async for redone in compat.submit_request(manager, redo_request(obj, out, reason), request):
-            redone_meta = redone.get("meta_info") if isinstance(redone, dict) else None
-            if isinstance(redone_meta, dict):
-                redone_meta["id"] = obj.rid
-                info = redone_meta.get("relay")
-                info = dict(info if isinstance(info, dict) else {})
-                if "ttft_s" in info:  # from the first request's arrival
-                    info["ttft_s"] = round(waited + info["ttft_s"], 6)
-                info["guard"] = {"reprefilled": True, "reason": reason, "relayed": first}
-                redone_meta["relay"] = info
-            yield redone
+        redo = redo_request(obj, out, reason)
+        sent = False
+        try:
+            async for redone in compat.submit_request(manager, redo, request):
+                redone_meta = redone.get("meta_info") if isinstance(redone, dict) else None
+                if isinstance(redone_meta, dict):
+                    redone_meta["id"] = obj.rid
+                    info = redone_meta.get("relay")
+                    info = dict(info if isinstance(info, dict) else {})
+                    if "ttft_s" in info:  # from the first request's arrival
+                        info["ttft_s"] = round(waited + info["ttft_s"], 6)
+                    info["guard"] = {"reprefilled": True, "reason": reason, "relayed": first}
+                    redone_meta["relay"] = info
+                sent = True
+                yield redone
+        except Exception as exc:  # the redo failed before answering: the first answer, said
+            if sent:
+                raise
+            logger.exception("sglang-relay: early-stop guard redo of %s failed", obj.rid)
+            error = f"{type(exc).__name__}: {exc}"
+            note = {"reprefilled": False, "reason": reason, "error": error}
+            meta["relay"] = {**first, "guard": note}
+            for chunk in held:
+                yield chunk
+            yield out
         return
     for chunk in held:
         yield chunk
