@@ -195,6 +195,10 @@ def main(argv: list[str]) -> int:
         return tokenizer(text, add_special_tokens=False).input_ids
 
     print(format_table(relayed, standard, encode))
+    if any("ttft_s" not in (r.generation.relay or {}) for r in [*relayed, *standard]):
+        print("[demo] this server reports no time to first token for whole-reply requests "
+              "(start it with --enable-metrics):\n       the TTFT columns show each "
+              "request's whole latency")  # fmt: skip
     print(
         "[demo] outputs are greedy; relay reuses approximate KV, so a downstream agent's text\n"
         "       can drift from standard after its first tokens (see docs/fidelity.md)"
