@@ -78,7 +78,7 @@ def test_the_redo_is_standard_prefill_and_stores_exactly_when_the_first_would(op
 
 def test_redo_request_copies_the_request_under_a_new_rid():
     obj = request(relay={"method": "relay", "key": "k1"})
-    redo = redo_request(obj, response(), "why")
+    redo = redo_request(obj, response())
     assert redo.rid != obj.rid and redo.text == obj.text
     params = redo.sampling_params["custom_params"]
     assert params["relay"] == {"method": "standard", "store": True, "key": "k1"}

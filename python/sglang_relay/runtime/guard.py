@@ -36,8 +36,6 @@ from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS
 logger = logging.getLogger(__name__)
 
 ENV_GUARD_TOKENS = "SGLANG_RELAY_GUARD_TOKENS"
-
-
 ENV_GUARD_STREAMS = "SGLANG_RELAY_GUARD_STREAMS"
 
 
@@ -108,7 +106,7 @@ def standard_option(option: Any) -> dict[str, Any]:
     return redo
 
 
-def redo_request(obj: Any, out: dict[str, Any], reason: str) -> Any:
+def redo_request(obj: Any, out: dict[str, Any]) -> Any:
     """A copy of request ``obj`` that runs with standard prefill, under a new rid."""
     sp = dict(obj.sampling_params)
     params = dict(sp.get("custom_params") or {})
@@ -155,7 +153,7 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
         first = meta["relay"]
         times = compat.request_times(state)
         waited = time.perf_counter() - times[0] if times is not None else 0.0
-        redo = redo_request(obj, out, reason)
+        redo = redo_request(obj, out)
         sent = False
         try:
             async for redone in compat.submit_request(manager, redo, request):
