@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from sglang_relay.core.rope import FP8_DTYPES
 from sglang_relay_kernels import rows, splice
 
 
@@ -29,13 +30,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return kernel_family(x.device) == "triton"
 
 
-def pick_extend_attention(server_backend: str | None, device: torch.device) -> str:
+def pick_extend_attention(
+    server_backend: str | None, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> str:
     """Which attention the relay extend uses on ``device``: ``"flashinfer"`` when the
     server's backend is FlashInfer (and the package imports), ``"triton"`` when it is
     Triton, else ``"torch"`` (the pure-torch positional attention: the CPU path and the
     semantics the others are tested against). ``SGLANG_RELAY_KERNELS`` forces either
     kernel family; forced ``triton`` on a CPU runs the kernels in Triton's interpreter
-    (``TRITON_INTERPRET=1``), which is how the tests run them inside a real server."""
+    (``TRITON_INTERPRET=1``), which is how the tests run them inside a real server. An FP8
+    KV cache (``kv_dtype``) under FlashInfer takes the Triton kernel: its FP8 path (FP8
+    elements, fp32 products) is the one the tests run; relay's FlashInfer glue plans FP8
+    caches nowhere this project can test."""
     forced = os.environ.get("SGLANG_RELAY_KERNELS")
     if forced == "torch":
         return "torch"
@@ -44,6 +50,8 @@ def pick_extend_attention(server_backend: str | None, device: torch.device) -> s
     if device.type != "cuda":
         return "torch"
     if server_backend == "triton" and splice.triton is not None:
+        return "triton"
+    if server_backend == "flashinfer" and kv_dtype in FP8_DTYPES and splice.triton is not None:
         return "triton"
     if server_backend != "flashinfer":
         return "torch"
@@ -55,9 +63,12 @@ def pick_extend_attention(server_backend: str | None, device: torch.device) -> s
 
 
 def splice_rerotate(k_buffers, v_buffers, src, dst, cos, sin, *, is_neox: bool = True) -> None:
-    """Copy span KV ``src -> dst`` in every layer, keys rotated (see :mod:`.splice`)."""
+    """Copy span KV ``src -> dst`` in every layer, keys rotated (see :mod:`.splice`). FP8
+    pools always take the torch path: no Triton float8 store is verified here (Triton's CPU
+    interpreter drops mantissa bits converting to float8)."""
     first = k_buffers if isinstance(k_buffers, torch.Tensor) else k_buffers[0]
-    impl = splice.splice_rerotate_triton if use_triton(first) else splice.splice_rerotate_ref
+    triton_ok = use_triton(first) and first.dtype not in FP8_DTYPES
+    impl = splice.splice_rerotate_triton if triton_ok else splice.splice_rerotate_ref
     impl(k_buffers, v_buffers, src, dst, cos, sin, is_neox=is_neox)
 
 

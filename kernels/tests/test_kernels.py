@@ -128,21 +128,23 @@ def test_extend_attention_choice(monkeypatch):
     assert pick_extend_attention("triton", cuda) == "triton"
     assert pick_extend_attention("fa3", cuda) == "torch"
     assert pick_extend_attention(None, cuda) == "torch"
+    # an FP8 cache under FlashInfer: the Triton kernel (whose FP8 path the tests run)
+    assert pick_extend_attention("flashinfer", cuda, torch.float8_e4m3fn) == "triton"
     monkeypatch.setenv("SGLANG_RELAY_KERNELS", "triton")  # interpreted on a CPU
     assert pick_extend_attention("torch_native", cpu) == "triton"
     monkeypatch.setenv("SGLANG_RELAY_KERNELS", "torch")
     assert pick_extend_attention("triton", cuda) == "torch"
 
 
-def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol):
+def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol, kv_dtype=None):
     """Run the Triton attention on requests whose contexts are ``ctx_lens`` random pool slots
     and whose active rows sit at ``pos``; compare with the pure-torch specification."""
     from sglang_relay.core.attention import positional_causal_attention
     from sglang_relay_kernels import attention
 
     gen = torch.Generator().manual_seed(seed)
-    kbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
-    vbuf = torch.randn(slots, hkv, dim, generator=gen).to(dtype)
+    kbuf = torch.randn(slots, hkv, dim, generator=gen).to(kv_dtype or dtype)
+    vbuf = torch.randn(slots, hkv, dim, generator=gen).to(kv_dtype or dtype)
     ctx = torch.randperm(slots, generator=gen)[: sum(ctx_lens)].split(ctx_lens)
     n = sum(p.numel() for p in pos)
     q = torch.randn(n, hq, dim, generator=gen).to(dtype)
@@ -171,6 +173,23 @@ def test_positional_attention_matches_reference(kern, hq, hkv, dim, dtype):
     _attention_vs_reference(hq, hkv, dim, dtype, 400, [150, 70], pos, hq + dim, tol)
 
 
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [
+        (torch.float32, torch.float8_e4m3fn),
+        (torch.float32, torch.float8_e5m2),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_positional_attention_reads_a_kv_cache_of_another_dtype(kern, dtype, kv_dtype):
+    """An FP8 (or bf16 under fp32) KV cache: the kernel reads its elements (no scales) and
+    equals the float32 specification over the same elements."""
+    pos = [torch.tensor([0, 2, 40, 99]), torch.tensor([7, 30])]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _attention_vs_reference(8, 2, 64, dtype, 200, [100, 31], pos, 5, tol, kv_dtype)
+
+
 def test_tiles_split_requests_and_long_runs():
     from sglang_relay_kernels.attention import make_tiles
 
@@ -193,3 +212,46 @@ def test_positional_attention_dense_and_sparse_tiles(kern, dtype):
     pos = [torch.arange(10, 80), torch.tensor([0, 3, 130, 131, 260, 409])]
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     _attention_vs_reference(4, 2, 24, dtype, 600, [90, 410], pos, 7, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_splice_rerotate_fp8_pool_rounds_once_and_saturates(dtype, monkeypatch):
+    """An FP8 KV pool (SGLang's FP8 pools read through their float8 views): every spliced
+    key equals the float64 rotation of the stored FP8 key rounded once to FP8 (at most one
+    FP8 step away where float32 and float64 round differently), saturated at the format's
+    largest value; values and sources move bit for bit. FP8 buffers always take the torch
+    path: Triton's interpreter drops mantissa bits converting to float8 (7.9986 -> 4.0
+    instead of 8.0 measured), so no Triton FP8 store is verified on this machine."""
+    import sglang_relay_kernels as kernels
+
+    monkeypatch.setenv("SGLANG_RELAY_KERNELS", "triton")  # forced Triton still falls back
+    gen = torch.Generator().manual_seed(31)
+    heads, dim, n, slots = 2, 64, 11, 48
+    top = torch.finfo(dtype).max
+    k = (torch.randn(slots, heads, dim, generator=gen) * 4).to(dtype)
+    k[0, 0, :] = top  # a saturated key: its rotation would step past the largest value
+    v = torch.randn(slots, heads, dim, generator=gen).to(dtype)
+    src, dst = torch.arange(0, n), torch.arange(20, 20 + n)
+    delta = torch.randint(-300, 300, (n,), generator=gen)
+    cos, sin = delta_cos_sin(build_cos_sin_cache(dim, 512), delta)
+
+    # independent float64 rotation (neox pairs j, j + dim/2) of the stored FP8 keys
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = delta.double()[:, None] * inv[None, :]  # [n, dim/2]
+    x = k[src].double()
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    c, s = ang.cos()[:, None], ang.sin()[:, None]
+    rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    want = rot.clamp(-top, top).to(dtype).double()
+
+    kd, vd = [k.clone()], [v.clone()]
+    kernels.splice_rerotate(kd, vd, src, dst, cos, sin)
+    got = kd[0][dst].double()
+    assert torch.isfinite(got).all() and got.abs().max() <= top
+    assert (rot.abs() > top).any()  # the saturated row was exercised
+    mant = 3 if dtype == torch.float8_e4m3fn else 2  # one step at each value's magnitude
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-3))) - mant)
+    assert ((got - want).abs() <= step + 1e-12).all()
+    assert (got == want).float().mean() > 0.98  # rounding ties apart, bit-exact
+    assert torch.equal(vd[0][dst].view(torch.uint8), v[src].view(torch.uint8))
+    assert torch.equal(kd[0][src].view(torch.uint8), k[src].view(torch.uint8))

@@ -22,7 +22,7 @@ REFUSED = [
     (["--pp-size", "2"], "--pp-size 2"),
     (["--attn-dp-size", "2"], "--attn-dp-size"),
     (["--page-size", "16"], "--page-size 16"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
+    (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
     (["--quantization", "fp8"], "--quantization fp8"),
     (["--load-format", "gguf"], "GGUF"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),

@@ -86,13 +86,17 @@ def test_a_page_size_fa4_forces_is_refused(cpu_args, monkeypatch):
     assert message is not None and "--page-size 128" in message
 
 
-def test_a_kv_cache_dtype_other_than_the_models_is_refused_after_resolution(cpu_args):
-    args = compat.resolved_server_args([*cpu_args, "--kv-cache-dtype", "fp8_e4m3"])
-    assert args.resolved_dict()["kv_cache_dtype"] == "fp8_e4m3"
-    message = modes.refusal(compat.server_view(args))
-    assert message is not None and "--kv-cache-dtype fp8_e4m3" in message
+def test_kv_cache_dtypes_after_resolution(cpu_args):
+    """Unscaled FP8 and bf16 KV caches are served; a block-scaled one (mxfp8) is refused
+    with one line naming the option."""
+    for served in ("fp8_e4m3", "fp8_e5m2", "bf16"):
+        args = compat.resolved_server_args([*cpu_args, "--kv-cache-dtype", served])
+        assert args.resolved_dict()["kv_cache_dtype"] == served
+        assert modes.refusal(compat.server_view(args)) is None, served
+    # (SGLang itself refuses mxfp8 off a Blackwell GPU while resolving: the view directly)
+    message = modes.refusal(modes.ServerView(kv_cache_dtype="mxfp8"))
+    assert message is not None and "--kv-cache-dtype mxfp8" in message
     assert "\n" not in message and message.endswith(modes.OUT)
-    # the same server with the model's own KV dtype resolves to a servable view
     plain = compat.resolved_server_args(cpu_args)
     assert modes.refusal(compat.server_view(plain)) is None
     assert compat.server_view(plain).page_size == 1
@@ -126,29 +130,93 @@ def _ctx(allocator, page_size, model_dtype):
 
 def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
     """The scheduler-side check reads the live allocator and KV pool, whatever the
-    arguments said: an FP8 KV buffer under a float32 model, or 16-token pages."""
+    arguments said: a scaled KV pool (SGLang's CPU FP8 method keeps scales), a packed
+    dtype, or 16-token pages are refused; an unscaled FP8 or bf16 pool under a float32
+    model is served."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+        get_kv_cache_quant_method,
+    )
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    def pool(page, dtype):
-        return MHATokenToKVPool(64, page, dtype, 1, 8, 1, "cpu", False)
+    def pool(page, dtype, quant=None):
+        return MHATokenToKVPool(64, page, dtype, 1, 8, 1, "cpu", False, quant_method=quant)
 
-    fp8 = TokenToKVPoolAllocator(
-        64, torch.float8_e4m3fn, "cpu", pool(1, torch.float8_e4m3fn), False
-    )
-    layout = compat.live_kv_layout(_ctx(fp8, 1, torch.float32))
-    assert layout == (1, "float8_e4m3fn", "float32")
+    def allocator(dtype, quant=None):
+        return TokenToKVPoolAllocator(64, dtype, "cpu", pool(1, dtype, quant), False)
+
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        layout = compat.live_kv_layout(_ctx(allocator(dtype), 1, torch.float32))
+        assert layout == (1, str(dtype).removeprefix("torch."), "float32", False)
+        assert modes.kv_layout_refusal(*layout) is None
+
+    scaled = allocator(torch.float8_e4m3fn, get_kv_cache_quant_method("cpu_fp8_e4m3"))
+    layout = compat.live_kv_layout(_ctx(scaled, 1, torch.float32))
+    assert layout == (1, "float8_e4m3fn", "float32", True)
     message = modes.kv_layout_refusal(*layout)
-    assert message is not None and "float8_e4m3fn KV cache for a float32 model" in message
+    assert message is not None and "scaled float8_e4m3fn KV cache" in message
     assert "\n" not in message and message.endswith(modes.OUT)
+    # a dtype relay does not read as plain elements (an integer pool, as a stand-in)
+    message = modes.kv_layout_refusal(1, "uint8", "float32")
+    assert message is not None and "uint8 KV cache for a float32 model" in message
 
     paged = PagedTokenToKVPoolAllocator(
         64, 16, torch.float32, "cpu", pool(16, torch.float32), False
     )
     layout = compat.live_kv_layout(_ctx(paged, 16, torch.float32))
-    assert layout == (16, "float32", "float32")
+    assert layout == (16, "float32", "float32", False)
     assert "--page-size 16" in modes.kv_layout_refusal(*layout)
 
     plain = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool(1, torch.float32), False)
     assert modes.kv_layout_refusal(*compat.live_kv_layout(_ctx(plain, 1, torch.float32))) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16])
+def test_relays_splice_writes_through_sglangs_kv_pool_views(dtype):
+    """SGLang's FP8 pool stores uint8 and hands out float8 views: relay's splice (the
+    kernels' dispatcher, as the extend calls it) writes through those views into the
+    pool's own storage, keys equal to the float64 rotation of the stored ones rounded
+    once (one step at most where float32 and float64 round apart), values bit for bit;
+    what SGLang's attention then reads (get_key_buffer) is what relay wrote."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_relay.core.rope import build_cos_sin_cache, delta_cos_sin
+    from sglang_relay.runtime.compat import kv_write_loc
+    from sglang_relay_kernels import splice_rerotate
+
+    heads, dim, layers, n = 2, 64, 2, 9
+    pool = MHATokenToKVPool(64, 1, dtype, heads, dim, layers, "cpu", False)
+    gen = torch.Generator().manual_seed(5)
+    src, dst = torch.arange(3, 3 + n), torch.arange(30, 30 + n)
+    layer = SimpleNamespace(layer_id=0)
+    for lid in range(layers):
+        layer.layer_id = lid
+        k = torch.randn(n, heads, dim, generator=gen) * 3
+        v = torch.randn(n, heads, dim, generator=gen)
+        pool.set_kv_buffer(layer, kv_write_loc(src), k, v)  # SGLang's own write (rounds)
+    delta = torch.randint(-100, 100, (n,), generator=gen)
+    cos, sin = delta_cos_sin(build_cos_sin_cache(dim, 256), delta)
+    keys = [pool.get_key_buffer(i) for i in range(layers)]
+    vals = [pool.get_value_buffer(i) for i in range(layers)]
+    before = [
+        (kb[src].double().clone(), vb[src].clone()) for kb, vb in zip(keys, vals, strict=True)
+    ]
+    splice_rerotate(keys, vals, src, dst, cos, sin)
+
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = delta.double()[:, None, None] * inv  # [n, 1, dim/2]
+    top = torch.finfo(dtype).max
+    mant = {torch.float8_e5m2: 2, torch.float8_e4m3fn: 3, torch.bfloat16: 7}[dtype]
+    for lid, (k_src, v_src) in enumerate(before):
+        x1, x2 = k_src[..., : dim // 2], k_src[..., dim // 2 :]
+        rot = torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), -1)
+        want = rot.clamp(-top, top).to(dtype).double()
+        got = pool.get_key_buffer(lid)[dst].double()  # what SGLang's attention reads
+        step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-3))) - mant)
+        assert ((got - want).abs() <= step + 1e-12).all()
+        assert (got == want).float().mean() > 0.98
+        stored = pool.k_buffer[lid][dst]  # the pool's own storage (uint8 for FP8)
+        assert stored.dtype == pool.store_dtype
+        assert torch.equal(stored.view(dtype).double(), got)
+        assert torch.equal(pool.get_value_buffer(lid)[dst], v_src)

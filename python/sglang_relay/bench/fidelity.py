@@ -350,8 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
         "a busy core slow small matmuls down many times)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=sorted(KV_CACHE_DTYPES),
+        help="the serving engine's KV cache dtype: K/V rounded to it where the engine writes "
+        "its pool (upstream decode, standard prefill and relay alike); default: the model's",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+# --kv-cache-dtype values (SGLang's names) -> the dtype the reference rounds K/V to
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 class BenchModel(NamedTuple):
@@ -381,7 +397,8 @@ def load_bench_model(args: argparse.Namespace) -> BenchModel:
         profile_path = None
     else:
         profile_path = Path(args.profile) if args.profile else shipped_profile_path(model_dir)
-    ref = load_model(str(model_dir))
+    kv_name = getattr(args, "kv_cache_dtype", "auto")
+    ref = load_model(str(model_dir), kv_dtype=KV_CACHE_DTYPES[kv_name])
     # without a profile: what a server runs for such a model (the unprofiled rule at 0.80)
     relay_cfg = (
         load_profile(profile_path)[0]
@@ -390,6 +407,8 @@ def load_bench_model(args: argparse.Namespace) -> BenchModel:
     )
     tok = AutoTokenizer.from_pretrained(model_dir)
     fingerprint = model_fingerprint(model_dir, ref.num_layers)
+    if ref.kv_dtype is not None:  # upstream outputs decoded over another KV cache
+        fingerprint = f"{fingerprint}-kv-{kv_name}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return BenchModel(model_dir, profile_path, relay_cfg, ref, tok, fingerprint, cache_dir)
 
@@ -447,13 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows))
     print(
         f"\n{len(usable)} relays ({len(skipped)} skipped), model {model_dir.name} "
-        f"({ref.num_layers} layers, fp32), relay config {relay_cfg.to_dict()}; "
+        f"({ref.num_layers} layers, fp32, KV cache {args.kv_cache_dtype}), relay config "
+        f"{relay_cfg.to_dict()}; "
         f"{total_s:.0f} s total ({gen_s:.0f} s loading/generation), "
         f"{torch.get_num_threads()} threads"
     )
     if args.json:
         meta = {
             "model": str(model_dir),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "profile": str(profile_path) if profile_path else None,
             "workload": args.workload or "packaged:fidelity_workload.jsonl",
             "quick": bool(args.quick),

@@ -88,9 +88,13 @@ class RefModel:
 
     Args:
         model: a ``LlamaForCausalLM`` (or any model with the same module names).
+        kv_dtype: the serving engine's KV cache dtype when it differs from the model's
+            (``--kv-cache-dtype bf16 / fp8_e4m3 / fp8_e5m2``): every K/V row is rounded to
+            it where the engine writes its pool, and read back as the model's dtype, as
+            SGLang's unscaled pools do. ``None``: the model's dtype (no rounding).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kv_dtype: torch.dtype | None = None) -> None:
         model.eval()
         self.model = model
         inner = model.model
@@ -107,6 +111,7 @@ class RefModel:
         self.hidden_size = cfg.hidden_size
         self.scale = float(self.layers[0].self_attn.scaling)
         self.dtype = self.embed.weight.dtype
+        self.kv_dtype = None if kv_dtype in (None, self.dtype) else kv_dtype
         self.device = self.embed.weight.device
         self._cos_sin_cache: torch.Tensor | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -159,16 +164,24 @@ class RefModel:
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         return q, k, v
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V rows as the engine's KV pool holds them (rounded to ``kv_dtype``)."""
+        return x if self.kv_dtype is None else x.to(self.kv_dtype).to(x.dtype)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` float32 logits of last-layer streams ``h [n, hidden]``."""
         return self.lm_head(self.norm(h)).float()
 
 
 def load_model(
-    model_dir: str, num_layers: int | None = None, device: str | None = None
+    model_dir: str,
+    num_layers: int | None = None,
+    device: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> RefModel:
     """Load a checkpoint in fp32 with eager attention (optionally only its first layers),
-    on ``device`` (default: the GPU when there is one: an 8B model in fp32 needs 32 GB)."""
+    on ``device`` (default: the GPU when there is one: an 8B model in fp32 needs 32 GB);
+    ``kv_dtype``: the engine's KV cache dtype (:class:`RefModel`)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
@@ -176,7 +189,7 @@ def load_model(
         kwargs["num_hidden_layers"] = num_layers
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return RefModel(model.to(device))
+    return RefModel(model.to(device), kv_dtype=kv_dtype)
 
 
 @dataclass
@@ -225,8 +238,8 @@ def _run_layer(
     h = hs if full else hs[rows]
     x = layer.input_layernorm(h)
     q, k, v = ref.qkv(layer, x, rows)
-    cache.k[lid, rows] = k
-    cache.v[lid, rows] = v
+    cache.k[lid, rows] = ref.stored(k)
+    cache.v[lid, rows] = ref.stored(v)
     o = positional_causal_attention(q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale)
     h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -366,8 +379,8 @@ def generate(
                 hidden[:, step, lid] = hs
             x = layer.input_layernorm(hs)
             q, k, v = ref.qkv(layer, x, pos)  # q [B, Hq, D], k/v [B, Hkv, D]
-            kb[lid, arange_b, :, pos] = k
-            vb[lid, arange_b, :, pos] = v
+            kb[lid, arange_b, :, pos] = ref.stored(k)
+            vb[lid, arange_b, :, pos] = ref.stored(v)
             # eager attention with explicit probabilities: [B, H_kv, group, T]
             qg = q.view(bsz, hkv, group, d)
             scores = torch.einsum("bgrd,bgtd->bgrt", qg, kb[lid]) * ref.scale
@@ -637,7 +650,7 @@ def last_row_probe(
     out = []
     for lid, layer in enumerate(ref.layers):
         q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
-        cache.k[lid, rows], cache.v[lid, rows] = k, v
+        cache.k[lid, rows], cache.v[lid, rows] = ref.stored(k), ref.stored(v)
         probs = attention_probs(q, cache.k[lid], visible, ref.scale)  # [n, G, R, T]
         last = probs[-1][..., span_rows]  # [G, R, S]
         out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
@@ -680,7 +693,8 @@ def _splice(
     delta = span_rows - old_pos
     cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
     for lid in range(ref.num_layers):
-        cache.k[lid, span_rows] = apply_rotation(src_k[lid], cos, sin, is_neox=True)
+        # stored keys rotated in float32, then rounded once more into the engine's pool
+        cache.k[lid, span_rows] = ref.stored(apply_rotation(src_k[lid], cos, sin, is_neox=True))
         cache.v[lid, span_rows] = src_v[lid]
 
 
@@ -782,8 +796,8 @@ def _detect(
             deviation = kv_deviation(k, cache.k[lid, span_rows])
         else:
             deviation = kv_deviation(v, cache.v[lid, span_rows])
-        cache.k[lid, span_rows] = k
-        cache.v[lid, span_rows] = v
+        cache.k[lid, span_rows] = ref.stored(k)
+        cache.v[lid, span_rows] = ref.stored(v)
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve)
     keep = [m.to(span_rows.device) for m in masks]

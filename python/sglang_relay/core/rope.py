@@ -9,6 +9,11 @@ as SGLang builds it), which already encodes the RoPE variant: linear/NTK/Llama-3
 change ``theta_i``; YaRN also folds a magnitude scale ``m`` into cos and sin, which we
 divide out (row 0 holds ``cos(0) * m = m``) so that only the rotation is applied.
 
+FP8 KV caches (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the stored keys are read as
+float32, rotated, and rounded once back to the cache dtype, saturated at its largest finite
+value (a rotation keeps each pair's norm but may grow one coordinate by up to sqrt(2), which
+could step past the largest FP8 value a key held before).
+
 Layouts: ``is_neox=True`` pairs dimension ``j`` with ``j + rot_dim/2`` (Llama, Qwen2 in
 SGLang and HF); ``False`` pairs ``2j`` with ``2j+1`` (GPT-J). Partial rotary: only the
 first ``rot_dim`` dimensions of each head rotate.
@@ -17,6 +22,25 @@ first ``rot_dim`` dimensions of each head rotate.
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPES = frozenset(
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+    )
+    if d is not None
+)
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to a KV cache's ``dtype``; FP8 saturates at its largest finite value."""
+    if dtype in FP8_DTYPES:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
 
 
 def delta_cos_sin(
@@ -92,9 +116,9 @@ def apply_rotation(
     o2 = x2 * cos + x1 * sin
     rotated = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
     if rot_dim == k.shape[-1]:
-        return rotated.to(k.dtype)
+        return to_kv_dtype(rotated, k.dtype)
     out = k.clone()
-    out[..., :rot_dim] = rotated.to(k.dtype)
+    out[..., :rot_dim] = to_kv_dtype(rotated, k.dtype)
     return out
 
 

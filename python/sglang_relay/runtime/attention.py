@@ -102,9 +102,10 @@ class TorchAttention(ExtendAttention):
         parts, positions = handle
         out = q.new_empty((q.shape[0], q.shape[1], vbuf.shape[-1]))
         for lo, hi, slots in parts:
-            out[lo:hi] = positional_causal_attention(
-                q[lo:hi], kbuf[slots], vbuf[slots], positions[lo:hi], scale
-            )
+            k, v = kbuf[slots], vbuf[slots]
+            if k.dtype != q.dtype:  # an FP8 / bf16 KV cache: its elements, unscaled
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            out[lo:hi] = positional_causal_attention(q[lo:hi], k, v, positions[lo:hi], scale)
         return out
 
 

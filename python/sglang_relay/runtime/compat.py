@@ -199,6 +199,9 @@ DP_EVENT_LOOP_TARGET = (
 # CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
 # sgl_kernel CPU ops, which must exist as torch operators first
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
+# CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
+# a CPU here; the stand-in lets its pool hold FP8 as on a GPU, to test relay on FP8 pools
+KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype"
 # the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:
 # relay's side memory is taken out of the budget here (:mod:`.budget`)
 KV_BUDGET_TARGET = (
@@ -304,18 +307,23 @@ def server_view(obj) -> ServerView:
     )
 
 
-def live_kv_layout(ctx) -> tuple[int, str, str]:
-    """(page size, KV buffer dtype, model dtype) of the pools a TreeCacheBuildContext
-    hands the cache: what the allocator and the KV pool really use, whatever the
-    arguments said (a checkpoint's own FP8 KV scheme resolves ``--kv-cache-dtype auto``
-    to FP8 in the model runner)."""
+def live_kv_layout(ctx) -> tuple[int, str, str, bool]:
+    """(page size, KV buffer dtype, model dtype, scaled) of the pools a
+    TreeCacheBuildContext hands the cache: what the allocator and the KV pool really use,
+    whatever the arguments said (a checkpoint's own FP8 KV scheme resolves
+    ``--kv-cache-dtype auto`` to FP8 in the model runner). ``scaled``: the pool keeps
+    quantization scales beside its elements (SGLang's ``is_quantized_kv_cache`` methods)."""
     allocator = ctx.params.token_to_kv_pool_allocator
     page = max(int(ctx.params.page_size or 1), int(getattr(allocator, "page_size", 1) or 1))
-    kv_dtype = allocator.get_kvcache().dtype
+    pool = allocator.get_kvcache()
+    scaled = bool(getattr(pool, "is_quantized_kv_cache", False)) or (
+        getattr(pool, "k_scale_buffer", None) is not None
+    )
     return (
         page,
-        str(kv_dtype).removeprefix("torch."),
+        str(pool.dtype).removeprefix("torch."),
         str(ctx.model_config.dtype).removeprefix("torch."),
+        scaled,
     )
 
 

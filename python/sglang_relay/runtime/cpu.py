@@ -144,6 +144,29 @@ def cpu_engine_active() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
+# opt-in (tests): let SGLang's CPU KV pool hold --kv-cache-dtype fp8_e5m2
+CPU_FP8_KV_ENV = "SGLANG_RELAY_CPU_FP8_KV"
+
+
+def cpu_fp8_kv_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_FP8_KV_ENV) == "1"
+
+
+def fp8_e5m2_kv_on_cpu(original, *args, **kwargs):
+    """Around-hook of ``configure_kv_cache_dtype`` with ``SGLANG_RELAY_CPU_FP8_KV=1`` on
+    the CPU: SGLang 0.5.23 refuses ``--kv-cache-dtype fp8_e5m2`` there ("not supported on
+    CPU"; ``fp8_e4m3`` needs Intel AMX and its scaled CPU pool). Its pool, write and read
+    paths for FP8 are device-independent (``MHATokenToKVPool`` stores uint8 and views
+    float8; ``torch_native`` attention upcasts what it reads), so the stand-in resolves
+    fp8_e5m2 as a CUDA machine does: an unscaled ``torch.float8_e5m2`` pool. What relay
+    serves on GPUs' FP8 pools is tested on it (test/e2e/test_kv_dtypes.py)."""
+    import torch
+
+    if kwargs.get("server_args_kv_cache_dtype") == "fp8_e5m2" and not kwargs.get("is_draft_worker"):
+        return None, torch.float8_e5m2
+    return original(*args, **kwargs)
+
+
 def model_parallel_group_without_pynccl(original, *args, **kwargs):
     """Around-hook of ``init_model_parallel_group`` on the CPU: SGLang 0.5.23 gives every
     in-tree platform a PyNccl communicator when the caller does not say otherwise, and

@@ -22,6 +22,16 @@ from dataclasses import dataclass
 
 from sglang_relay.runtime.anatomy import SUPPORTED_ARCHITECTURES
 
+# --kv-cache-dtype values relay serves: the model's own dtype, a lower-precision float, or
+# an unscaled FP8 element format (the splice rounds re-rotated keys once into it; relay's
+# attention reads the elements as SGLang's backends do). mxfp8 / nvfp4 / fp4_mx_block16
+# carry block scales relay does not read.
+SERVED_KV_CACHE_DTYPES = frozenset({"auto", None, "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"})
+# the live KV buffer dtypes (torch names) relay serves, whatever the model's dtype
+SERVED_KV_BUFFER_DTYPES = frozenset(
+    {"bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"}
+)
+
 OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay)"
 
 
@@ -89,9 +99,10 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "use --page-size 1 with an attention backend that allows it",
         ),
         (
-            view.kv_cache_dtype not in ("auto", None),
-            f"--kv-cache-dtype {view.kv_cache_dtype} (re-rotation ignores KV scales)",
-            "drop --kv-cache-dtype",
+            view.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES,
+            f"--kv-cache-dtype {view.kv_cache_dtype} (block-scaled or packed KV: relay's "
+            "splice and attention read unscaled elements)",
+            f"use --kv-cache-dtype {' / '.join(sorted(SERVED_KV_CACHE_DTYPES - {None}))}",
         ),
         (
             view.quantization is not None,
@@ -187,21 +198,33 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
     return None
 
 
-def kv_layout_refusal(page_size: int, kv_dtype: str, model_dtype: str) -> str | None:
+def kv_layout_refusal(
+    page_size: int, kv_dtype: str, model_dtype: str, scaled: bool = False
+) -> str | None:
     """Refuse the live KV pools (checked in the scheduler, whatever the arguments said):
-    pages of more than one token, or a KV buffer dtype other than the model's (an FP8
-    scheme of the checkpoint, ``--kv-cache-dtype``). Dtypes by torch name (``bfloat16``)."""
+    pages of more than one token, a KV buffer dtype relay cannot read as plain elements,
+    or a pool that keeps scales beside its elements (``scaled``: SGLang's quantized KV
+    methods, e.g. the CPU FP8 pool of AMX machines, FP4). The model's own dtype, bfloat16 /
+    float16 and unscaled FP8 (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) are served.
+    Dtypes by torch name (``bfloat16``)."""
     if page_size != 1:
         return (
             f"sglang-relay cannot serve --page-size {page_size} (the live KV allocator "
             "frees whole pages of that size; relay owns and frees KV slots per token); use "
             f"--page-size 1 with an attention backend that allows it, {OUT}"
         )
-    if kv_dtype != model_dtype:
+    if scaled:
+        return (
+            f"sglang-relay cannot serve a scaled {kv_dtype} KV cache (SGLang keeps per-block "
+            "or per-token scales beside it; relay's splice and attention read unscaled "
+            "elements); use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2 on a backend "
+            f"that stores them unscaled, {OUT}"
+        )
+    if kv_dtype != model_dtype and kv_dtype not in SERVED_KV_BUFFER_DTYPES:
         return (
             f"sglang-relay cannot serve a {kv_dtype} KV cache for a {model_dtype} model "
-            "(--kv-cache-dtype, or the checkpoint's own KV scheme: re-rotation ignores KV "
-            f"scales); serve an unquantized KV cache (--kv-cache-dtype auto), {OUT}"
+            "(relay's splice and attention read plain float or FP8 elements); use "
+            f"--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2, {OUT}"
         )
     return None
 

@@ -106,7 +106,7 @@ class RelayRuntime:
         # refused (modes.graph_refusal) when a captured graph would skip relay's work
         self.graphs = compat.graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
-            compat.attention_backend_name(model_runner), self.device
+            compat.attention_backend_name(model_runner), self.device, kbuf.dtype
         )
         self.publisher = dp_publisher()  # None unless a DP controller routes by fingerprints
         self.store = SpanStore(
