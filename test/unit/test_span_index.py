@@ -614,3 +614,66 @@ def test_related_spans_by_share_and_by_long_quote() -> None:
     assert related_spans(matches, lengths, 0.0) == {1, 2, 3, 4}  # 0: every match
     assert related_spans(matches, lengths, 1.0) == {3}
     assert related_spans([], lengths, 0.5) == set()
+
+
+def _related_brute_force(matches, lengths, starts, min_share, quote):
+    """Token by token: the answer tokens each match holds (summed over matches: the same
+    text pasted twice counts twice), against the answer's length; any match of ``quote``
+    tokens."""
+    held: dict[int, int] = {}
+    longest: dict[int, int] = {}
+    for m in matches:
+        answer = range(starts.get(m.span_id, 0), lengths[m.span_id])
+        toks = [t for t in range(m.span_start, m.span_start + m.length) if t in answer]
+        held[m.span_id] = held.get(m.span_id, 0) + len(toks)
+        longest[m.span_id] = max(longest.get(m.span_id, 0), m.length)
+    out = set()
+    for sid, n in held.items():
+        size = lengths[sid] - starts.get(sid, 0)
+        if min_share <= 0 or (n and n >= min_share * size) or longest[sid] >= quote:
+            out.add(sid)
+    return out
+
+
+def test_reasoning_spans_relate_by_their_answer() -> None:
+    """A reasoning output (answer from offset 300 of 400) pasted without its reasoning
+    relates; a short run inside the reasoning does not (only a long quote would); spans
+    without a reasoning part keep the whole-output rule. Random cases == brute force."""
+    import random
+
+    from sglang_relay.core.span_index import related_spans
+
+    lengths = {1: 400, 2: 400, 3: 200}
+    starts = {1: 300, 2: 300}
+    matches = [
+        SpanMatch(10, 1, 300, 100),  # span 1's whole answer, none of its reasoning
+        SpanMatch(200, 2, 20, 120),  # 120 tokens of span 2's reasoning only
+        SpanMatch(400, 3, 0, 100),  # half of a plain span
+    ]
+    start = starts.get
+    assert related_spans(matches, lengths, 0.5, answer_start=lambda s: start(s, 0)) == {1, 3}
+    assert related_spans(matches, lengths, 0.5) == {3}  # whole-output lengths: 25 % of 1
+    assert related_spans(matches, lengths, 0.5, 100, lambda s: start(s, 0)) == {1, 2, 3}
+    rng = random.Random(3)
+    for _ in range(300):
+        lens = {i: rng.randint(40, 400) for i in range(4)}
+        sts = {i: rng.choice([0, rng.randint(0, lens[i])]) for i in range(4)}
+        ms = []
+        for _ in range(rng.randint(0, 5)):
+            sid = rng.randrange(4)
+            a = rng.randrange(lens[sid] - 32)
+            ms.append(SpanMatch(len(ms) * 500, sid, a, rng.randint(32, lens[sid] - a)))
+        for share, quote in ((0.5, 256), (0.0, 256), (1.0, 100), (0.3, 10**6)):
+            got = related_spans(ms, lens, share, quote, lambda s, sts=sts: sts[s])
+            assert got == _related_brute_force(ms, lens, sts, share, quote)
+
+
+def test_answer_offset_is_just_after_the_last_reasoning_end_marker() -> None:
+    from sglang_relay.core.span_index import answer_offset
+
+    end = [7, 8, 9]
+    assert answer_offset([1, 2, 7, 8, 9, 4, 5], end) == 5
+    assert answer_offset([7, 8, 9, 1, 7, 8, 9], end) == 7  # the last one; empty answer
+    assert answer_offset([1, 7, 8, 4, 9], end) == 0  # not the whole marker: no reasoning
+    assert answer_offset([1, 2, 3], None) == 0 and answer_offset([1, 2], [5]) == 0
+    assert answer_offset([5, 1], [5]) == 1

@@ -81,7 +81,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["QUOTE_TOKENS", "SpanIndex", "SpanMatch", "related_spans"]
+__all__ = ["QUOTE_TOKENS", "SpanIndex", "SpanMatch", "answer_offset", "related_spans"]
 
 # splitmix64 finalizer constants and the polynomial base (odd, so multiplication is a bijection).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -151,6 +151,7 @@ def related_spans(
     span_length: dict[int, int] | Callable[[int], int],
     min_share: float,
     quote_tokens: int = QUOTE_TOKENS,
+    answer_start: Callable[[int], int] | None = None,
 ) -> set[int]:
     """Ids of the spans that ``matches`` (the matches of one whole prompt) relate to.
 
@@ -160,18 +161,49 @@ def related_spans(
     is *related* when the prompt holds at least ``min_share`` of its tokens (all its
     matches together: a paste with an edit in the middle is two matches) or one match of
     at least ``quote_tokens`` tokens. ``min_share`` 0 relates every match.
+
+    Reasoning outputs (``answer_start``: the offset where a span's answer begins, after
+    the model's reasoning end marker; 0 for a span without one) are judged by what a
+    downstream pastes: the share counts matched tokens of the answer against the answer's
+    length (``span_length`` minus ``answer_start``), so an answer pasted without its longer
+    reasoning relates; a reasoning quote relates only through ``quote_tokens``.
     """
     length = span_length.__getitem__ if isinstance(span_length, dict) else span_length
     total: dict[int, int] = {}
     longest: dict[int, int] = {}
+    starts: dict[int, int] = {}
     for m in matches:
-        total[m.span_id] = total.get(m.span_id, 0) + m.length
-        longest[m.span_id] = max(longest.get(m.span_id, 0), m.length)
+        sid = m.span_id
+        if answer_start is None:
+            start = 0
+        else:
+            start = starts.setdefault(sid, answer_start(sid))
+        inside = max(0, m.span_start + m.length - max(m.span_start, start))
+        total[sid] = total.get(sid, 0) + inside
+        longest[sid] = max(longest.get(sid, 0), m.length)
+    if min_share <= 0:
+        return set(longest)
     return {
         sid
-        for sid, n in total.items()
-        if n >= min_share * length(sid) or longest[sid] >= quote_tokens
+        for sid in longest
+        if (total[sid] > 0 and total[sid] >= min_share * (length(sid) - starts.get(sid, 0)))
+        or longest[sid] >= quote_tokens
     }
+
+
+def answer_offset(tokens: Sequence[int], marker: Sequence[int] | None) -> int:
+    """Where the answer of an output begins: just after the last occurrence of ``marker``
+    (the model's reasoning end, e.g. the tokens of ``</think>``) in ``tokens``; 0 when
+    there is no marker or it does not occur (the whole output is the answer)."""
+    if not marker:
+        return 0
+    m = len(marker)
+    first = marker[0]
+    marker = list(marker)
+    for i in range(len(tokens) - m, -1, -1):
+        if tokens[i] == first and list(tokens[i : i + m]) == marker:
+            return i + m
+    return 0
 
 
 def _equal_run(

@@ -327,6 +327,15 @@ def live_kv_layout(ctx) -> tuple[int, str, str, bool]:
     )
 
 
+def reasoning_end_ids(model_config) -> tuple[int, ...] | None:
+    """The token ids of the served model's reasoning end marker (``</think>``), set on the
+    scheduler's model config by SGLang when the server runs ``--reasoning-parser``; None
+    without one. Read when an output is recorded (the scheduler sets it after the cache
+    is built)."""
+    ids = getattr(model_config, "think_end_ids", None)
+    return tuple(int(i) for i in ids) if ids else None
+
+
 def quantization_of(obj) -> str | None:
     """A pre-quantized checkpoint's method (ServerArgs.quantization stays None for it)."""
     config = getattr(obj, "model_config", None)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.core.span_index import answer_offset
 from sglang_relay.runtime import compat, modes
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import settings_from_env
@@ -40,6 +41,7 @@ class RelayRadixCache(UnifiedRadixCache):
         self._recorded: set[str] = set()  # rids whose span was recorded (until release)
         super().__init__(params)  # calls reset()
         self.relay_architecture = architecture
+        self.relay_model_config = None  # the scheduler's model config (build_relay_cache)
         self.relay_counters: dict[str, int] = {
             "finished_requests": 0,
             "recorded_spans": 0,
@@ -76,12 +78,21 @@ class RelayRadixCache(UnifiedRadixCache):
         if span is None:
             return
         start, tokens, slots, positions, stamps, context = span
+        # a reasoning model's output: relatedness is judged on the answer a downstream pastes
+        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config))
         owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
         if namespace is None:  # opted out, or no key under scope "key": nothing stored
             self.relay_counters["unstored_outputs"] += 1
             return  # as when the store declines a span: SGLang frees the slots
         added = rt.store.add(
-            tokens, slots, positions, stamps, namespace, owned=owned, context=context
+            tokens,
+            slots,
+            positions,
+            stamps,
+            namespace,
+            owned=owned,
+            context=context,
+            answer_start=answer,
         )
         if added is not None:
             self.relay_counters["recorded_spans"] += 1
@@ -236,6 +247,7 @@ def build_relay_cache(ctx: Any) -> Any:
     if graphs is not None:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)
+    cache.relay_model_config = ctx.model_config
     compat.check_hooks_installed()
     if not settings.profiled:
         logger.warning(

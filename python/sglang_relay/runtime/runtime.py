@@ -234,7 +234,12 @@ class RelayRuntime:
         related = self._related_memo.get(req.rid)
         if related is None:
             matches = self.store.matches(compat.remaining_input(req), ns)
-            related = related_spans(matches, self.store.span_length, self.settings.min_share)
+            related = related_spans(
+                matches,
+                self.store.span_length,
+                self.settings.min_share,
+                answer_start=self.store.answer_start,
+            )
             self._related_memo[req.rid] = related
             while len(self._related_memo) > 4096:
                 self._related_memo.popitem(last=False)

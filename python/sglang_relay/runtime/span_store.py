@@ -32,6 +32,8 @@ class Span:
     owned: bool = False  # the store (not the radix tree) holds these slots
     # [n] float32 context mass per token (signal "context"), None when not computed
     context: torch.Tensor | None = None
+    # offset of the answer: just after the model's reasoning end marker (0: none)
+    answer_start: int = 0
 
 
 class SpanSource(NamedTuple):
@@ -82,6 +84,7 @@ class SpanStore:
         self._next_id = 1
         self.scans = 0  # index look-ups (admission checks and plans)
         self.scans_truncated = 0  # ... that hit the index's work bound (see SpanIndex)
+        self.reasoning_spans = 0  # spans recorded with a reasoning part before the answer
         self.pressure_spans = 0  # owned spans dropped because SGLang needed their slots
         self.pressure_tokens = 0  # ... and the slots they gave back
 
@@ -96,19 +99,23 @@ class SpanStore:
         *,
         owned: bool = False,
         context: torch.Tensor | None = None,
+        answer_start: int = 0,
     ) -> int | None:
         """Record a span (``stamps``: its slots' stamps now; ``context``: its tokens'
-        context masses, if the server ranks by them); returns its id, or None when it is
-        too short to match. With ``owned`` the store takes the slots over (and releases
-        them when the span is dropped)."""
+        context masses, if the server ranks by them; ``answer_start``: where its answer
+        begins after a reasoning part); returns its id, or None when it is too short to
+        match. With ``owned`` the store takes the slots over (and releases them when the
+        span is dropped)."""
         if len(tokens) < self.index.min_match:
             return None
         span_id = self._next_id
         self._next_id += 1
         self.index.add(span_id, tokens, namespace)
         self.spans[span_id] = Span(
-            span_id, namespace, slots, positions, stamps, len(tokens), owned, context
-        )
+            span_id, namespace, slots, positions, stamps, len(tokens), owned, context,
+            answer_start,
+        )  # fmt: skip
+        self.reasoning_spans += int(answer_start > 0)
         self.num_tokens += len(tokens)
         self.owned_tokens += len(tokens) if owned else 0
         if self.listener is not None:
@@ -162,6 +169,9 @@ class SpanStore:
     def span_length(self, span_id: int) -> int:
         return self.spans[span_id].num_tokens
 
+    def answer_start(self, span_id: int) -> int:
+        return self.spans[span_id].answer_start
+
     def find(self, tokens: list[int], namespace: Hashable) -> list[SpanSource]:
         """Matched runs of recorded spans inside ``tokens`` (same namespace only).
         Validity is the caller's to check (:class:`SlotLedger`), at use time."""
@@ -196,4 +206,5 @@ class SpanStore:
             "match_scans_truncated": self.scans_truncated,
             "owned_spans_released_for_room": self.pressure_spans,
             "owned_tokens_released_for_room": self.pressure_tokens,
+            "reasoning_spans": self.reasoning_spans,
         }
