@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import pytest
 import requests
-from relay_helpers import relay_info, running_server
+from relay_helpers import assert_matches_reference, generate_ids, relay_info, running_server
+
+from sglang_relay.core import reference as R
+from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -52,7 +55,18 @@ def test_an_answer_pasted_without_its_reasoning_relays(model_dir, tok):
         info = _relay(s.url, head + answer + tail)
         assert info["reused_tokens"] == 0 and info["fallback"] == "unrelated_match", info
         # a reasoning output: reasoning, </think>, the answer; it relates by its answer
-        _forced(s.url, list(range(1000, 1040)), [*reasoning, *end, *answer, 13])
+        up = list(range(1000, 1040))
+        _forced(s.url, up, [*reasoning, *end, *answer, 13])
         assert relay_info(s.url)["reasoning_spans"] == 1
-        info = _relay(s.url, list(range(2100, 2123)) + answer + tail)
+        prompt = list(range(2100, 2123)) + answer + tail
+        served = generate_ids(s.url, prompt, 4, None, return_logprob=True, top_logprobs_num=5)
+        info = served["meta_info"]["relay"]
         assert info["fallback"] is None and info["reused_tokens"] == len(answer), info
+        # what the reference computes when the answer's context masses count the question
+        # and the reasoning as the context a paste replaces (the answer decoded after them)
+        ref = R.load_model(str(model_dir))
+        (record,) = R.generate(ref, [up + reasoning + end], len(answer) + 1, force=[[*answer, 13]])
+        assert record.span_tokens == answer
+        occ = R.SpanOccurrence(23, record, 0, len(answer))
+        cfg = settings_from_env(str(model_dir), {}).config  # the shipped profile, as served
+        assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))

@@ -77,9 +77,7 @@ class RelayRadixCache(UnifiedRadixCache):
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
         if span is None:
             return
-        start, tokens, slots, positions, stamps, context = span
-        # a reasoning model's output: relatedness is judged on the answer a downstream pastes
-        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config))
+        start, tokens, slots, positions, stamps, context, answer = span
         owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
         if namespace is None:  # opted out, or no key under scope "key": nothing stored
             self.relay_counters["unstored_outputs"] += 1
@@ -112,6 +110,10 @@ class RelayRadixCache(UnifiedRadixCache):
         positions = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
         stamps = rt.ledger.snapshot(slots)
         tokens = list(req.output_ids[:n])
+        # a reasoning model's output: what a downstream pastes is the answer after the
+        # reasoning end marker (relatedness is judged on it; its context masses count the
+        # reasoning as context)
+        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config))
         # signal "context": computed now, while the whole row's KV is still the request's,
         # from the streams stored with it (none stored: no masses, relays fall back)
         context = None
@@ -120,8 +122,8 @@ class RelayRadixCache(UnifiedRadixCache):
             and rt.context_layer is not None
             and (rt.context_layer == 0 or bool(SlotLedger.has_hidden(stamps).all()))
         ):
-            context = rt.span_context(row, start, tokens)
-        return start, tokens, slots, positions, stamps, context
+            context = rt.span_context(row, start, tokens, answer)
+        return start, tokens, slots, positions, stamps, context, answer
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         """Free a finished request's row except the output slots the span store took over."""

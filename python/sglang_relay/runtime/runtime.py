@@ -169,13 +169,17 @@ class RelayRuntime:
         a key); ValueError on a bad relay key."""
         return namespace(self.settings.scope, compat.request_namespace(req), request_option(req))
 
-    def span_context(self, row: torch.Tensor, prompt_len: int, tokens: list[int]) -> torch.Tensor:
+    def span_context(
+        self, row: torch.Tensor, prompt_len: int, tokens: list[int], answer_start: int = 0
+    ) -> torch.Tensor:
         """``[n]`` context masses of a finished request's output tokens ``tokens`` (slots
         ``row[prompt_len : prompt_len + n]``, prompt slots before them): each token's decode
         query at ``context_layer``, rebuilt from the stream stored entering it (the embedding
         at layer 0), over the row's keys, mass on prompt positions ``1..prompt_len-1``
-        (:func:`~sglang_relay.core.selection.context_mass`). Under tensor parallelism each
-        rank averages its own heads; selection averages the ranks."""
+        (:func:`~sglang_relay.core.selection.context_mass`). The answer of a reasoning
+        output (tokens from ``answer_start``) counts its reasoning as context too: a paste
+        of the answer alone replaces both. Under tensor parallelism each rank averages its
+        own heads; selection averages the ranks."""
         layer = self.model.layers[self.context_layer]
         ra = layer.self_attn.attn
         n = len(tokens)
@@ -188,12 +192,16 @@ class RelayRuntime:
         pos = torch.arange(prompt_len, prompt_len + n, device=self.device)
         q, _, _ = layer_qkv(layer.self_attn, pos, layer.input_layernorm(h))
         keys = self.kv_pool.get_key_buffer(ra.layer_id)[slots]
-        return context_mass(
-            q.reshape(n, ra.tp_q_head_num, ra.qk_head_dim),
-            keys.reshape(prompt_len + n, ra.tp_k_head_num, ra.qk_head_dim),
-            pos,
-            prompt_len,
-            ra.scaling,
+        q = q.reshape(n, ra.tp_q_head_num, ra.qk_head_dim)
+        keys = keys.reshape(prompt_len + n, ra.tp_k_head_num, ra.qk_head_dim)
+        if answer_start <= 0:
+            return context_mass(q, keys, pos, prompt_len, ra.scaling)
+        a = answer_start
+        return torch.cat(
+            (
+                context_mass(q[:a], keys, pos[:a], prompt_len, ra.scaling),
+                context_mass(q[a:], keys, pos[a:], prompt_len + a, ra.scaling),
+            )
         )
 
     def store_namespace(self, req: Any) -> tuple | None:
