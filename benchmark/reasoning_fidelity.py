@@ -79,6 +79,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=32, help="questions (<= 40)")
     p.add_argument("--targets", default="0.6,0.7,0.8,0.9")
+    p.add_argument(
+        "--caps",
+        default="",
+        help="also relay with the lowest target's rule at these recompute caps (max_ratio, "
+        "comma list): reuse below the profile's range",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -99,6 +105,13 @@ def main() -> int:
     settings = settings_from_env(str(model), {})
     targets = [float(t) for t in args.targets.split(",")]
     configs = {t: settings.point(t, ref.num_layers).config for t in targets}
+    from dataclasses import replace
+
+    lowest = configs[min(targets)]
+    for cap in [float(c) for c in args.caps.split(",") if c]:
+        key = round(1.0 - cap, 3)  # keyed by the reuse the cap aims at
+        configs[key] = replace(lowest, max_ratio=cap)
+        targets.append(key)
     eos = tok.eos_token_id
 
     def ids(text: str) -> list[int]:
