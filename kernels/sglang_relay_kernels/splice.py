@@ -12,9 +12,10 @@ Contract (the torch reference :func:`splice_rerotate_ref` is the specification):
 * ``is_neox``: pair ``j`` with ``j + rot_dim/2`` (True) or ``2j`` with ``2j+1`` (False);
   dimensions past ``rot_dim`` are copied unchanged (partial rotary).
 
-Rotation happens in float32 and rounds once to the buffer dtype, as the reference does; an
-FP8 buffer (SGLang's FP8 KV pools, read through their float8 views) saturates at the
-format's largest finite value.
+Rotation happens in float32 and rounds once to the buffer dtype, as the reference does. An
+FP8 buffer (SGLang's FP8 KV pools) goes to the reference only, which saturates at the
+format's largest finite value (the dispatcher in ``__init__``: no Triton FP8 store is
+verified on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_relay.core.rope import FP8_DTYPES, apply_rotation
+from sglang_relay.core.rope import apply_rotation
 
 try:  # Triton is an optional dependency (always present with CUDA builds of torch)
     import triton
@@ -70,7 +71,6 @@ if triton is not None:
         D: tl.constexpr,
         DV: tl.constexpr,
         IS_NEOX: tl.constexpr,
-        KV_MAX: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
@@ -98,9 +98,6 @@ if triton is not None:
         x2 = tl.load(k_src + hi, mask=jm, other=0.0).to(tl.float32)
         o1 = x1 * c - x2 * sn
         o2 = x2 * c + x1 * sn
-        if KV_MAX > 0:  # an FP8 cache: saturate, as the reference does
-            o1 = tl.minimum(tl.maximum(o1, -KV_MAX), KV_MAX)
-            o2 = tl.minimum(tl.maximum(o2, -KV_MAX), KV_MAX)
         tl.store(k_dst + lo, o1.to(k_ptr.dtype.element_ty), mask=jm)
         tl.store(k_dst + hi, o2.to(k_ptr.dtype.element_ty), mask=jm)
 
@@ -144,7 +141,6 @@ def _launch(k: torch.Tensor, v: torch.Tensor, src, dst, cos, sin, is_neox: bool)
         D=dim,
         DV=v.shape[3],
         IS_NEOX=is_neox,
-        KV_MAX=float(torch.finfo(k.dtype).max) if k.dtype in FP8_DTYPES else 0.0,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_D=triton.next_power_of_2(max(dim - 2 * half, 1)),
         BLOCK_DV=triton.next_power_of_2(v.shape[3]),
