@@ -2,7 +2,10 @@
 checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): Qwen3 (per-head
 q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistral
 (SGLang's Llama classes under another architecture name) and Phi-3 (the same classes
-loading fused qkv / gate_up checkpoint weights).
+loading fused qkv / gate_up checkpoint weights), and Qwen3-MoE (Qwen3's attention through
+SGLang's unfused q/k-norm + RoPE sequence, a sparse block of 8 experts, top 2, in every
+layer; also under ``--tp 2``, where each rank holds half of every expert and the loop sums
+the experts' partial outputs).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -33,17 +36,21 @@ from sglang_relay.runtime.settings import settings_from_env
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize(
+    "arch, tp", [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2), ("mistral", 1), ("phi3", 1)]
+)
 def test_relay_on_another_architecture_computes_what_the_reference_computes(
-    arch, model_dir, tmp_path_factory
+    arch, tp, model_dir, tmp_path_factory
 ):
     from sglang_relay.bench.models import random_model
 
     path = random_model(arch, tmp_path_factory.mktemp(arch) / f"Random-{arch}", model_dir)
     env = {"SGLANG_RELAY_CONFIG": json.dumps(CONTEXT_RULE_AT_2)}
     settings = settings_from_env(str(path), env)
-    with running_server(["--model-path", str(path), "--max-total-tokens", "8192"], env=env) as s:
+    args = ["--model-path", str(path), "--max-total-tokens", "8192", "--tp", str(tp)]
+    with running_server(args, env=env) as s:
         assert relay_info(s.url)["capture_layer"] == 2
+        assert relay_info(s.url)["tp_size"] == tp
         ref = R.load_model(str(path))
         point = settings.point(settings.reuse_target, ref.num_layers)
         served, result, span = relay_one_upstream(s.url, ref, point.config)
@@ -65,5 +72,7 @@ def test_relay_on_another_architecture_computes_what_the_reference_computes(
         assert_all_selected_equals_standard(s.url, span)
         info = relay_info(s.url)
         assert info.get("fallbacks", 0) == 0
+        if tp > 1:  # the ranks agreed on every plan (the experts' partial sums all-reduced)
+            assert info["tp_plan_checks"] >= 3 and info.get("tp_plan_mismatches", 0) == 0
         pool = info["pool"]
         assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"]

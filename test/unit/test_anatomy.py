@@ -20,6 +20,8 @@ from sglang_relay.core.reference import (
 from sglang_relay.runtime.anatomy import (
     ANATOMIES,
     BASE_ATTENTION,
+    DENSE_MLP,
+    SPARSE_MLP,
     anatomy_of,
     anatomy_problems,
 )
@@ -87,19 +89,20 @@ class Attn(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, attn):
+    def __init__(self, attn, mlp=DENSE_MLP):
         super().__init__()
         self.input_layernorm = nn.Identity()
         self.self_attn = attn
         self.post_attention_layernorm = nn.Identity()
         self.mlp = nn.Module()
-        self.mlp.down_proj = nn.Identity()
+        for name in sorted(mlp):
+            setattr(self.mlp, name, nn.Identity())
 
 
-def stack(*attns):
+def stack(*attns, mlp=DENSE_MLP):
     model = nn.Module()
     model.embed_tokens, model.norm = nn.Identity(), nn.Identity()
-    model.layers = nn.ModuleList(Layer(a) for a in attns)
+    model.layers = nn.ModuleList(Layer(a, mlp) for a in attns)
     return model
 
 
@@ -117,6 +120,31 @@ def test_a_model_the_adapter_drives_passes():
     assert problems("LlamaForCausalLM", stack(Attn(), Attn())) == []
     qwen3 = BASE_ATTENTION | {"q_norm", "k_norm"}
     assert problems("Qwen3ForCausalLM", stack(Attn(qwen3))) == []
+
+
+class MoeAttn(Attn):
+    """Qwen3-MoE's block: its prepare takes the forward batch (and may store KV itself)."""
+
+    def forward_prepare_native(self, positions, x, forward_batch):  # pragma: no cover
+        raise AssertionError
+
+
+def test_a_sparse_block_is_run_only_by_the_moe_adapter():
+    qwen3 = MoeAttn(BASE_ATTENTION | {"q_norm", "k_norm"})
+    assert problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=SPARSE_MLP)) == []
+    # a block whose prepare has the native contract under the split adapter: refused
+    native = Attn(BASE_ATTENTION | {"q_norm", "k_norm"})
+    (out,) = problems("Qwen3MoeForCausalLM", stack(native, mlp=SPARSE_MLP))
+    assert "expects no forward_prepare_native" in out
+    # a dense adapter on a MoE layer, and the MoE adapter on a dense one, are refused
+    (out,) = problems("Qwen3ForCausalLM", stack(native, mlp=SPARSE_MLP))
+    assert "layers[0].mlp" in out and "['experts', 'gate', 'topk']" in out
+    assert problems("Qwen3MoeForCausalLM", stack(qwen3))
+    # and a Qwen3 block without the native contract under the native adapter
+    assert "expects a forward_prepare_native" in problems("Qwen3ForCausalLM", stack(qwen3))[0]
+    # a shared expert (Qwen2-MoE's, DeepSeek's) is not run by the loop: refused, not dropped
+    (out,) = problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=SPARSE_MLP | {"shared_expert"}))
+    assert "['shared_expert']" in out
 
 
 def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():

@@ -2,7 +2,8 @@
 
 The embedded SmolLM2-135M is a Llama with 9 attention heads and 3 KV heads, which do not
 split over 2 tensor-parallel ranks, and there is no model hub here. :func:`random_model`
-writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3) with random
+writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+Phi-3) with random
 weights from its ``transformers`` config class, with the embedded model's tokenizer,
 untied embeddings and a wide init, so that its greedy outputs are diverse enough for exact
 span matching on token ids. Its outputs mean nothing: it serves oracles that compare
@@ -37,6 +38,19 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3", {"head_dim": 48, "use_sliding_window": False}),
     # fused qkv_proj / gate_up_proj in the checkpoint
     "phi3": ("Phi3", {"sliding_window": None, "pad_token_id": 0}),
+    # Qwen3's attention and a sparse MoE block (8 experts, top 2) in every layer
+    "qwen3_moe": (
+        "Qwen3Moe",
+        {
+            "head_dim": 48,
+            "use_sliding_window": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
 }
 
 

@@ -164,6 +164,14 @@ class RefModel:
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         return q, k, v
 
+    @staticmethod
+    def mlp(layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s MLP block on rows ``x [n, hidden]``: Hugging Face's sparse MoE
+        blocks (``experts``) take ``[batch, seq, hidden]``."""
+        if hasattr(layer.mlp, "experts"):
+            return layer.mlp(x.unsqueeze(0)).squeeze(0)
+        return layer.mlp(x)
+
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """K or V rows as the engine's KV pool holds them (rounded to ``kv_dtype``)."""
         return x if self.kv_dtype is None else x.to(self.kv_dtype).to(x.dtype)
@@ -242,7 +250,7 @@ def _run_layer(
     cache.v[lid, rows] = ref.stored(v)
     o = positional_causal_attention(q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale)
     h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
     if full:
         hs.copy_(h)
     else:
@@ -389,7 +397,7 @@ def generate(
                 influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
             o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])
             hs = hs + layer.self_attn.o_proj(o.reshape(bsz, -1))
-            hs = hs + layer.mlp(layer.post_attention_layernorm(hs))
+            hs = hs + ref.mlp(layer, layer.post_attention_layernorm(hs))
         tok = choose(ref.logits(hs), outputs)
         for b in range(bsz):
             if not done[b]:
@@ -656,7 +664,7 @@ def last_row_probe(
         out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
         o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
         h = h + layer.self_attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
     return torch.stack(out)
 
 

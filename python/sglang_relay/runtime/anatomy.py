@@ -22,6 +22,12 @@ from dataclasses import dataclass
 # the layer modules every adapter's loop calls (boundaries are plain objects, not modules)
 LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "mlp", "post_attention_layernorm"})
 BASE_ATTENTION = frozenset({"qkv_proj", "o_proj", "rotary_emb", "attn"})
+# the MLP block's children: a dense gated MLP (its row-parallel ``down_proj`` ends it) or a
+# sparse mixture of experts (router ``gate``, SGLang's ``topk`` and fused ``experts``, which
+# end it; no shared expert)
+DENSE_MLP = frozenset({"gate_up_proj", "down_proj", "act_fn"})
+SPARSE_MLP = frozenset({"gate", "topk", "experts"})
+MLP_OUTPUT = {DENSE_MLP: "down_proj", SPARSE_MLP: "experts"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +40,22 @@ class Anatomy:
         attention_modules: every child module of a layer's ``self_attn`` the q/k/v
             preparation uses; a model with any other is refused.
         prepare: ``"native"``: SGLang's own ``self_attn.forward_prepare_native(positions,
-            x)`` gives post-RoPE q, k, v; ``"split"``: the block has no such method and
-            its forward is ``qkv_proj`` -> split -> ``rotary_emb`` (Qwen2), which the loop
-            repeats.
+            x)`` gives post-RoPE q, k, v; ``"split"``: the block has no such method (or
+            one that takes the forward batch and may write the KV cache itself, as
+            Qwen3-MoE's fused q/k-norm + RoPE + KV-store path does on CUDA) and the loop
+            runs SGLang's unfused sequence: ``qkv_proj`` -> split -> SGLang's
+            ``apply_qk_norm`` where the block has ``q_norm`` / ``k_norm`` ->
+            ``rotary_emb`` (Qwen2, Qwen3-MoE).
+        mlp_modules: the children of every layer's ``mlp`` (:data:`DENSE_MLP` or
+            :data:`SPARSE_MLP`); the loop calls SGLang's block whole and sums its
+            tensor-parallel partials after :data:`MLP_OUTPUT`'s module.
     """
 
     architecture: str
     model_forward: str
     attention_modules: frozenset[str] = BASE_ATTENTION
     prepare: str = "native"
+    mlp_modules: frozenset[str] = DENSE_MLP
 
 
 _LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
@@ -60,6 +73,15 @@ ANATOMIES: dict[str, Anatomy] = {
             "sglang.srt.models.qwen3.Qwen3Model.forward",
             attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
         ),
+        # Qwen3's attention, a sparse MoE block in every layer (Qwen3MoeModel inherits
+        # Qwen2MoeModel's forward)
+        Anatomy(
+            "Qwen3MoeForCausalLM",
+            "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
+            attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
+            prepare="split",
+            mlp_modules=SPARSE_MLP,
+        ),
     )
 }
 SUPPORTED_ARCHITECTURES = frozenset(ANATOMIES)
@@ -76,16 +98,47 @@ def anatomy_of(architecture: str) -> Anatomy:
         ) from None
 
 
+def native_prepare(attn_mod):
+    """The block's ``forward_prepare_native(positions, x) -> (q, k, v)`` if it has that
+    contract (Llama, Qwen3), else None (the split sequence runs)."""
+    prepare = getattr(attn_mod, "forward_prepare_native", None)
+    if prepare is None:
+        return None
+    kind = type(attn_mod)
+    native = _NATIVE_CONTRACT.get(kind)
+    if native is None:
+        import inspect
+
+        params = list(inspect.signature(prepare).parameters)
+        native = _NATIVE_CONTRACT[kind] = len(params) == 2  # (positions, hidden_states)
+    return prepare if native else None
+
+
+_NATIVE_CONTRACT: dict[type, bool] = {}
+
+
 def qkv(attn_mod, positions, x):
     """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of the attention block ``attn_mod``
     for normed input ``x``: SGLang's own preparation where the block has one."""
-    prepare = getattr(attn_mod, "forward_prepare_native", None)
+    prepare = native_prepare(attn_mod)
     if prepare is not None:
         return prepare(positions, x)
     out, _ = attn_mod.qkv_proj(x)
     q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+    if hasattr(attn_mod, "q_norm"):
+        from sglang_relay.runtime import compat
+
+        q, k = compat.apply_qk_norm(attn_mod, q, k)
     q, k = attn_mod.rotary_emb(positions, q, k)
     return q, k, v
+
+
+def mlp_output(mlp):
+    """The module whose tensor-parallel partial output ends the MLP block ``mlp``."""
+    for children, name in MLP_OUTPUT.items():
+        if hasattr(mlp, name) and name in children:
+            return getattr(mlp, name)
+    raise ValueError(f"{type(mlp).__name__} has none of {sorted(MLP_OUTPUT.values())}")
 
 
 def rotation_table(rope):
@@ -132,10 +185,21 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 f"{sorted(anatomy.attention_modules)})"
             )
             continue
-        if anatomy.prepare == "native" and not hasattr(attn_mod, "forward_prepare_native"):
-            problems.append(f"{where}.self_attn has no forward_prepare_native")
-        if not hasattr(layer.mlp, "down_proj"):
-            problems.append(f"{where}.mlp has no down_proj")
+        native = native_prepare(attn_mod) is not None
+        if native != (anatomy.prepare == "native"):
+            problems.append(
+                f"{where}.self_attn ({type(attn_mod).__name__}): the {anatomy.architecture} "
+                f"adapter expects {'a' if anatomy.prepare == 'native' else 'no'} "
+                "forward_prepare_native(positions, hidden_states)"
+            )
+        mlp_children = {n for n, _ in layer.mlp.named_children()}
+        if mlp_children != anatomy.mlp_modules:
+            problems.append(
+                f"{where}.mlp ({type(layer.mlp).__name__}) has "
+                f"{sorted(mlp_children - anatomy.mlp_modules)} / lacks "
+                f"{sorted(anatomy.mlp_modules - mlp_children)} (the {anatomy.architecture} "
+                f"adapter runs exactly {sorted(anatomy.mlp_modules)})"
+            )
         ra, rope = attn_mod.attn, attn_mod.rotary_emb
         if type(rope).__name__ not in supported_rope:
             problems.append(

@@ -437,6 +437,16 @@ def check_model_anatomy(model_runner) -> None:
 _TP_GROUP: list = []  # this process's TP group, looked up once (it is called per layer)
 
 
+def apply_qk_norm(attn_mod, q, k):
+    """SGLang's own per-head q/k RMSNorm (``models.utils.apply_qk_norm``), as the
+    non-fused path of a Qwen3-style attention block runs it before RoPE."""
+    from sglang.srt.models.utils import apply_qk_norm as norm
+
+    alt_stream = getattr(attn_mod, "alt_stream", None)
+    return norm(q=q, k=k, q_norm=attn_mod.q_norm, k_norm=attn_mod.k_norm,
+                head_dim=attn_mod.head_dim, alt_stream=alt_stream)  # fmt: skip
+
+
 def tp_group():
     """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
     if _TP_GROUP:

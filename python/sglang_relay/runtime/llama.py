@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_relay.runtime import compat
-from sglang_relay.runtime.anatomy import qkv
+from sglang_relay.runtime.anatomy import mlp_output, qkv
 
 __all__ = ["qkv", "run_layer", "stream", "write_kv"]
 
@@ -42,7 +42,7 @@ def run_layer(layer, positions, h, r, fb, attend: Attend):
     h = compat.finish_row_parallel(layer.self_attn.o_proj, h)
     x, r = layer.post_attention_layernorm(h, r)
     out = layer.mlp(x, forward_batch=fb)
-    return compat.finish_row_parallel(layer.mlp.down_proj, out), r
+    return compat.finish_row_parallel(mlp_output(layer.mlp), out), r
 
 
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
