@@ -5,7 +5,9 @@ q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistr
 loading fused qkv / gate_up checkpoint weights), and Qwen3-MoE (Qwen3's attention through
 SGLang's unfused q/k-norm + RoPE sequence, a sparse block of 8 experts, top 2, in every
 layer; also under ``--tp 2``, where each rank holds half of every expert and the loop sums
-the experts' partial outputs).
+the experts' partial outputs), Qwen2-MoE (Qwen2's attention with a routed block plus a
+sigmoid-gated shared expert) and Mixtral (Mistral's attention, the sparse block under
+``block_sparse_moe``, called without the forward batch).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -37,7 +39,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
 @pytest.mark.parametrize(
-    "arch, tp", [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2), ("mistral", 1), ("phi3", 1)]
+    "arch, tp",
+    [
+        ("qwen3", 1),
+        ("qwen3_moe", 1),
+        ("qwen3_moe", 2),
+        ("qwen2_moe", 1),
+        ("mixtral", 1),
+        ("mistral", 1),
+        ("phi3", 1),
+    ],
 )
 def test_relay_on_another_architecture_computes_what_the_reference_computes(
     arch, tp, model_dir, tmp_path_factory

@@ -21,9 +21,13 @@ from sglang_relay.runtime.anatomy import (
     ANATOMIES,
     BASE_ATTENTION,
     DENSE_MLP,
+    SHARED_EXPERT_MLP,
     SPARSE_MLP,
     anatomy_of,
     anatomy_problems,
+    mlp_block,
+    mlp_output,
+    run_mlp,
 )
 from sglang_relay.runtime.compat import SUPPORTED_ROPE
 
@@ -129,22 +133,61 @@ class MoeAttn(Attn):
         raise AssertionError
 
 
-def test_a_sparse_block_is_run_only_by_the_moe_adapter():
+def test_a_sparse_block_is_run_only_by_the_moe_adapters():
     qwen3 = MoeAttn(BASE_ATTENTION | {"q_norm", "k_norm"})
     assert problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=SPARSE_MLP)) == []
+    # a MoE model may keep dense layers (mlp_only_layers)
+    assert problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=DENSE_MLP)) == []
     # a block whose prepare has the native contract under the split adapter: refused
     native = Attn(BASE_ATTENTION | {"q_norm", "k_norm"})
     (out,) = problems("Qwen3MoeForCausalLM", stack(native, mlp=SPARSE_MLP))
     assert "expects no forward_prepare_native" in out
-    # a dense adapter on a MoE layer, and the MoE adapter on a dense one, are refused
+    # a dense adapter on a MoE layer is refused
     (out,) = problems("Qwen3ForCausalLM", stack(native, mlp=SPARSE_MLP))
     assert "layers[0].mlp" in out and "['experts', 'gate', 'topk']" in out
-    assert problems("Qwen3MoeForCausalLM", stack(qwen3))
     # and a Qwen3 block without the native contract under the native adapter
     assert "expects a forward_prepare_native" in problems("Qwen3ForCausalLM", stack(qwen3))[0]
-    # a shared expert (Qwen2-MoE's, DeepSeek's) is not run by the loop: refused, not dropped
-    (out,) = problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=SPARSE_MLP | {"shared_expert"}))
-    assert "['shared_expert']" in out
+    # a shared expert is run only by an adapter that names it (Qwen2-MoE's), not dropped
+    (out,) = problems("Qwen3MoeForCausalLM", stack(qwen3, mlp=SHARED_EXPERT_MLP))
+    assert "['shared_expert', 'shared_expert_gate']" in out
+    split = MoeAttn(BASE_ATTENTION)
+    assert problems("Qwen2MoeForCausalLM", stack(split, mlp=SHARED_EXPERT_MLP)) == []
+
+
+def test_the_mlp_block_is_found_under_its_adapters_name():
+    split = MoeAttn(BASE_ATTENTION)
+    model = stack(split, mlp=SPARSE_MLP)
+    (out,) = problems("MixtralForCausalLM", model)  # Mixtral's block is block_sparse_moe
+    assert "lacks ['block_sparse_moe']" in out and "['mlp']" in out
+    for layer in model.layers:
+        layer.block_sparse_moe = layer.mlp
+        del layer.mlp
+    assert problems("MixtralForCausalLM", model) == []
+    assert mlp_block(model.layers[0]) is model.layers[0].block_sparse_moe
+
+
+def test_the_loop_sums_a_blocks_partials_unless_the_block_reduced_them():
+    class Block(nn.Module):
+        def __init__(self, reduce_results=None):
+            super().__init__()
+            self.experts = nn.Identity()
+            self.experts.reduce_results = False
+            if reduce_results is not None:
+                self.reduce_results = reduce_results
+
+        def forward(self, x):
+            return x
+
+    for partial in (Block(), Block(reduce_results=False)):  # the layer boundary reduces
+        assert mlp_output(partial) is partial.experts
+    reduced = Block(reduce_results=True)  # the block all-reduced its own output
+    assert mlp_output(reduced) is reduced
+    dense = nn.Module()
+    dense.down_proj = nn.Identity()
+    assert mlp_output(dense) is dense.down_proj
+    # a block whose forward takes no forward batch (Mixtral's) is called without one
+    x = torch.ones(2, 3)
+    assert run_mlp(Block(), x, forward_batch=object()) is x
 
 
 def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():

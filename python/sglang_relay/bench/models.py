@@ -2,8 +2,8 @@
 
 The embedded SmolLM2-135M is a Llama with 9 attention heads and 3 KV heads, which do not
 split over 2 tensor-parallel ranks, and there is no model hub here. :func:`random_model`
-writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-Phi-3) with random
+writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
+the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral) with random
 weights from its ``transformers`` config class, with the embedded model's tokenizer,
 untied embeddings and a wide init, so that its greedy outputs are diverse enough for exact
 span matching on token ids. Its outputs mean nothing: it serves oracles that compare
@@ -51,6 +51,25 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [],
         },
     ),
+    # Qwen2's attention (q/k/v biases), 8 routed experts (top 2) and a gated shared expert
+    "qwen2_moe": (
+        "Qwen2Moe",
+        {
+            "use_sliding_window": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 256,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
+    # Mistral's attention, 8 experts (top 2) in block_sparse_moe
+    "mixtral": (
+        "Mixtral",
+        {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "intermediate_size": 128},
+    ),  # fmt: skip
 }
 
 

@@ -19,15 +19,19 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-# the layer modules every adapter's loop calls (boundaries are plain objects, not modules)
-LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "mlp", "post_attention_layernorm"})
+# the layer modules every adapter's loop calls besides its MLP block (boundaries are plain
+# objects, not modules)
+LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm"})
 BASE_ATTENTION = frozenset({"qkv_proj", "o_proj", "rotary_emb", "attn"})
-# the MLP block's children: a dense gated MLP (its row-parallel ``down_proj`` ends it) or a
-# sparse mixture of experts (router ``gate``, SGLang's ``topk`` and fused ``experts``, which
-# end it; no shared expert)
+# the MLP block's children: a dense gated MLP (its row-parallel ``down_proj`` ends it), a
+# sparse mixture of experts (router ``gate``, SGLang's ``topk`` and fused ``experts``), or
+# one with a gated shared expert beside the routed ones (Qwen2-MoE); the loop calls the
+# block whole, so what it sums comes with SGLang's module
 DENSE_MLP = frozenset({"gate_up_proj", "down_proj", "act_fn"})
 SPARSE_MLP = frozenset({"gate", "topk", "experts"})
-MLP_OUTPUT = {DENSE_MLP: "down_proj", SPARSE_MLP: "experts"}
+SHARED_EXPERT_MLP = SPARSE_MLP | {"shared_expert", "shared_expert_gate"}
+# the name a layer's MLP block goes by (Mixtral: ``block_sparse_moe``)
+MLP_NAMES = ("mlp", "block_sparse_moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +50,19 @@ class Anatomy:
             runs SGLang's unfused sequence: ``qkv_proj`` -> split -> SGLang's
             ``apply_qk_norm`` where the block has ``q_norm`` / ``k_norm`` ->
             ``rotary_emb`` (Qwen2, Qwen3-MoE).
-        mlp_modules: the children of every layer's ``mlp`` (:data:`DENSE_MLP` or
-            :data:`SPARSE_MLP`); the loop calls SGLang's block whole and sums its
-            tensor-parallel partials after :data:`MLP_OUTPUT`'s module.
+        mlp_blocks: the child sets a layer's MLP block may have (:data:`DENSE_MLP`,
+            :data:`SPARSE_MLP`, :data:`SHARED_EXPERT_MLP`; a MoE model may keep dense
+            layers); the loop calls SGLang's block whole and sums its tensor-parallel
+            partials (:func:`mlp_output`).
+        mlp_name: the layer's attribute holding the block (one of :data:`MLP_NAMES`).
     """
 
     architecture: str
     model_forward: str
     attention_modules: frozenset[str] = BASE_ATTENTION
     prepare: str = "native"
-    mlp_modules: frozenset[str] = DENSE_MLP
+    mlp_blocks: tuple[frozenset[str], ...] = (DENSE_MLP,)
+    mlp_name: str = "mlp"
 
 
 _LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
@@ -80,7 +87,23 @@ ANATOMIES: dict[str, Anatomy] = {
             "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
             attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
             prepare="split",
-            mlp_modules=SPARSE_MLP,
+            mlp_blocks=(SPARSE_MLP, DENSE_MLP),
+        ),
+        # Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), routed experts plus a
+        # sigmoid-gated shared expert
+        Anatomy(
+            "Qwen2MoeForCausalLM",
+            "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
+            prepare="split",
+            mlp_blocks=(SHARED_EXPERT_MLP, DENSE_MLP),
+        ),
+        # Mixtral: Mistral's attention, a sparse block named block_sparse_moe
+        Anatomy(
+            "MixtralForCausalLM",
+            "sglang.srt.models.mixtral.MixtralModel.forward",
+            prepare="split",
+            mlp_blocks=(SPARSE_MLP,),
+            mlp_name="block_sparse_moe",
         ),
     )
 }
@@ -133,12 +156,39 @@ def qkv(attn_mod, positions, x):
     return q, k, v
 
 
-def mlp_output(mlp):
-    """The module whose tensor-parallel partial output ends the MLP block ``mlp``."""
-    for children, name in MLP_OUTPUT.items():
-        if hasattr(mlp, name) and name in children:
-            return getattr(mlp, name)
-    raise ValueError(f"{type(mlp).__name__} has none of {sorted(MLP_OUTPUT.values())}")
+def mlp_block(layer):
+    """The layer's MLP block (its name per :data:`MLP_NAMES`; the start-up check makes
+    sure a layer has exactly the one its adapter names)."""
+    for name in MLP_NAMES:
+        block = getattr(layer, name, None)
+        if block is not None:
+            return block
+    raise ValueError(f"{type(layer).__name__} has none of {MLP_NAMES}")
+
+
+def run_mlp(block, x, forward_batch):
+    """SGLang's MLP block on rows ``x``: with the forward batch where its ``forward`` takes
+    one (Llama, Qwen MoE), without (Mixtral)."""
+    kind = type(block)
+    takes = _TAKES_BATCH.get(kind)
+    if takes is None:
+        import inspect
+
+        takes = _TAKES_BATCH[kind] = "forward_batch" in inspect.signature(block.forward).parameters
+    return block(x, forward_batch=forward_batch) if takes else block(x)
+
+
+_TAKES_BATCH: dict[type, bool] = {}
+
+
+def mlp_output(block):
+    """The module whose ``reduce_results`` says whether the block's output is still a
+    tensor-parallel partial: a dense block's row-parallel ``down_proj``; a sparse block's
+    ``experts`` (the shared expert is summed into their output inside the block), unless
+    the block reduces itself (``reduce_results`` on the block)."""
+    if hasattr(block, "experts"):
+        return block if getattr(block, "reduce_results", False) else block.experts
+    return block.down_proj
 
 
 def rotation_table(rope):
@@ -170,8 +220,9 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
         return problems or ["no decoder layers"]
     for lid, layer in enumerate(model.layers):
         where = f"layers[{lid}]"
-        extra = {n for n, _ in layer.named_children()} - LAYER_MODULES
-        missing = LAYER_MODULES - {n for n, _ in layer.named_children()}
+        expected = LAYER_MODULES | {anatomy.mlp_name}
+        extra = {n for n, _ in layer.named_children()} - expected
+        missing = expected - {n for n, _ in layer.named_children()}
         if extra or missing:
             problems.append(f"{where} has modules {sorted(extra)} / lacks {sorted(missing)}")
             continue
@@ -192,13 +243,15 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 f"adapter expects {'a' if anatomy.prepare == 'native' else 'no'} "
                 "forward_prepare_native(positions, hidden_states)"
             )
-        mlp_children = {n for n, _ in layer.mlp.named_children()}
-        if mlp_children != anatomy.mlp_modules:
+        block = getattr(layer, anatomy.mlp_name)
+        mlp_children = frozenset(n for n, _ in block.named_children())
+        if mlp_children not in anatomy.mlp_blocks:
+            closest = min(anatomy.mlp_blocks, key=lambda b: len(b ^ mlp_children))
             problems.append(
-                f"{where}.mlp ({type(layer.mlp).__name__}) has "
-                f"{sorted(mlp_children - anatomy.mlp_modules)} / lacks "
-                f"{sorted(anatomy.mlp_modules - mlp_children)} (the {anatomy.architecture} "
-                f"adapter runs exactly {sorted(anatomy.mlp_modules)})"
+                f"{where}.{anatomy.mlp_name} ({type(block).__name__}) has "
+                f"{sorted(mlp_children - closest)} / lacks {sorted(closest - mlp_children)} "
+                f"(the {anatomy.architecture} adapter runs "
+                f"{' or '.join(str(sorted(b)) for b in anatomy.mlp_blocks)})"
             )
         ra, rope = attn_mod.attn, attn_mod.rotary_emb
         if type(rope).__name__ not in supported_rope:

@@ -2,7 +2,7 @@
 
 ``input_layernorm`` -> the attention block's q/k/v preparation (per architecture:
 :mod:`sglang_relay.runtime.anatomy`) -> attention (the caller's) -> ``o_proj`` ->
-``post_attention_layernorm`` -> ``mlp``; norms take and return the residual stream
+``post_attention_layernorm`` -> the MLP block (dense or sparse, SGLang's, whole); norms take and return the residual stream
 separately (``norm(h, r) -> (x, h + r)``); ``model.{embed_tokens, layers, norm}``. Which
 modules a served model may have is checked at start-up (``anatomy.anatomy_problems``).
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_relay.runtime import compat
-from sglang_relay.runtime.anatomy import mlp_output, qkv
+from sglang_relay.runtime.anatomy import mlp_block, mlp_output, qkv, run_mlp
 
 __all__ = ["qkv", "run_layer", "stream", "write_kv"]
 
@@ -41,8 +41,9 @@ def run_layer(layer, positions, h, r, fb, attend: Attend):
     h, _ = layer.self_attn.o_proj(o)
     h = compat.finish_row_parallel(layer.self_attn.o_proj, h)
     x, r = layer.post_attention_layernorm(h, r)
-    out = layer.mlp(x, forward_batch=fb)
-    return compat.finish_row_parallel(mlp_output(layer.mlp), out), r
+    block = mlp_block(layer)
+    out = run_mlp(block, x, fb)
+    return compat.finish_row_parallel(mlp_output(block), out), r
 
 
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
