@@ -67,8 +67,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",
-        {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
-         "intermediate_size": 128},
+        {
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 128,
+        },
     ),  # fmt: skip
 }
 
