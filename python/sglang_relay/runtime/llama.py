@@ -4,7 +4,8 @@
 :mod:`sglang_relay.runtime.anatomy`) -> attention (the caller's) -> ``o_proj`` ->
 ``post_attention_layernorm`` -> the MLP block (dense or sparse, SGLang's, whole); norms
 take and return the residual stream separately (``norm(h, r) -> (x, h + r)``);
-``model.{embed_tokens, layers, norm}``. Which modules a served model may have is checked at start-up (``anatomy.anatomy_problems``).
+``model.{embed_tokens, layers, norm}``. Which modules a served model may have is checked
+at start-up (``anatomy.anatomy_problems``).
 """
 
 from __future__ import annotations
