@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.core.operating import LEVELS, Frontier, at_target, parse_target, reuse_cap
+from sglang_relay.core.operating import (
+    LEVELS,
+    Frontier,
+    answer_cap,
+    at_target,
+    parse_target,
+    reuse_cap,
+)
 from sglang_relay.core.selection import select_runs, select_tokens
 from sglang_relay.runtime.options import resolve_config
 from sglang_relay.runtime.settings import UNPROFILED, settings_from_env, shipped_profile
@@ -179,7 +186,8 @@ def test_request_reuse_option():
     cfg, point = resolve_config(settings, {"reuse": "speed"}, **SHIPPED)
     assert point.profiled == 0.95 and cfg == point.config
     cfg, point = resolve_config(settings, None, **SHIPPED)
-    assert point is None and cfg == settings.config  # no target: the profile's config
+    # no target: the profile's config, its reasoning answers capped for reuse 0.60
+    assert point is None and cfg == answer_cap(settings.config, 30, 0.60)
     over = {"reuse": 0.8, "config": {"first_k": 3}}
     cfg, point = resolve_config(settings, over, **SHIPPED)
     assert cfg.first_k == 3 and cfg.max_ratio == point.config.max_ratio
@@ -196,6 +204,39 @@ def test_request_reuse_option():
         resolve_config(settings, ctx, num_layers=30, capture_layer=5, context_layer=12)
     with pytest.raises(ValueError, match="records none"):
         resolve_config(settings, ctx, num_layers=30, capture_layer=5)
+
+
+def test_reasoning_answers_get_their_own_reuse_target():
+    """Answers are capped for SGLANG_RELAY_REASONING_REUSE (default 0.60) where the request's
+    target is higher; the cap is the largest (3 decimals) whose dense + cap * sparse
+    token-layers stay within 1 - 0.60 of the layers (counted here from the schedule)."""
+    settings = settings_from_env(EMBEDDED, {})
+    assert settings.reasoning_reuse == 0.60
+    shipped = {"num_layers": 30, "capture_layer": 12, "context_layer": 12}
+    for reuse in (0.8, 0.9, "speed"):
+        cfg, point = resolve_config(settings, {"reuse": reuse}, **shipped)
+        sched = cfg.schedule(30)
+        dense, sparse = sched.dense_layers, sched.sparse_layers
+        ratio = cfg.answer_max_ratio
+        assert ratio > cfg.max_ratio and cfg == point.config
+        assert dense + ratio * sparse <= 0.4 * 30 + 1e-9 < dense + (ratio + 0.002) * sparse
+    # a request whose own cap already recomputes as much: one cap for all
+    loose = {"reuse": 0.8, "config": {"max_ratio": 0.5}}
+    assert resolve_config(settings, loose, **shipped)[0].answer_max_ratio is None
+    # off, another target, and a request that sets the cap itself
+    off = settings_from_env(EMBEDDED, {"SGLANG_RELAY_REASONING_REUSE": "off"})
+    assert resolve_config(off, {"reuse": 0.8}, **shipped)[0].answer_max_ratio is None
+    seventy = settings_from_env(EMBEDDED, {"SGLANG_RELAY_REASONING_REUSE": "0.7"})
+    high = resolve_config(seventy, {"reuse": 0.8}, **shipped)[0].answer_max_ratio
+    assert high < resolve_config(settings, {"reuse": 0.8}, **shipped)[0].answer_max_ratio
+    own = {"reuse": 0.8, "config": {"answer_max_ratio": 0.2}}
+    assert resolve_config(settings, own, **shipped)[0].answer_max_ratio == 0.2
+    for bad in ("1.2", "fast"):
+        with pytest.raises(ValueError, match="SGLANG_RELAY_REASONING_REUSE"):
+            settings_from_env(EMBEDDED, {"SGLANG_RELAY_REASONING_REUSE": bad})
+    # baselines are not relay: never capped apart
+    cfg, _ = resolve_config(settings, "epic", **shipped)
+    assert cfg.answer_max_ratio is None
 
 
 def test_bench_ttft_operating_point_methods_are_requests_the_server_takes():

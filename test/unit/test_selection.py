@@ -156,3 +156,36 @@ def test_request_budget_is_refused_when_unknown():
         RelayConfig(budget="batch")
     assert "budget" not in RelayConfig().to_dict()  # older profiles stay equal
     assert RelayConfig.from_dict(RelayConfig(budget="request").to_dict()).budget == "request"
+
+
+@pytest.mark.parametrize("reserve", [0, 1])
+def test_reasoning_answers_are_capped_in_a_pool_of_their_own(reserve):
+    """``answer_max_ratio``: with budget "request", the answer runs share one cap
+    (floor(answer ratio * their tokens)) and the other runs another (floor(max_ratio *
+    theirs)), each the highest scores of its own runs (brute force: sort each pool); the
+    probe's charged row comes off the pool holding the first run. Per span: each run at
+    its own ratio."""
+    cfg = RelayConfig(l_start=0, l_det=0, signal="context", l_ctx=2, tau_dev=0.0, l_suf=0,
+                      max_ratio=0.1, answer_max_ratio=0.4, budget="request")  # fmt: skip
+    torch.manual_seed(2)
+    lengths, answers = [50, 70, 90], [True, False, True]
+    scores = torch.rand(sum(lengths))
+    scores[50:120] += 1.0  # the plain run scores highest: one shared pool would take it all
+    masks = select_runs(cfg, lengths, scores, reserve=reserve, answers=answers)
+    starts = [0, 50, 120]
+    for ratio, pool in ((0.4, [0, 2]), (0.1, [1])):
+        ids = [starts[i] + j for i in pool for j in range(lengths[i])]
+        cap = int(ratio * sum(lengths[i] for i in pool)) - (reserve if 0 in pool else 0)
+        want = sorted(ids, key=lambda i: -float(scores[i]))[:cap]
+        got = {starts[i] + int(j) for i in pool for j in masks[i].nonzero().flatten()}
+        assert got == set(want)
+    # without answers it is the single request pool of before
+    plain = select_runs(cfg, lengths, scores, reserve=reserve)
+    assert sum(int(m.sum()) for m in plain) == int(0.1 * sum(lengths)) - reserve
+    # per span: each run alone at its ratio
+    span = replace(cfg, budget="span")
+    masks = select_runs(span, lengths, scores, answers=answers)
+    assert [int(m.sum()) for m in masks] == [int(0.4 * 50), int(0.1 * 70), int(0.4 * 90)]
+    with pytest.raises(ValueError, match="answer_max_ratio must be in"):
+        RelayConfig(answer_max_ratio=1.5)
+    assert "answer_max_ratio" not in RelayConfig().to_dict()  # older profiles stay equal

@@ -64,6 +64,12 @@ class RelayConfig:
             heads and the upper half of the layers). The probe row knows the downstream
             query; it is charged to the request's cap (one token fewer selected).
             ``None``: no probe.
+        answer_max_ratio: the cap for the tokens of a reasoning model's *answer* (a span
+            stored with the model's reasoning before it: its KV was decoded with that
+            reasoning in context, which a downstream prompt pasting the answer alone
+            lacks, so it needs more recompute; docs/fidelity.md "Reasoning answers").
+            Answer runs are capped apart from the request's other runs (with
+            ``budget="request"``: one pool each). ``None``: ``max_ratio`` for them too.
     """
 
     method: str = "relay"
@@ -81,13 +87,14 @@ class RelayConfig:
     l_ctx: int | None = None
     budget: str = "span"
     probe: float | None = None
+    answer_max_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("l_start", "l_det", "l_end", "l_suf", "first_k", "min_span"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer; got {value!r}")
-        for name in ("tau_dev", "tau_inf", "top_ratio", "max_ratio", "probe"):
+        for name in ("tau_dev", "tau_inf", "top_ratio", "max_ratio", "probe", "answer_max_ratio"):
             value = getattr(self, name)
             optional = name != "tau_dev"
             if (value is None and not optional) or (
@@ -111,7 +118,7 @@ class RelayConfig:
                 finite = False
             if value is not None and (not finite or value < 0):
                 raise ValueError(f"{name} must be a finite number >= 0; got {value}")
-        for name in ("top_ratio", "max_ratio"):
+        for name in ("top_ratio", "max_ratio", "answer_max_ratio"):
             value = getattr(self, name)
             if value is not None and not (0 < value <= 1):
                 raise ValueError(f"{name} must be in (0, 1]; got {value}")
@@ -230,8 +237,9 @@ class RelayConfig:
             del out["l_ctx"]
         if out["budget"] == "span":  # the default: older profiles stay equal
             del out["budget"]
-        if out["probe"] is None:
-            del out["probe"]
+        for name in ("probe", "answer_max_ratio"):
+            if out[name] is None:
+                del out[name]
         return out
 
     @classmethod

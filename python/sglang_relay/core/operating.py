@@ -60,6 +60,19 @@ def reuse_cap(cfg: RelayConfig, num_layers: int, min_reuse: float) -> float | No
     return min(cap, 1.0)
 
 
+def answer_cap(cfg: RelayConfig, num_layers: int, target: float | None) -> RelayConfig:
+    """``cfg`` with reasoning answers capped for reuse ``target`` (None: like the other
+    runs) where that cap is above ``cfg``'s own (a request at or below ``target`` keeps
+    one cap for all; a rule whose dense layers alone recompute more than ``1 - target``
+    keeps its own cap too)."""
+    cap = None
+    if target is not None and cfg.max_ratio is not None:
+        cap = reuse_cap(cfg, num_layers, target)  # None: the rule cannot reach it
+    if cap is not None and cap <= cfg.max_ratio:
+        cap = None
+    return cfg if cfg.answer_max_ratio == cap else replace(cfg, answer_max_ratio=cap)
+
+
 def at_target(cfg: RelayConfig, num_layers: int, target: float) -> RelayConfig:
     """``cfg`` with its cap solved for ``target``; ValueError if the rule's dense layers
     alone recompute more than ``1 - target``."""

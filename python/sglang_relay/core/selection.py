@@ -6,6 +6,8 @@ span's mean) and never loop over tokens in Python.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from sglang_relay.core.attention import attention_probs
@@ -160,18 +162,26 @@ def select_runs(
     *,
     heads: list[int] | None = None,
     reserve: int = 0,
+    answers: list[bool] | None = None,
 ) -> list[torch.Tensor]:
     """Masks of one request's matched runs in one prefill chunk (``lengths``; the scores
     are the runs' concatenated, ``heads`` and ``reserve`` as in :func:`select_tokens`;
-    ``reserve`` comes off the first run's cap with ``budget="span"``).
+    ``reserve`` comes off the first run's cap with ``budget="span"``, else off the pool
+    holding the first run). ``answers``: which runs are reasoning answers, capped at
+    ``cfg.answer_max_ratio`` when it is set (:class:`RelayConfig`).
 
     ``budget="span"``: each run on its own (:func:`select_tokens`). ``budget="request"``:
-    each run's candidates as :func:`select_tokens` finds them, then one ``max_ratio`` cap
-    over all of them, ``floor(max_ratio * sum(lengths))`` tokens, the highest scores
-    wherever they are. The reuse target then holds for the request's relayed tokens as a
-    whole rather than for each span: a span whose tokens barely looked at their context
-    gives its share to one whose tokens did."""
+    each run's candidates as :func:`select_tokens` finds them, then one cap per pool of
+    runs sharing a cap ratio (the answers', the others'), ``floor(ratio * pool tokens)``
+    tokens, the highest scores wherever they are in the pool. The reuse target then holds
+    for the request's relayed tokens as a whole rather than for each span: a span whose
+    tokens barely looked at their context gives its share to one whose tokens did."""
     heads = heads or [0] * len(lengths)
+    answers = answers or [False] * len(lengths)
+    ratios = [
+        cfg.answer_max_ratio if a and cfg.answer_max_ratio is not None else cfg.max_ratio
+        for a in answers
+    ]
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
@@ -179,10 +189,10 @@ def select_runs(
     def part(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
         return None if x is None else x[bounds[i] : bounds[i + 1]]
 
-    if cfg.budget == "span" or cfg.max_ratio is None or len(lengths) < 2:
+    if cfg.budget == "span" or len(lengths) < 2:
         return [
             select_tokens(
-                cfg,
+                cfg if ratios[i] == cfg.max_ratio else replace(cfg, max_ratio=ratios[i]),
                 n,
                 part(deviation, i),
                 part(influence, i),
@@ -195,10 +205,22 @@ def select_runs(
         _candidates(cfg, n, part(deviation, i), part(influence, i), heads[i])
         for i, n in enumerate(lengths)
     ]
-    mask = torch.cat([m for m, _ in found])
-    forced = torch.cat([f for _, f in found])
-    mask = _capped(mask, forced, deviation, max(0, int(cfg.max_ratio * bounds[-1]) - reserve))
-    return [mask[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+    masks = [m for m, _ in found]
+    for ratio in dict.fromkeys(ratios):  # one pool per cap ratio, in run order
+        if ratio is None:
+            continue  # uncapped: every candidate
+        pool = [i for i, r in enumerate(ratios) if r == ratio]
+        mask = torch.cat([masks[i] for i in pool])
+        forced = torch.cat([found[i][1] for i in pool])
+        scores = None if deviation is None else torch.cat([part(deviation, i) for i in pool])
+        charged = reserve if pool[0] == 0 else 0
+        cap = max(0, int(ratio * sum(lengths[i] for i in pool)) - charged)
+        mask = _capped(mask, forced, scores, cap)
+        at = 0
+        for i in pool:
+            masks[i] = mask[at : at + lengths[i]]
+            at += lengths[i]
+    return masks
 
 
 PROBE_LAYERS_FROM = 0.5  # the probe's attention is averaged over layers >= this share of L

@@ -39,7 +39,8 @@ class SpanGroup:
     sched: LayerSchedule
     rows: torch.Tensor  # [S] int64 batch rows
     src: torch.Tensor  # [S] int64 source KV slots
-    segments: list[tuple[int, int, ChunkUse, int]]  # (lo, hi) in rows, use, head per run
+    # per run: (lo, hi) in rows, its request chunk's use, head, whether a reasoning answer
+    segments: list[tuple[int, int, ChunkUse, int, bool]]
     selected: torch.Tensor | None = None  # [<=S] int64 batch rows chosen at l_det
     context: torch.Tensor | None = None  # [S] float32 recorded context masses (signal context)
     probed: torch.Tensor | None = None  # [S] context masses x last-row probe (cfg.probe)
@@ -121,13 +122,14 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
         lo, hi = segs[0][0], segs[-1][1]
         masks = select_runs(
             cfg,
-            [b - a for a, b, _, _ in segs],
+            [b - a for a, b, _, _, _ in segs],
             None if deviation is None else deviation[lo:hi],
             None if scores is None else scores[lo:hi],
-            heads=[head for _, _, _, head in segs],
+            heads=[head for _, _, _, head, _ in segs],
             reserve=int(cfg.probes),  # the probe's row is charged
+            answers=[answer for *_, answer in segs],
         )
-        for (lo, hi, use, _), mask in zip(segs, masks, strict=True):
+        for (lo, hi, use, _, _), mask in zip(segs, masks, strict=True):
             keep.append(rows[lo:hi][mask.to(rows.device)])
             chosen = int(keep[-1].numel())
             use.selected += chosen

@@ -194,6 +194,7 @@ RELAY_FLAGS = {
     "--relay-reuse": "SGLANG_RELAY_REUSE",
     "--relay-scope": "SGLANG_RELAY_SCOPE",
     "--relay-min-share": "SGLANG_RELAY_MIN_SHARE",
+    "--relay-reasoning-reuse": "SGLANG_RELAY_REASONING_REUSE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
     "--relay-guard-tokens": "SGLANG_RELAY_GUARD_TOKENS",
 }

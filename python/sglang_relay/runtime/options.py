@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_relay.core.config import METHODS, RelayConfig
-from sglang_relay.core.operating import OperatingPoint, parse_target
+from sglang_relay.core.operating import OperatingPoint, answer_cap, parse_target
 from sglang_relay.runtime.settings import RelaySettings
 
 OPTION_KEYS = {"method", "config", "reuse", "key", "store"}
@@ -75,6 +75,8 @@ def resolve_config(
     if method in ("cacheblend", "epic"):
         base = server.for_method(method)
     cfg = RelayConfig.from_dict({**base.to_dict(), **overrides, "method": method})
+    if method == "relay" and "answer_max_ratio" not in overrides:
+        cfg = answer_cap(cfg, num_layers, settings.reasoning_reuse)
     sched = cfg.schedule(num_layers)
     if sched.needs_hidden() and 0 < sched.l_start < num_layers and sched.l_start != capture_layer:
         stored = "0" if capture_layer is None else f"0 or {capture_layer}"

@@ -192,6 +192,7 @@ class Planner:
             g = groups.setdefault(cfg, {"rows": [], "src": [], "delta": [], "seg": [], "ctx": []})
             first_row = sum(len(r) for r in g["rows"])
             for s, head, runs in found:
+                answer_start = self.store.answer_start(s.span_id)
                 for lo, hi in runs:
                     n = hi - lo
                     start = s.prompt_start + lo
@@ -203,9 +204,12 @@ class Planner:
                     g["delta"].append(dest + offs - s.positions[lo:hi])
                     if ranks_context:
                         g["ctx"].append(s.context[lo:hi])
-                    g["seg"].append((base, base + n, use, head + lo))
+                    # a reasoning answer: the run starts at or after its span's answer
+                    answer = 0 < answer_start <= s.span_start + lo
+                    g["seg"].append((base, base + n, use, head + lo, answer))
                     use.spans += 1
                     use.tokens += n
+                    use.answer_tokens += n * answer
                     use.recomputed_token_layers += n * sched.dense_layers
                     use.first_position = (
                         dest if use.first_position is None else min(use.first_position, dest)

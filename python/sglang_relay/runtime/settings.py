@@ -19,6 +19,11 @@ set them directly:
 * ``SGLANG_RELAY_MIN_SHARE``: relatedness rule: a stored span relays into a prompt only
   if the prompt holds at least this share of it (default 0.5) or a run of at least 256
   of its tokens (:func:`sglang_relay.core.span_index.related_spans`); 0 relays any match
+* ``SGLANG_RELAY_REASONING_REUSE``: the reuse target for the answers of a reasoning model
+  (spans stored with reasoning before the answer; needs SGLang's ``--reasoning-parser``):
+  their runs are capped for this target apart from the request's other runs when it is
+  below the request's (default 0.60, measured: docs/fidelity.md "Reasoning answers");
+  ``off``: answers get the request's target
 * ``SGLANG_RELAY_SPAN_TOKENS``: token budget of recorded spans (default 1/4 of the pool)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)
@@ -28,12 +33,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
 from sglang_relay.core.config import RelayConfig, load_profile
-from sglang_relay.core.operating import Frontier, OperatingPoint, parse_target
+from sglang_relay.core.operating import Frontier, OperatingPoint, answer_cap, parse_target
 
 ENV_METHOD = "SGLANG_RELAY_METHOD"
 ENV_PROFILE = "SGLANG_RELAY_PROFILE"
@@ -41,6 +46,10 @@ ENV_CONFIG = "SGLANG_RELAY_CONFIG"
 ENV_REUSE = "SGLANG_RELAY_REUSE"
 ENV_SCOPE = "SGLANG_RELAY_SCOPE"
 ENV_MIN_SHARE = "SGLANG_RELAY_MIN_SHARE"
+ENV_REASONING_REUSE = "SGLANG_RELAY_REASONING_REUSE"
+# reasoning answers at reuse 0.60 match plain answers at the default 0.80 on first-token KL
+# (0.015 vs 0.017) and top-1 (0.91 vs 0.81): benchmark/reasoning_fidelity.py, 32 questions
+DEFAULT_REASONING_REUSE = 0.60
 DEFAULT_MIN_SHARE = 0.5  # real relays: every pasted output >= 0.72 (docs/configuration.md)
 SCOPES = ("shared", "key")
 
@@ -71,6 +80,7 @@ class RelaySettings:
     overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
     scope: str = "shared"  # SGLANG_RELAY_SCOPE
     min_share: float = DEFAULT_MIN_SHARE  # SGLANG_RELAY_MIN_SHARE
+    reasoning_reuse: float | None = DEFAULT_REASONING_REUSE  # SGLANG_RELAY_REASONING_REUSE
 
     @property
     def profiled(self) -> bool:
@@ -82,7 +92,11 @@ class RelaySettings:
         ``l_det``, ``l_end`` or ``signal``) is kept as set: no position-rule fallback."""
         base = RelayConfig.from_dict({**self.config.to_dict(), "method": "relay"})
         chosen = SCHEDULE_FIELDS.intersection(dict(self.overrides))
-        return self.frontier.point(base, target, num_layers, position_fallback=not chosen)
+        point = self.frontier.point(base, target, num_layers, position_fallback=not chosen)
+        if "answer_max_ratio" in dict(self.overrides):
+            return point
+        cfg = answer_cap(point.config, num_layers, self.reasoning_reuse)
+        return replace(point, config=cfg)
 
 
 def shipped_profile(model_name: str) -> Path | None:
@@ -132,6 +146,18 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         raise ValueError(f"{ENV_MIN_SHARE} must be a number; got {raw_share!r}") from exc
     if not 0.0 <= min_share <= 1.0:
         raise ValueError(f"{ENV_MIN_SHARE} must be in [0, 1]; got {min_share}")
+    raw_reasoning = env.get(ENV_REASONING_REUSE)
+    if raw_reasoning is None or raw_reasoning == "":
+        reasoning: float | None = DEFAULT_REASONING_REUSE
+    elif raw_reasoning == "off":
+        reasoning = None
+    else:
+        try:
+            reasoning = parse_target(float(raw_reasoning))
+        except ValueError as exc:
+            raise ValueError(
+                f"{ENV_REASONING_REUSE} must be a number in (0, 1) or off; got {raw_reasoning!r}"
+            ) from exc
     span_tokens = env.get(ENV_SPAN_TOKENS)
     try:
         budget = int(span_tokens) if span_tokens else None
@@ -149,4 +175,5 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         overrides=tuple(overrides.items()),
         scope=scope,
         min_share=min_share,
+        reasoning_reuse=reasoning,
     )

@@ -22,6 +22,7 @@ class ChunkUse:
     recomputed_token_layers: int = 0
     first_position: int | None = None  # first relayed position in the request's row
     probe: str | None = None  # cfg.probe: "last_row" (ran), "no_last_row", "small_budget"
+    answer_tokens: int = 0  # of ``tokens``: reasoning answers (cfg.answer_max_ratio)
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class RequestStats:
     selected_tokens: int = 0
     recomputed_token_layers: int = 0
     trimmed_tokens: int = 0  # matched tokens left out because their slots were not valid
+    answer_tokens: int = 0  # of reused_tokens: reasoning answers, capped apart
     fallback: str | None = None
     probe: str | None = None  # the last chunk's probe (cfg.probe), as in ChunkUse
     point: dict[str, Any] | None = None  # the operating point (reuse target) it ran at
@@ -55,6 +57,7 @@ class RequestStats:
             return
         self.spans_matched += c.spans
         self.reused_tokens += c.tokens
+        self.answer_tokens += c.answer_tokens
         self.selected_tokens += c.selected
         self.recomputed_token_layers += c.recomputed_token_layers
         if c.probe is not None:
@@ -85,5 +88,6 @@ class RequestStats:
             "trimmed_tokens": self.trimmed_tokens,
             "fallback": self.fallback,
             **({"probe": self.probe} if self.probe is not None else {}),
+            **({"answer_tokens": self.answer_tokens} if self.answer_tokens else {}),
             **({"operating_point": self.point} if self.point is not None else {}),
         }
