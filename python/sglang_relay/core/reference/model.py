@@ -1,0 +1,196 @@
+"""The model under the reference loop (:mod:`sglang_relay.core.reference`).
+
+:class:`RefModel` holds the HF Llama-family modules the loop calls and computes with them:
+the model's RoPE (and SGLang's cos || sin cache layout), post-RoPE q/k/v (fused
+projections, Qwen3's q/k norms), the MLP (sparse MoE blocks too), K/V rounded to the
+engine's KV cache dtype, and logits. :func:`load_model` loads a checkpoint for it (fp32,
+eager). :class:`KVCache` is the dense per-request KV by absolute position, and
+``_run_layer`` runs one layer on a set of active rows: writes their K/V, attends over
+all positions causally by position (:func:`positional_causal_attention`) and updates the
+residual stream. Every other module of the package runs its layers through these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_relay.core.attention import positional_causal_attention
+
+__all__ = ["KVCache", "RefModel", "load_model"]
+
+
+class RefModel:
+    """Handles on a HF Llama-family causal LM (fp32, eager) used by the reference loop.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or any model with the same module names).
+        kv_dtype: the serving engine's KV cache dtype when it differs from the model's
+            (``--kv-cache-dtype bf16 / fp8_e4m3 / fp8_e5m2``): every K/V row is rounded to
+            it where the engine writes its pool, and read back as the model's dtype, as
+            SGLang's unscaled pools do. ``None``: the model's dtype (no rounding).
+    """
+
+    def __init__(self, model: Any, kv_dtype: torch.dtype | None = None) -> None:
+        model.eval()
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        cfg = model.config
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.hidden_size = cfg.hidden_size
+        self.scale = float(self.layers[0].self_attn.scaling)
+        self.dtype = self.embed.weight.dtype
+        self.kv_dtype = None if kv_dtype in (None, self.dtype) else kv_dtype
+        self.device = self.embed.weight.device
+        self._cos_sin_cache: torch.Tensor | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE ``(cos, sin)``, each ``[n, head_dim]``, at ``positions`` ``[n]``
+        (rows of a table the rotary module computes once per size; elementwise, so equal to
+        what it gives for any batch of positions)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            size = max(need, 2 * (0 if self._rope_table is None else len(self._rope_table[0])))
+            size = max(size, 4096)
+            dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(dummy, torch.arange(size, device=self.device).view(1, -1))
+            self._rope_table = (cos[0], sin[0])
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
+    def cos_sin_cache(self, max_pos: int) -> torch.Tensor:
+        """``[>=max_pos, rot_dim]`` cos || sin (half dims), SGLang's layout, from the model's
+        rotary module (so its scaling variant is whatever the model uses)."""
+        cache = self._cos_sin_cache
+        if cache is None or cache.shape[0] < max_pos:
+            cos, sin = self.rope(torch.arange(max(max_pos, 1), device=self.device))
+            half = cos.shape[-1] // 2
+            cache = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()
+            self._cos_sin_cache = cache
+        return cache
+
+    def qkv(
+        self, layer: Any, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-RoPE ``q [n, H_q, D]``, ``k [n, H_kv, D]`` and ``v [n, H_kv, D]`` of normed
+        input ``x [n, hidden]`` at ``positions [n]``."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        n = x.shape[0]
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self.rope(positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    @staticmethod
+    def mlp(layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s MLP block on rows ``x [n, hidden]``: Hugging Face's sparse MoE
+        blocks (``experts``) take ``[batch, seq, hidden]``."""
+        if hasattr(layer.mlp, "experts"):
+            return layer.mlp(x.unsqueeze(0)).squeeze(0)
+        return layer.mlp(x)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V rows as the engine's KV pool holds them (rounded to ``kv_dtype``)."""
+        return x if self.kv_dtype is None else x.to(self.kv_dtype).to(x.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` float32 logits of last-layer streams ``h [n, hidden]``."""
+        return self.lm_head(self.norm(h)).float()
+
+
+def load_model(
+    model_dir: str,
+    num_layers: int | None = None,
+    device: str | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> RefModel:
+    """Load a checkpoint in fp32 with eager attention (optionally only its first layers),
+    on ``device`` (default: the GPU when there is one: an 8B model in fp32 needs 32 GB);
+    ``kv_dtype``: the engine's KV cache dtype (:class:`RefModel`)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
+    if num_layers is not None:
+        kwargs["num_hidden_layers"] = num_layers
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return RefModel(model.to(device), kv_dtype=kv_dtype)
+
+
+@dataclass
+class KVCache:
+    """Dense per-request KV by absolute position: ``k``, ``v`` are ``[L, T, H_kv, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, ref: RefModel, length: int) -> KVCache:
+        shape = (ref.num_layers, length, ref.num_kv_heads, ref.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=ref.dtype, device=ref.device),
+            torch.zeros(shape, dtype=ref.dtype, device=ref.device),
+        )
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    def grown(self, length: int) -> KVCache:
+        """A copy with room for ``length`` positions (the first ``self.length`` kept)."""
+        if length <= self.length:
+            return KVCache(self.k.clone(), self.v.clone())
+        pad = (self.k.shape[0], length - self.length, *self.k.shape[2:])
+        return KVCache(
+            torch.cat((self.k, self.k.new_zeros(pad)), 1),
+            torch.cat((self.v, self.v.new_zeros(pad)), 1),
+        )
+
+
+def _run_layer(
+    ref: RefModel,
+    lid: int,
+    hs: torch.Tensor,
+    rows: torch.Tensor,
+    cache: KVCache,
+    ctx: int,
+) -> None:
+    """Layer ``lid`` on the active ``rows`` (row = position): writes their K/V into
+    ``cache`` (``[L, T, H_kv, D]``), attends over positions ``< ctx`` causally by position,
+    and updates the residual stream ``hs [T, hidden]`` in place."""
+    layer = ref.layers[lid]
+    full = rows.numel() == hs.shape[0]
+    h = hs if full else hs[rows]
+    x = layer.input_layernorm(h)
+    q, k, v = ref.qkv(layer, x, rows)
+    cache.k[lid, rows] = ref.stored(k)
+    cache.v[lid, rows] = ref.stored(v)
+    o = positional_causal_attention(q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale)
+    h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
+    h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
+    if full:
+        hs.copy_(h)
+    else:
+        hs[rows] = h
