@@ -6,7 +6,9 @@ judged against the whole output and is not relayed.
 
 The embedded model does not reason; the upstream outputs are forced token by token by a
 custom logit processor (SGLang's ``--enable-custom-logit-processor``), so their KV is
-decoded as a reasoning model's would be: the answer's with the reasoning in context."""
+decoded as a reasoning model's would be: the answer's with the reasoning in context. The
+answer is capped for the reasoning reuse target (0.60 by default) apart from other runs,
+as the reference executor caps an occurrence marked as an answer."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import requests
 from relay_helpers import assert_matches_reference, generate_ids, relay_info, running_server
 
 from sglang_relay.core import reference as R
+from sglang_relay.core.operating import answer_cap
 from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -67,6 +70,13 @@ def test_an_answer_pasted_without_its_reasoning_relays(model_dir, tok):
         ref = R.load_model(str(model_dir))
         (record,) = R.generate(ref, [up + reasoning + end], len(answer) + 1, force=[[*answer, 13]])
         assert record.span_tokens == answer
-        occ = R.SpanOccurrence(23, record, 0, len(answer))
-        cfg = settings_from_env(str(model_dir), {}).config  # the shipped profile, as served
-        assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
+        # the shipped profile as served, the answer capped for reuse 0.60 (its own pool)
+        settings = settings_from_env(str(model_dir), {})
+        cfg = answer_cap(settings.config, ref.num_layers, settings.reasoning_reuse)
+        assert cfg.answer_max_ratio > cfg.max_ratio and info["answer_tokens"] == len(answer)
+        occ = R.SpanOccurrence(23, record, 0, len(answer), answer=True)
+        result = R.relay_prefill(ref, prompt, [occ], cfg)
+        assert_matches_reference(served, result)
+        # the answer pool's cap, not the request's (0.199 * 60 would select 11)
+        assert info["selected_tokens"] == int(cfg.answer_max_ratio * len(answer)) - int(cfg.probes)
+        assert info["reuse_rate"] < 0.80

@@ -65,12 +65,15 @@ __all__ = [
 @dataclass(frozen=True)
 class SpanOccurrence:
     """``prompt[prompt_start : prompt_start + length]`` reuses
-    ``record.span_tokens[span_start : span_start + length]``."""
+    ``record.span_tokens[span_start : span_start + length]``. ``answer``: the run is a
+    reasoning model's answer (capped at ``answer_max_ratio``, as the server caps a run
+    of a span stored with reasoning before its answer)."""
 
     prompt_start: int
     record: UpstreamRecord
     span_start: int
     length: int
+    answer: bool = False
 
 
 @dataclass
@@ -202,7 +205,17 @@ def relay_prefill(
                 att = last_row_probe(ref, prompt, spans)[list(probe_layers(num_l))].mean(0)
                 ctx = probed_mass(ctx, att, cfg.probe)
             mask, counts, result.deviation = _detect(
-                ref, cfg, lid, hs, span_rows, bounds, cache, infl, ctx, reserve=int(probing)
+                ref,
+                cfg,
+                lid,
+                hs,
+                span_rows,
+                bounds,
+                cache,
+                infl,
+                ctx,
+                reserve=int(probing),
+                answers=[s.answer for s in spans],
             )
             if selection is not None:
                 _check_selection(selection, span_rows.numel())
@@ -392,12 +405,14 @@ def _detect(
     context: torch.Tensor | None = None,
     *,
     reserve: int = 0,
+    answers: list[bool] | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Detection at ``l_det``: deviation of fresh vs stored K/V of the span rows (``[S]``),
     fresh K/V written into layer ``lid``, selection per span occurrence (``bounds``: segment
     offsets into ``span_rows``; ``influence``: ``[S]`` scores or ``None``). With
     ``signal="context"`` the ``[S]`` recorded ``context`` masses rank instead (no pass).
-    ``reserve``: tokens of the cap spent on the probe row.
+    ``reserve``: tokens of the cap spent on the probe row; ``answers``: which occurrences
+    are reasoning answers (:func:`~sglang_relay.core.selection.select_runs`).
     Returns the ``[S]`` selection mask, counts per span and the scores."""
     deviation = context
     if cfg.detects:
@@ -410,7 +425,7 @@ def _detect(
         cache.k[lid, span_rows] = ref.stored(k)
         cache.v[lid, span_rows] = ref.stored(v)
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-    masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve)
+    masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve, answers=answers)
     keep = [m.to(span_rows.device) for m in masks]
     return torch.cat(keep), [int(m.sum()) for m in keep], deviation
 
