@@ -213,10 +213,33 @@ def test_plan_batch_trims_rewritten_slots_and_missing_hidden_states():
     assert stats.trimmed_tokens == 1 and stats.fallback == "trimmed: span_evicted"
     assert plan.normal_rows.tolist() == [0, 1, 2, 3, 4, 25, 45, 46]  # the trimmed row runs
     # (lo, hi) in the group's rows; the second run follows 21 tokens of its occurrence
-    assert [(lo, hi, head) for lo, hi, _, head in plan.groups[0].segments] == [
+    assert [(lo, hi, head) for lo, hi, _, head, _ in plan.groups[0].segments] == [
         (0, 20, 0),
         (20, 39, 21),
     ]
+    assert not any(answer for *_, answer in plan.groups[0].segments)  # no reasoning
+
+
+def test_runs_of_a_reasoning_answer_are_marked_as_answers():
+    """A span stored with its answer starting at offset 24 (after the reasoning): a run
+    from the answer is an answer run (its own cap), a run of the reasoning is not."""
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    tokens, slots = list(range(500, 560)), torch.arange(10, 70)
+    ledger.stamp(slots, with_hidden=True)
+    pos = torch.arange(100, 160)
+    store.add(tokens, slots, pos, ledger.snapshot(slots), "ns", answer_start=24)
+    planner = _planner(store, ledger, slots_per_req=128)
+    reasoning, answer = tokens[:20], tokens[24:]  # a 20-token reasoning quote, the answer
+    prompt = [1, 2, *answer, 3, *reasoning, 4]
+    stats = RequestStats("relay", L)
+    stats.req = SimpleNamespace(rid="r")
+    assert planner.plan_request("r", RELAY, stats, prompt[:-1], 0, "ns") == (True, 0)
+    plan, _ = planner.plan_batch(_fb(["r"], [0], [len(prompt)], torch.arange(600, 600 + 60)))
+    runs = sorted((lo, hi, answer) for lo, hi, _, _, answer in plan.groups[0].segments)
+    assert [(hi - lo, answer) for lo, hi, answer in runs] == [(36, True), (20, False)]
+    use = plan.owners[0].chunk
+    assert use.tokens == 56 and use.answer_tokens == 36
 
 
 def test_hidden_states_matter_only_to_methods_that_start_above_layer_zero():
