@@ -21,7 +21,6 @@ pytestmark = pytest.mark.e2e
 REFUSED = [
     (["--pp-size", "2"], "--pp-size 2"),
     (["--attn-dp-size", "2"], "--attn-dp-size"),
-    (["--page-size", "16"], "--page-size 16"),
     (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
     (["--quantization", "fp8"], "--quantization fp8"),
     (["--load-format", "gguf"], "GGUF"),
@@ -66,12 +65,12 @@ def test_serve_refuses_with_one_message_naming_the_option(model_dir, flags, need
 def test_serve_refusal_is_one_error_line_and_exit_code_1(model_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_relay.cli", "serve", "--model-path", str(model_dir),
-         "--page-size", "16"],
+         "--pp-size", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if "sglang-relay: error" in line]
-    assert len(lines) == 1 and "--page-size 16" in lines[0], proc.stderr[-2000:]
+    assert len(lines) == 1 and "--pp-size 2" in lines[0], proc.stderr[-2000:]
 
 
 def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
@@ -84,7 +83,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
     if cpu.activate():
         env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.environ["PYTHONPATH"])
     args = ["--model-path", str(model_dir), "--radix-cache-backend", "relay"]
-    args += ["--page-size", "16", "--port", str(free_port()), "--host", "127.0.0.1"]
+    args += ["--enable-attn-tp-input-scattered", "--port", str(free_port()), "--host", "127.0.0.1"]
     if not cpu.cuda_available():
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
         args += ["--disable-cuda-graph", "--max-total-tokens", "4096"]
@@ -101,7 +100,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
                 os.killpg(proc.pid, 9)
     text = log.read_text(errors="replace")
     assert proc.returncode != 0
-    assert "sglang-relay cannot serve --page-size 16" in text, text[-3000:]
+    assert "sglang-relay cannot serve --enable-attn-tp-input-scattered" in text, text[-3000:]
 
 
 # ---- supported modes, end to end --------------------------------------------------------

@@ -44,7 +44,7 @@ def _record(argv):
     return ServerArgs.from_cli_args(compat.parse_server_args(argv))
 
 
-def test_a_page_size_trtllm_mha_forces_is_refused(cpu_args):
+def test_a_page_size_trtllm_mha_forces_is_the_one_relay_sees(cpu_args):
     """``--attention-backend trtllm_mha`` with no ``--page-size``: SGLang declares 64.
     The whole pipeline (``resolve_once``) refuses trtllm_mha without a Hopper/Blackwell GPU
     right after this pass, so the test runs the pass SGLang runs for it,
@@ -61,13 +61,11 @@ def test_a_page_size_trtllm_mha_forces_is_refused(cpu_args):
     run_post_process_pass(args, _mla_backend_page_constraints)
     assert args.page_size is None  # SGLang leaves the field as typed
     view = compat.server_view(args)
-    assert view.page_size == 64
-    message = modes.refusal(view)
-    assert message is not None and "--page-size 64" in message and "\n" not in message
-    assert message.endswith(modes.OUT)
+    assert view.page_size == 64  # what the allocator will be built with
+    assert modes.refusal(view) is None  # pages are served (test_pages.py)
 
 
-def test_a_page_size_fa4_forces_is_refused(cpu_args, monkeypatch):
+def test_a_page_size_fa4_forces_is_the_one_relay_sees(cpu_args, monkeypatch):
     """``--attention-backend fa4`` resolves page 128 on SM100 only; SGLang's own pass
     ``_fa4_page_constraint`` runs here with its platform query answering "SM100" (the one
     thing this CPU cannot be), reading the model's real config for its MLA check."""
@@ -82,8 +80,7 @@ def test_a_page_size_fa4_forces_is_refused(cpu_args, monkeypatch):
     overrides.run_post_process_pass(args, overrides._fa4_page_constraint)
     assert not platform.is_sm100 and args.page_size is None
     assert compat.server_view(args).page_size == 128
-    message = modes.refusal(compat.server_view(args))
-    assert message is not None and "--page-size 128" in message
+    assert modes.refusal(compat.server_view(args)) is None
 
 
 def test_kv_cache_dtypes_after_resolution(cpu_args):
@@ -166,7 +163,7 @@ def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
     )
     layout = compat.live_kv_layout(_ctx(paged, 16, torch.float32))
     assert layout == (16, "float32", "float32", False)
-    assert "--page-size 16" in modes.kv_layout_refusal(*layout)
+    assert modes.kv_layout_refusal(*layout) is None  # pages are served (test_pages.py)
 
     plain = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool(1, torch.float32), False)
     assert modes.kv_layout_refusal(*compat.live_kv_layout(_ctx(plain, 1, torch.float32))) is None

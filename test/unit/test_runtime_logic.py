@@ -109,32 +109,38 @@ def test_every_allocator_free_path_then_reuse_invalidates_the_span():
     assert checked == names and len(names) == 7
 
 
-def test_page_size_refusal_reason_a_token_free_releases_its_whole_page():
-    """Why ``--page-size`` > 1 stays refused (docs/limitations.md): relay gives back the
-    slots of spans it owns (a relayed request's outputs) and clamps the tree at the first
-    relayed token, both at token granularity. SGLang 0.5.23's paged allocator frees whole
-    pages: giving back one output token that shares its page with the request's prompt
-    tail (held by the tree) frees the prompt tail's slots too, so the next allocation
-    overwrites KV the tree still serves."""
+def test_owned_pages_are_whole_pages_of_sglangs_paged_allocator():
+    """SGLang 0.5.23's paged allocator frees whole pages: giving back one output token
+    that shares its page with the prompt tail frees the prompt tail's slots too. So the
+    store holds the pages its span's tokens are in (``page_bounds``), and gives them back
+    by freeing the span's slots: exactly those pages return, and no page of the row
+    outside them (checked on SGLang's own allocator)."""
     pytest.importorskip("sglang")
     from sglang_relay.runtime import cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
+    from sglang_relay.runtime.radix_cache import page_bounds
+
     page = 16
     alloc = PagedTokenToKVPoolAllocator(
-        4 * page, page, torch.float32, "cpu", kvcache=None, need_sort=False
+        8 * page, page, torch.float32, "cpu", kvcache=None, need_sort=False
     )
-    row = alloc.alloc(2 * page)  # one request: prompt of 20 tokens, outputs after it
-    prompt, outputs = row[:20], row[20:]
+    row = alloc.alloc(4 * page)  # one request: 20 prompt tokens, 37 outputs with KV
+    start, end = 20, 57
     before = alloc.available_size()
-    alloc.free(outputs[:1])  # give back one owned output token (slot 20, page 1)
-    freed = alloc.available_size() - before
-    assert freed == page  # the whole page went back, not one slot
-    again = alloc.alloc(alloc.available_size())
-    shared = set(prompt[page:].tolist()) & set(again.tolist())
-    assert shared == set(prompt[page:].tolist())  # the prompt tail is handed out again
+    alloc.free(row[start : start + 1])  # one token of a page
+    assert alloc.available_size() - before == page  # its whole page went back
+    alloc.alloc(page)  # (taken again)
+    lo, hi = page_bounds(start, end, page)
+    assert (lo, hi) == (16, 64) and page_bounds(32, 64, page) == (32, 64)
+    held = {int(s) // page for s in row[lo:hi]}
+    before = alloc.available_size()
+    alloc.free(row[start:end])  # what the store frees: the span's slots
+    assert alloc.available_size() - before == hi - lo  # the held pages, whole
+    assert {int(s) // page for s in row[start:end]} == held  # and only those
+    assert page_bounds(20, 57, 1) == (20, 57)  # page 1: the tokens themselves
 
 
 def _store():

@@ -93,12 +93,6 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "use --dp-size N (one scheduler per rank, routed to its spans)",
         ),
         (
-            view.page_size != 1,
-            f"--page-size {view.page_size} (typed, or forced by the attention backend; "
-            "relay owns and frees KV slots per token, SGLang frees whole pages)",
-            "use --page-size 1 with an attention backend that allows it",
-        ),
-        (
             view.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES,
             f"--kv-cache-dtype {view.kv_cache_dtype} (block-scaled or packed KV: relay's "
             "splice and attention read unscaled elements)",
@@ -202,17 +196,13 @@ def kv_layout_refusal(
     page_size: int, kv_dtype: str, model_dtype: str, scaled: bool = False
 ) -> str | None:
     """Refuse the live KV pools (checked in the scheduler, whatever the arguments said):
-    pages of more than one token, a KV buffer dtype relay cannot read as plain elements,
+    a page size below one token, a KV buffer dtype relay cannot read as plain elements,
     or a pool that keeps scales beside its elements (``scaled``: SGLang's quantized KV
     methods, e.g. the CPU FP8 pool of AMX machines, FP4). The model's own dtype, bfloat16 /
     float16 and unscaled FP8 (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) are served.
     Dtypes by torch name (``bfloat16``)."""
-    if page_size != 1:
-        return (
-            f"sglang-relay cannot serve --page-size {page_size} (the live KV allocator "
-            "frees whole pages of that size; relay owns and frees KV slots per token); use "
-            f"--page-size 1 with an attention backend that allows it, {OUT}"
-        )
+    if page_size < 1:
+        return f"sglang-relay cannot serve a KV allocator with page size {page_size}, {OUT}"
     if scaled:
         return (
             f"sglang-relay cannot serve a scaled {kv_dtype} KV cache (SGLang keeps per-block "

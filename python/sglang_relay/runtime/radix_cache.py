@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 UnifiedRadixCache = compat.unified_radix_cache_class()
 
 
+def page_bounds(lo: int, hi: int, page_size: int) -> tuple[int, int]:
+    """Row positions ``[lo, hi)`` rounded out to whole pages (a request's row positions
+    and its slots are congruent modulo the page size, so these are its slots' pages)."""
+    return lo // page_size * page_size, -(-hi // page_size) * page_size
+
+
 class RelayRadixCache(UnifiedRadixCache):
     """A ``UnifiedRadixCache`` plus relay bookkeeping.
 
@@ -31,7 +37,8 @@ class RelayRadixCache(UnifiedRadixCache):
       were rewritten since is not used (:mod:`sglang_relay.runtime.side_data`). No
       allocator method is replaced.
     * Outputs of relayed requests stay out of the tree: the span store owns those slots and
-      gives them back when it drops the span.
+      gives them back when it drops the span; with pages of more than one token it owns
+      the whole pages its output tokens are in (SGLang's paged allocator frees by page).
     """
 
     relay: RelayRuntime | None = None
@@ -48,6 +55,7 @@ class RelayRadixCache(UnifiedRadixCache):
             "unstored_outputs": 0,
             "guard_reprefills": 0,  # redos of relayed replies that stopped early (guard.py)
             "guard_relayed_tokens_redone": 0,
+            "held_tail_pages": 0,  # last partial pages of tree-kept outputs the store holds
         }
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
@@ -78,10 +86,18 @@ class RelayRadixCache(UnifiedRadixCache):
         if span is None:
             return
         start, tokens, slots, positions, stamps, context, answer = span
-        owned = clamp  # outputs of a relayed request stay out of the tree: the store owns them
         if namespace is None:  # opted out, or no key under scope "key": nothing stored
             self.relay_counters["unstored_outputs"] += 1
             return  # as when the store declines a span: SGLang frees the slots
+        # The store takes over the span's pages the tree does not keep: all of a relayed
+        # request's output (kept out of the tree, whose clamp ends in the prompt) and, with
+        # pages of more than one token, the last partial page of any other output (the
+        # tree keeps whole pages only). A paged allocator frees whole pages: the first
+        # page's prompt tail and the last page's rest come along.
+        end = start + len(tokens)
+        lo, hi = page_bounds(start, end, self.page_size)
+        lo = max(lo, tree_up_to // self.page_size * self.page_size)
+        owned = lo < end
         added = rt.store.add(
             tokens,
             slots,
@@ -91,11 +107,14 @@ class RelayRadixCache(UnifiedRadixCache):
             owned=owned,
             context=context,
             answer_start=answer,
+            held=hi - lo,
+            held_slots=slots[max(lo, start) - start :],
         )
         if added is not None:
             self.relay_counters["recorded_spans"] += 1
             if owned:
-                self._takeover[req.kv.req_pool_idx] = (start, start + len(tokens))
+                self._takeover[req.kv.req_pool_idx] = (lo, hi)
+                self.relay_counters["held_tail_pages"] += int(not clamp)
 
     def _span_of(self, req: Any, up_to: int, *, with_context: bool):
         """The output tokens that have KV in the row (all but the last sampled one), and

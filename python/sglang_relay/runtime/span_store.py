@@ -34,6 +34,12 @@ class Span:
     context: torch.Tensor | None = None
     # offset of the answer: just after the model's reasoning end marker (0: none)
     answer_start: int = 0
+    # pool slots an owned span holds: its tokens, rounded out to whole pages of a paged
+    # allocator (the first page's prompt tail, the last page's rest), and the slots whose
+    # release gives them back (all of ``slots``, or the tail of a span whose aligned part
+    # the tree holds)
+    held: int = 0
+    held_slots: torch.Tensor | None = None
 
 
 class SpanSource(NamedTuple):
@@ -100,24 +106,32 @@ class SpanStore:
         owned: bool = False,
         context: torch.Tensor | None = None,
         answer_start: int = 0,
+        held: int | None = None,
+        held_slots: torch.Tensor | None = None,
     ) -> int | None:
         """Record a span (``stamps``: its slots' stamps now; ``context``: its tokens'
         context masses, if the server ranks by them; ``answer_start``: where its answer
         begins after a reasoning part); returns its id, or None when it is too short to
         match. With ``owned`` the store takes the slots over (and releases them when the
-        span is dropped)."""
+        span is dropped); ``held``: how many pool slots that is (default: one per token;
+        whole pages under a paged allocator, whose free gives back every page a slot is
+        in); ``held_slots``: the slots to free for them (default: all of ``slots``; the
+        tail's, when the tree holds the span's whole pages and the store its last partial
+        one)."""
         if len(tokens) < self.index.min_match:
             return None
         span_id = self._next_id
         self._next_id += 1
         self.index.add(span_id, tokens, namespace)
+        held = (len(tokens) if held is None else held) if owned else 0
+        held_slots = (slots if held_slots is None else held_slots) if owned else None
         self.spans[span_id] = Span(
             span_id, namespace, slots, positions, stamps, len(tokens), owned, context,
-            answer_start,
+            answer_start, held, held_slots,
         )  # fmt: skip
         self.reasoning_spans += int(answer_start > 0)
         self.num_tokens += len(tokens)
-        self.owned_tokens += len(tokens) if owned else 0
+        self.owned_tokens += held
         if self.listener is not None:
             self.listener.added(span_id, tokens, namespace)
         while self.num_tokens > self.max_tokens and len(self.spans) > 1:
@@ -136,10 +150,10 @@ class SpanStore:
             self.listener.dropped_span(span_id)
         if not span.owned:
             return 0
-        self.owned_tokens -= span.num_tokens
+        self.owned_tokens -= span.held
         if release:
-            self.release_slots(span.slots)
-            return span.num_tokens
+            self.release_slots(span.held_slots)
+            return span.held
         return 0
 
     def release_owned(self, num_tokens: int) -> int:
