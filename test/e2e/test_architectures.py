@@ -1,5 +1,6 @@
 """Architectures beyond the embedded Llama, served end to end on random weights (no
-checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): Qwen3 (per-head
+checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): one test per
+adapter file in ``runtime/adapters``. Qwen2 (q/k/v biases, no native prepare), Qwen3 (per-head
 q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistral
 (SGLang's Llama classes under another architecture name) and Phi-3 (the same classes
 loading fused qkv / gate_up checkpoint weights), and Qwen3-MoE (Qwen3's attention through
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 @pytest.mark.parametrize(
     "arch, tp",
     [
+        ("qwen2", 1),
         ("qwen3", 1),
         ("qwen3_moe", 1),
         ("qwen3_moe", 2),

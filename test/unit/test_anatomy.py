@@ -53,6 +53,21 @@ def test_reference_executor_is_the_hf_forward_of_each_architecture(arch):
                                rtol=0)  # fmt: skip
 
 
+def test_each_adapter_file_registers_its_architectures():
+    """One file per architecture in runtime/adapters: the registry is exactly what the
+    files define, each file at least one adapter, no architecture twice."""
+    import pkgutil
+    from importlib import import_module
+
+    from sglang_relay.runtime import adapters
+
+    names = [m.name for m in pkgutil.iter_modules(adapters.__path__)]
+    defined = [a for n in names for a in import_module(f"{adapters.__name__}.{n}").ADAPTERS]
+    assert all(import_module(f"{adapters.__name__}.{n}").ADAPTERS for n in names)
+    assert sorted(a.architecture for a in defined) == sorted(ANATOMIES)
+    assert len(names) >= 8 and len(ANATOMIES) == len(defined)
+
+
 def test_every_random_model_has_an_adapter():
     for name, _ in ARCHITECTURES.values():
         assert f"{name}ForCausalLM" in ANATOMIES

@@ -1,5 +1,6 @@
-"""Per-architecture adapters: which SGLang decoder modules the relay loops drive, and the
-check that a served model has exactly those.
+"""What an architecture adapter is, the registry of them (one file each in
+:mod:`sglang_relay.runtime.adapters`), and the check that a served model has exactly the
+modules its adapter drives.
 
 The relay loops (:mod:`.extend`, :mod:`.decode`, :mod:`.probe`) run a decoder layer as
 SGLang's own modules in SGLang's order: ``input_layernorm``, the attention block's own
@@ -11,7 +12,8 @@ attention block therefore comes with SGLang's module, and what the loop would no
 scales) refuses the server at start-up instead of being dropped silently.
 
 Pure data plus checks on live modules; SGLang's dotted names live in
-:mod:`sglang_relay.runtime.compat` (the forward targets below are named there too).
+:mod:`sglang_relay.runtime.compat` and the adapters (their forward targets are re-exported
+by compat).
 """
 
 from __future__ import annotations
@@ -65,48 +67,22 @@ class Anatomy:
     mlp_name: str = "mlp"
 
 
-_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
-ANATOMIES: dict[str, Anatomy] = {
-    a.architecture: a
-    for a in (
-        Anatomy("LlamaForCausalLM", _LLAMA_FORWARD),
-        # SGLang serves Mistral with its Llama classes (MistralForCausalLM subclasses them)
-        Anatomy("MistralForCausalLM", _LLAMA_FORWARD),
-        # and Phi-3 / Phi-4 (Phi3ForCausalLM: Llama's classes, fused qkv / gate_up weights)
-        Anatomy("Phi3ForCausalLM", _LLAMA_FORWARD),
-        Anatomy("Qwen2ForCausalLM", "sglang.srt.models.qwen2.Qwen2Model.forward", prepare="split"),
-        Anatomy(
-            "Qwen3ForCausalLM",
-            "sglang.srt.models.qwen3.Qwen3Model.forward",
-            attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
-        ),
-        # Qwen3's attention, a sparse MoE block in every layer (Qwen3MoeModel inherits
-        # Qwen2MoeModel's forward)
-        Anatomy(
-            "Qwen3MoeForCausalLM",
-            "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
-            attention_modules=BASE_ATTENTION | {"q_norm", "k_norm"},
-            prepare="split",
-            mlp_blocks=(SPARSE_MLP, DENSE_MLP),
-        ),
-        # Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), routed experts plus a
-        # sigmoid-gated shared expert
-        Anatomy(
-            "Qwen2MoeForCausalLM",
-            "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
-            prepare="split",
-            mlp_blocks=(SHARED_EXPERT_MLP, DENSE_MLP),
-        ),
-        # Mixtral: Mistral's attention, a sparse block named block_sparse_moe
-        Anatomy(
-            "MixtralForCausalLM",
-            "sglang.srt.models.mixtral.MixtralModel.forward",
-            prepare="split",
-            mlp_blocks=(SPARSE_MLP,),
-            mlp_name="block_sparse_moe",
-        ),
-    )
-}
+LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"  # Llama, Mistral, Phi-3
+
+
+def _registry() -> dict[str, Anatomy]:
+    """Every adapter of :mod:`sglang_relay.runtime.adapters` (one file per architecture)."""
+    from sglang_relay.runtime.adapters import discover
+
+    found: dict[str, Anatomy] = {}
+    for adapter in discover():
+        if adapter.architecture in found:
+            raise ValueError(f"two adapters for {adapter.architecture}")
+        found[adapter.architecture] = adapter
+    return found
+
+
+ANATOMIES: dict[str, Anatomy] = _registry()
 SUPPORTED_ARCHITECTURES = frozenset(ANATOMIES)
 MODEL_FORWARD_TARGETS = tuple(dict.fromkeys(a.model_forward for a in ANATOMIES.values()))
 
