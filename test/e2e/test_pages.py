@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from relay_helpers import (
-    ALL_SELECTED,
+    assert_all_selected_equals_standard,
     assert_matches_reference,
     generate_ids,
     relay_info,
@@ -35,17 +35,6 @@ def _pool_adds_up(url: str) -> dict:
     pool = info["pool"]
     assert pool["available"] + pool["evictable"] + pool["protected"] == pool["total"], pool
     return info
-
-
-def _oracle_equals_standard(url: str, prompt: list[int]) -> dict:
-    relay = {"method": "relay", "config": ALL_SELECTED}
-    oracle = generate_ids(url, prompt, 6, relay, return_logprob=True)
-    std = generate_ids(url, prompt, 6, "standard", return_logprob=True)
-    assert oracle["output_ids"] == std["output_ids"]
-    got = [x[0] for x in oracle["meta_info"]["output_token_logprobs"]]
-    want = [x[0] for x in std["meta_info"]["output_token_logprobs"]]
-    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
-    return oracle["meta_info"]["relay"]
 
 
 @pytest.mark.parametrize("page, chunk", [(16, 256), (64, 256)])
@@ -75,9 +64,7 @@ def test_relay_with_pages_owns_whole_pages(page, chunk, model_dir):
         assert owned - before == hi - lo > stored  # whole pages: more slots than tokens
 
         # the owned span relays; with every token recomputed it equals standard prefill
-        third = list(range(4000, 4011)) + down["output_ids"][:stored] + list(range(3100, 3105))
-        oracle = _oracle_equals_standard(s.url, third)
-        assert oracle["reused_tokens"] == stored
+        assert_all_selected_equals_standard(s.url, down["output_ids"][:stored], n=6)
 
         # unrelated prompts fill the pool: SGLang needs room, owned pages go back first
         for i in range(12):
@@ -86,5 +73,5 @@ def test_relay_with_pages_owns_whole_pages(page, chunk, model_dir):
         assert info["owned_spans_released_for_room"] >= 1
         assert info["owned_span_tokens"] == 0
         # still correct after the pages were given back and reused
-        _oracle_equals_standard(s.url, list(range(2000, 2021)) + span + list(range(3000, 3013)))
+        assert_all_selected_equals_standard(s.url, span, n=6, relayed=False)
         _pool_adds_up(s.url)
