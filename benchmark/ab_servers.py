@@ -1,0 +1,111 @@
+"""Interleaved A/B of two servers on one machine state: both up at once, each request goes
+to A then B (B then A on odd rounds), one active at a time, so machine drift (this VM's
+speed moves by 10-60 % between runs) hits both alike.
+
+    # this checkout against an older one (its python/ and kernels/ on PYTHONPATH)
+    OMP_WAIT_POLICY=PASSIVE python benchmark/ab_servers.py --before /path/to/old/checkout
+    # a --no-relay server against a relay server, plain requests only
+    OMP_WAIT_POLICY=PASSIVE python benchmark/ab_servers.py --plain
+
+Set one OpenMP wait policy for both (the environment is inherited): with spinning
+threads an idle server steals cycles from the other one. Relay mode measures per round
+the client latency of a 1-token reply to a prompt quoting a 512-token upstream output
+(``naive``, ``relay``, ``relay`` at reuse 0.95, ``standard``) and decode tokens/s (48
+tokens); plain mode the 1-token latency of a ~560-token plain prompt and decode tokens/s.
+Prints medians and the median (min, max) of the per-round B/A ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import requests
+from transformers import AutoTokenizer
+
+from sglang_relay.embedded_model import ensure_model
+from sglang_relay.runtime.launch import ServerProcess
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--before", help="an older checkout (A); B is this one")
+    mode.add_argument("--plain", action="store_true", help="A: --no-relay, B: relay server")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--json", help="write every sample here")
+    args = p.parse_args()
+    model = str(ensure_model(quiet=True))
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def chat(system: str, user: str) -> str:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def gen(url: str, text: str, n: int, relay=None) -> tuple[dict, float]:
+        params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        if relay is not None:
+            params["custom_params"] = {"relay": relay}
+        t0 = time.perf_counter()
+        body = {"text": text, "sampling_params": params}
+        out = requests.post(url + "/generate", json=body, timeout=600).json()
+        return out, time.perf_counter() - t0
+
+    if args.plain:
+        specs = {"A": ({}, ["--no-relay"]), "B": ({}, [])}
+        methods = [("plain_prefill", 1), ("decode", 48)]
+    else:
+        old = f"{args.before}/python:{args.before}/kernels"
+        specs = {"A": ({"PYTHONPATH": old}, []), "B": ({}, [])}
+        methods = [("naive", 1), ("relay", 1), ({"method": "relay", "reuse": 0.95}, 1),
+                   ("standard", 1), ("decode", 48)]  # fmt: skip
+    servers = {
+        k: ServerProcess(["--model-path", model, *flags], env=env).start(timeout=900)
+        for k, (env, flags) in specs.items()
+    }
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        ups = {}
+        if not args.plain:
+            for k, s in servers.items():
+                ask = chat("You are a planner.", "Describe how to build a compiler in detail.")
+                ups[k] = gen(s.url, ask, 512)[0]["text"]
+                gen(s.url, chat("Warm.", f"Plan:\n{ups[k]}\nShort."), 2, "naive")
+            assert ups["A"] == ups["B"], "the two servers decode differently"
+        for rd in range(args.rounds):
+            order = ["A", "B"] if rd % 2 == 0 else ["B", "A"]
+            for method, n in methods:
+                for k in order:
+                    url, salt = servers[k].url, f"{rd} {time.time()}"
+                    if method == "decode":
+                        relay = None if args.plain else "standard"
+                        _, dt = gen(url, chat(f"Writer {salt}.", "Tell a long story."), n, relay)
+                        value = n / dt
+                    elif method == "plain_prefill":
+                        text = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 50
+                        _, value = gen(url, chat(f"Reader {salt}.", text), n)
+                    else:
+                        prompt = chat(f"Reviewer {salt}.", f"Plan:\n{ups[k]}\nOne risk.")
+                        out, value = gen(url, prompt, n, method)
+                        info = out["meta_info"].get("relay") or {}
+                        assert method == "standard" or info.get("fallback") is None, info
+                    samples.setdefault((str(method), k), []).append(value)
+    finally:
+        for s in servers.values():
+            s.stop()
+    print("| measure | A median | B median | B / A per round: median [min, max] |")
+    print("|---|---|---|---|")
+    for method in dict.fromkeys(m for m, _ in samples):
+        a, b = samples[(method, "A")], samples[(method, "B")]
+        r = [y / x for x, y in zip(a, b, strict=True)]
+        print(f"| {method} | {statistics.median(a):.4f} | {statistics.median(b):.4f} | "
+              f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{m} {k}": v for (m, k), v in samples.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
