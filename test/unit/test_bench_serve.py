@@ -82,3 +82,30 @@ def test_only_the_last_agent_of_a_chain_answers_short():
     assert serve.output_lengths("fanin", 256, 32) == [256, 256, 256, 32]
     assert serve.output_lengths("groupchat", 96, None) == [96] * 4
     assert serve.output_lengths("plain", 256, 32) == [256]  # reads nothing: not an answer
+
+
+def test_tpot_and_per_kind_latency_are_reported():
+    rec = serve.Record
+    # 0.3 s to the first token, then 31 more tokens in 3.1 s: 100 ms per output token
+    a = rec(0, "fanin", 0, False, 0.3, 3.4, 100, output_tokens=32)
+    b = rec(0, "fanin", 1, True, 0.2, 0.2, 300, output_tokens=1)  # one token: no TPOT
+    c = rec(1, "plain", 0, False, 0.5, 2.5, 100, output_tokens=11)  # 200 ms per token
+    assert a.tpot_s == pytest.approx(0.1) and b.tpot_s is None
+    chains = [(0.0, 4.0, [a, b]), (1.0, 2.5, [c]), (2.0, 6.0, [a])]
+    row = serve.summarize("relay", 4.0, chains, [], arrived=3, incomplete=0, elapsed_s=60.0)
+    assert row["tpot_p50"] == pytest.approx(0.1) and row["tpot_p99"] == pytest.approx(0.198)
+    assert row["chain_latency_p50_by_kind"] == {"fanin": pytest.approx(5.0), "plain": 2.5}
+
+
+def test_goodput_curve_is_goodput_at_each_slo(tmp_path):
+    rows = [
+        {"method": m, "rate": rate, "ttft_p99": p99, "incomplete": 0,
+         "chain_latency_p50": 10.0 * rate, "chain_latency_p99": 20.0 * rate}
+        for m, pts in (("standard", ((2, 1.5), (4, 3.0))), ("relay", ((2, 0.8), (4, 1.2))))
+        for rate, p99 in pts
+    ]  # fmt: skip
+    curve = serve.goodput_curve(rows, [1.0, 2.0, 4.0])
+    assert curve == {"standard": [0, 2, 4], "relay": [2, 4, 4]}
+    out = tmp_path / "serve.png"
+    serve.plot(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

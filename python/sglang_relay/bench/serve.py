@@ -117,6 +117,14 @@ class Record:
     latency_s: float
     prompt_tokens: int
     relay: dict[str, Any] = field(default_factory=dict)
+    output_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (decode speed as this request saw it)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str, str, bool]:
@@ -173,7 +181,15 @@ def run_chain(
         outs.append(gen.text.strip())
         records.append(
             Record(
-                k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens, gen.relay or {}
+                k,
+                kind,
+                i,
+                quotes,
+                gen.ttft_s,
+                gen.latency_s,
+                gen.prompt_tokens,
+                gen.relay or {},
+                output_tokens=n,
             )  # fmt: skip
         )
     return records
@@ -255,6 +271,11 @@ def summarize(
     ttft = [r.ttft_s for r in records]
     down = [r.ttft_s for r in records if r.could_relay]
     latency = [lat for _, lat, _ in chains if lat is not None]
+    tpot = [t for r in records if (t := r.tpot_s) is not None]
+    by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    for _, lat, recs in chains:
+        if lat is not None and recs:
+            by_kind[recs[0].kind].append(lat)
     prompt = sum(r.prompt_tokens for r in records)
     relayed = sum(int(r.relay.get("reused_tokens", 0)) for r in records)
     fallbacks = collections.Counter(
@@ -275,6 +296,9 @@ def summarize(
         "ttft_relayable_p99": percentile(down, 99),
         "chain_latency_p50": percentile(latency, 50),
         "chain_latency_p99": percentile(latency, 99),
+        "chain_latency_p50_by_kind": {k: percentile(v, 50) for k, v in sorted(by_kind.items())},
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
         "requests": len(records),
         "relayed_prompt_share": relayed / prompt if prompt else 0.0,
         "fallbacks": dict(fallbacks),
@@ -288,20 +312,24 @@ def summarize(
 def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
     lines = [
         "| method | rate (chains/min) | completed/min | TTFT p50 / p99 (s) | relayable TTFT p99 "
-        "| chain latency p50 / p99 (s) | relayed prompt share | fallbacks | pool peak "
-        "| owned spans released for room | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| chain latency p50 / p99 (s) | TPOT p50 (ms) | relayed prompt share | fallbacks "
+        "| pool peak | owned spans released for room | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
 
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['rate']:g} | {r['chains_per_min']:.1f} | "
             f"{f(r['ttft_p50'])} / {f(r['ttft_p99'])} | {f(r['ttft_relayable_p99'])} | "
             f"{f(r['chain_latency_p50'])} / {f(r['chain_latency_p99'])} | "
-            f"{r['relayed_prompt_share']:.2f} | {r['fallbacks'] or '-'} | "
+            f"{ms(r.get('tpot_p50'))} | {r['relayed_prompt_share']:.2f} | "
+            f"{r['fallbacks'] or '-'} | "
             f"{f(r.get('pool_peak_share'))} | "
             f"{r.get('server', {}).get('owned_spans_released_for_room', '-')} | {r['errors']} |"
         )
@@ -312,6 +340,48 @@ def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
         mine = [r for r in rows if r["method"] == m]
         lines.append(f"| {m} | " + " | ".join(f"{goodput(mine, s):g}" for s in slos) + " |")
     return "\n".join(lines)
+
+
+def goodput_curve(rows: list[dict[str, Any]], slos: list[float]) -> dict[str, list[float]]:
+    """Per method, :func:`goodput` at each SLO of ``slos`` (p99 TTFT)."""
+    methods = dict.fromkeys(r["method"] for r in rows)
+    return {m: [goodput([r for r in rows if r["method"] == m], s) for s in slos] for m in methods}
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Three panels: goodput vs p99-TTFT SLO per method (a step curve), p99 TTFT vs
+    offered rate, and chain latency p50 (solid) / p99 (dashed) vs offered rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slos = [round(0.1 * i, 2) for i in range(1, 81)]  # 0.1 .. 8 s
+    curves = goodput_curve(rows, slos)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, (method, curve) in enumerate(curves.items()):
+        color = f"C{i}"
+        axes[0].step(slos, curve, where="post", label=method, color=color)
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in mine]
+        axes[1].plot(rates, [r["ttft_p99"] for r in mine], "o-", label=method, color=color)
+        axes[2].plot(rates, [r["chain_latency_p50"] for r in mine], "o-", color=color,
+                     label=f"{method} p50")  # fmt: skip
+        axes[2].plot(rates, [r["chain_latency_p99"] for r in mine], "s--", color=color,
+                     label=f"{method} p99")  # fmt: skip
+    axes[0].set(xlabel="SLO: p99 TTFT (s)", ylabel="goodput (chains/min offered)",
+                title="Goodput vs SLO")  # fmt: skip
+    axes[1].set(xlabel="offered rate (chains/min)", ylabel="p99 TTFT (s)", title="TTFT tail")
+    axes[2].set(xlabel="offered rate (chains/min)", ylabel="chain latency (s)",
+                title="Chain latency")  # fmt: skip
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
@@ -340,7 +410,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--plot", help="write goodput vs SLO, TTFT and chain latency vs rate (PNG)")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="no run: the table and --plot of a saved --json (several: comma list, rows joined)",
+    )
     args, server_flags = p.parse_known_args(argv)
+    if args.replot:
+        rows = [r for f in args.replot.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        print(markdown(rows, [float(x) for x in args.slos.split(",")]))
+        if args.plot:
+            plot(rows, args.plot, title=", ".join(Path(f).name for f in args.replot.split(",")))
+        return 0
     if args.quick:
         args.rates, args.duration, args.methods = "2,6", 45.0, "standard,relay"
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -368,6 +450,8 @@ def main(argv: list[str]) -> int:
                 print(json.dumps({k: row[k] for k in ("method", "rate", "completed",
                       "ttft_p99", "chain_latency_p50", "errors")}), flush=True)  # fmt: skip
     print(markdown(rows, slos))
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
