@@ -174,20 +174,24 @@ def test_cli_frontier_flag(capsys):
 def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     """The held-out and HumanEval workloads: other tasks, other agent roles and templates
     than the calibration set, the first evaluation set and each other; no HumanEval
-    problem anywhere in calibration (its function names included)."""
+    problem anywhere in calibration (its function names included). The 72-relay held-out
+    set shares nothing with any of them: six kinds of its own, twelve relays each."""
     first = load_workload()
     calibration = load_workload(name="calibration_workload.jsonl")
     heldout = load_workload(name="heldout_workload.jsonl")
     humaneval = load_workload(name="humaneval_workload.jsonl")
+    large = load_workload(name="humaneval82_workload.jsonl")
+    heldout72 = load_workload(name="heldout72_workload.jsonl")
 
     def agents(cases):
         return [a for c in cases for a in (*c.upstream, c.downstream)]
 
-    for evaluation, others in (
-        (heldout, (first, calibration)),
-        (humaneval, (first, calibration, heldout)),
+    for evaluation, sizes, others in (
+        (heldout, range(16, 25), (first, calibration)),
+        (humaneval, range(16, 25), (first, calibration, heldout)),
+        (heldout72, (72,), (first, calibration, heldout, humaneval, large)),
     ):
-        assert 16 <= len(evaluation) <= 24 and len({c.id for c in evaluation}) == len(evaluation)
+        assert len(evaluation) in sizes and len({c.id for c in evaluation}) == len(evaluation)
         for other in others:
             assert not {c.task for c in evaluation} & {c.task for c in other}
             for field in ("name", "template", "system"):
@@ -203,12 +207,18 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     assert not any(f + "(" in c.task for f in functions for c in calibration)
     # the larger HumanEval set (every second problem, >= 64 relays): no calibration task or
     # function, the same roles as the 20-case set, and it contains that set's problems
-    large = load_workload(name="humaneval82_workload.jsonl")
     assert len(large) == 82 and len({c.id for c in large}) == 82
     assert {c.task for c in humaneval} <= {c.task for c in large}
     assert not {c.task for c in large} & {c.task for c in calibration}
     large_functions = {re.search(r"def (\w+)\(", c.task).group(1) for c in large}
     assert not any(f + "(" in c.task for f in large_functions for c in calibration)
+    # the 72-relay held-out set: distinct tasks, 6 new kinds x 12, >= 12 two-upstream relays
+    assert len({c.task for c in heldout72}) == 72
+    kinds = [c.kind for c in heldout72]
+    assert len(set(kinds)) == 6 and all(kinds.count(k) == 12 for k in kinds)
+    used = {c.kind for s in (first, calibration, heldout, humaneval, large) for c in s}
+    assert not set(kinds) & used
+    assert sum(len(c.upstream) == 2 for c in heldout72) >= 12
 
 
 def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
