@@ -4,7 +4,8 @@ in (its first page's prompt tail and its last page's rest come along), and the l
 partial page of any other stored output (the tree keeps whole pages only).
 
 On each page size, with chunked prefill (256-token chunks: the relayed prompts fit one, as
-the reference executor prefills them; the 260-token fillers are cut in two): the relay of
+the reference executor prefills them; the 260-token fillers are cut in two; at page 64
+also ``--enable-mixed-chunk``, with a decode running while the fillers prefill): the relay of
 an upstream equals the reference executor's; the relayed request's own output becomes an
 owned span holding whole pages (the pool's accounting adds up to its total while it is
 held); that owned span relays into a third prompt (its all-selected oracle equals
@@ -13,6 +14,9 @@ pages back: they are released first, nothing leaks, and the server keeps serving
 output (the oracle again, after the eviction)."""
 
 from __future__ import annotations
+
+import concurrent.futures as cf
+import time
 
 import pytest
 from relay_helpers import (
@@ -37,10 +41,11 @@ def _pool_adds_up(url: str) -> dict:
     return info
 
 
-@pytest.mark.parametrize("page, chunk", [(16, 256), (64, 256)])
-def test_relay_with_pages_owns_whole_pages(page, chunk, model_dir):
+@pytest.mark.parametrize("page, chunk, mixed", [(16, 256, False), (64, 256, True)])
+def test_relay_with_pages_owns_whole_pages(page, chunk, mixed, model_dir):
     args = ["--model-path", str(model_dir), "--page-size", str(page), "--max-total-tokens", "2048"]
     args += ["--chunked-prefill-size", str(chunk), "--relay-span-tokens", "1024"]
+    args += ["--enable-mixed-chunk"] if mixed else []
     with running_server(args) as s:
         ref = R.load_model(str(model_dir))
         settings = settings_from_env(str(model_dir), {})
@@ -66,10 +71,18 @@ def test_relay_with_pages_owns_whole_pages(page, chunk, model_dir):
         # the owned span relays; with every token recomputed it equals standard prefill
         assert_all_selected_equals_standard(s.url, down["output_ids"][:stored], n=6)
 
-        # unrelated prompts fill the pool: SGLang needs room, owned pages go back first
-        for i in range(12):
-            generate_ids(s.url, list(range(5000 + 300 * i, 5000 + 300 * i + 260)), 4)
+        # unrelated prompts fill the pool: SGLang needs room, owned pages go back first (with
+        # mixed chunk, a decode runs during the first half: the fillers' chunks carry its
+        # rows; its own stored tail page is then given back by the second half)
+        with cf.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(generate_ids, s.url, list(range(9000, 9040)), 120) if mixed else None
+            time.sleep(1.0 if mixed else 0.0)
+            for i in range(12):
+                generate_ids(s.url, list(range(5000 + 300 * i, 5000 + 300 * i + 260)), 4)
+                if i == 5 and busy is not None:
+                    busy.result()
         info = _pool_adds_up(s.url)
+        assert (info.get("mixed_batches", 0) > 0) == mixed  # mixing really happened
         assert info["owned_spans_released_for_room"] >= 1
         assert info["owned_span_tokens"] == 0
         # still correct after the pages were given back and reused
