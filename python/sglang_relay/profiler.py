@@ -51,6 +51,10 @@ from sglang_relay.core.selection import kv_deviation
 TOP_SHARE = 0.15
 FIRST = 16
 KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
+# The measures a user sees beside KL (issue 29): a candidate whose first-token top-1 or
+# greedy prefix trails the best eligible candidate's by more than this many relays' worth
+# (1/n each, n calibration relays) is not chosen, whatever its KL
+MEASURE_SLACK_RELAYS = 1
 NOISE = 1e-5  # mean deviation below this is float noise (no curve value)
 
 
@@ -159,13 +163,14 @@ def evaluate(
     ref: RefModel, relays: list[Any], exacts: list[RelayResult], cfg: RelayConfig
 ) -> dict[str, Any]:
     """Calibration metrics of one candidate."""
-    kls, tfs, top1s, reuses, spans, sel = [], [], [], [], 0, 0
+    kls, tfs, top1s, prefixes, reuses, spans, sel = [], [], [], [], [], 0, 0
     for relay, exact in zip(relays, exacts, strict=True):
         res = relay_prefill(ref, relay.prompt, relay.spans, cfg, forced=relay.continuation[:-1])
         f = fidelity(exact.logits, res.logits, relay.continuation)
         kls.append(f["first_token_kl"])
         tfs.append(f["tf_top1"])
         top1s.append(f["top1"])
+        prefixes.append(f["greedy_prefix"])
         reuses.append(res.reuse_rate)
         spans += sum(res.span_lengths)
         sel += sum(res.selected)
@@ -174,6 +179,8 @@ def evaluate(
         "first_token_kl_median": statistics.median(kls),
         "tf_top1": statistics.fmean(tfs),
         "top1": statistics.fmean(top1s),
+        "greedy_prefix": statistics.fmean(prefixes),
+        "relays": len(kls),
         "reuse_min": min(reuses),
         "reuse_mean": statistics.fmean(reuses),
         "selected_fraction": sel / spans if spans else 0.0,
@@ -187,12 +194,30 @@ def rank_key(entry: dict[str, Any], best_kl: float) -> tuple:
     return (0 if tied else 1, -m["tf_top1"] if tied else m["first_token_kl"], -m["reuse_mean"])
 
 
+def keeps_the_user_measures(entry: dict[str, Any], eligible: list[dict[str, Any]]) -> bool:
+    """Whether ``entry`` is within :data:`MEASURE_SLACK_RELAYS` relays of the best eligible
+    candidate on first-token top-1 and on greedy prefix (a measure a candidate lacks, e.g.
+    one logged by an older profiler, does not count against it)."""
+    m = entry["metrics"]
+    slack = MEASURE_SLACK_RELAYS / max(1, int(m.get("relays", 1)))
+    for measure in ("top1", "greedy_prefix"):
+        values = [e["metrics"][measure] for e in eligible if measure in e["metrics"]]
+        if measure in m and values and m[measure] < max(values) - slack - 1e-9:
+            return False
+    return True
+
+
 def choose(search: list[dict[str, Any]], min_reuse: float) -> dict[str, Any] | None:
+    """The candidate a profile keeps: reuse >= ``min_reuse`` on every relay, first-token top-1
+    and greedy prefix within one relay of the best such candidate's (the constraint form of
+    issue 29's multi-measure objective), then the lowest mean first-token KL
+    (:func:`rank_key`: near-ties by teacher-forced top-1, then reuse)."""
     eligible = [e for e in search if e["metrics"]["reuse_min"] >= min_reuse - 1e-9]
     if not eligible:
         return None
-    best_kl = min(e["metrics"]["first_token_kl"] for e in eligible)
-    return min(eligible, key=lambda e: rank_key(e, best_kl))
+    kept = [e for e in eligible if keeps_the_user_measures(e, eligible)]
+    best_kl = min(e["metrics"]["first_token_kl"] for e in kept)
+    return min(kept, key=lambda e: rank_key(e, best_kl))
 
 
 class Search:

@@ -1,0 +1,56 @@
+"""The profiler's choice among candidates: reuse first, then the measures a user sees
+(first-token top-1, greedy prefix) within one relay of the best, then KL. Hand-built
+candidates whose winner is known by reading them."""
+
+from __future__ import annotations
+
+from sglang_relay.profiler import choose
+
+
+def cand(name: str, kl: float, top1: float, prefix: float, reuse: float = 0.9, tf: float = 0.97):
+    return {
+        "name": name,
+        "metrics": {
+            "first_token_kl": kl,
+            "tf_top1": tf,
+            "top1": top1,
+            "greedy_prefix": prefix,
+            "relays": 16,
+            "reuse_min": reuse,
+            "reuse_mean": reuse,
+        },
+    }
+
+
+def test_a_lower_kl_that_flips_two_more_first_tokens_is_not_chosen():
+    # 'low' has the lowest KL but 2 of 16 more first-token flips than 'safe': out
+    low = cand("low", 0.010, 14 / 16, 0.60)
+    safe = cand("safe", 0.012, 16 / 16, 0.60)
+    assert choose([low, safe], 0.9)["name"] == "safe"
+    # one flip more is within the slack: KL decides
+    near = cand("near", 0.010, 15 / 16, 0.60)
+    assert choose([near, safe], 0.9)["name"] == "near"
+
+
+def test_the_greedy_prefix_counts_like_top1():
+    low = cand("low", 0.010, 1.0, 0.40)
+    safe = cand("safe", 0.012, 1.0, 0.50)  # 0.10 > 1/16 better
+    assert choose([low, safe], 0.9)["name"] == "safe"
+    close = cand("close", 0.010, 1.0, 0.45)  # 0.05 < 1/16 behind
+    assert choose([close, safe], 0.9)["name"] == "close"
+
+
+def test_reuse_is_checked_before_the_measures():
+    # the best measures belong to a candidate that misses the reuse target: they set no bar
+    dense = cand("dense", 0.001, 1.0, 0.90, reuse=0.85)
+    low = cand("low", 0.010, 14 / 16, 0.60)
+    other = cand("other", 0.020, 14 / 16, 0.55)
+    assert choose([dense, low, other], 0.9)["name"] == "low"
+    assert choose([dense], 0.9) is None
+
+
+def test_candidates_logged_without_the_new_measures_are_ranked_by_kl():
+    old = {"name": "old", "metrics": {"first_token_kl": 0.01, "tf_top1": 0.9, "top1": 1.0,
+                                      "reuse_min": 0.9, "reuse_mean": 0.9}}  # fmt: skip
+    new = cand("new", 0.02, 1.0, 0.7)
+    assert choose([old, new], 0.9)["name"] == "old"
