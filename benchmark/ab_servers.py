@@ -7,19 +7,24 @@ speed moves by 10-60 % between runs) hits both alike.
     # a --no-relay server against a relay server, plain requests only
     OMP_WAIT_POLICY=PASSIVE python benchmark/ab_servers.py --plain
 
-Set one OpenMP wait policy for both (the environment is inherited): with spinning
-threads an idle server steals cycles from the other one. Relay mode measures per round
-the client latency of a 1-token reply to a prompt quoting a 512-token upstream output
-(``naive``, ``relay``, ``relay`` at reuse 0.95, ``standard``) and decode tokens/s (48
-tokens); plain mode the 1-token latency of a ~560-token plain prompt and decode tokens/s.
-Prints medians and the median (min, max) of the per-round B/A ratios.
+Both servers get the same OpenMP wait policy (``OMP_WAIT_POLICY`` from the environment,
+else PASSIVE, set explicitly for both: an older checkout may not set it for one rank, and
+with spinning threads an idle server steals cycles from the other one). Relay mode
+measures per round the client latency of a 1-token reply to a prompt quoting a 512-token
+upstream output (``naive``, ``relay``, ``relay`` at reuse 0.95, ``standard``) and decode
+tokens/s (48
+tokens, prefill included: the prompt is short); plain mode the 1-token latency of a
+~560-token plain prompt and decode tokens/s. Prints medians and the median (min, max) of
+the per-round B/A ratios; ``--json`` keeps every sample with the commits, policy and args.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import requests
@@ -53,14 +58,16 @@ def main() -> None:
         out = requests.post(url + "/generate", json=body, timeout=600).json()
         return out, time.perf_counter() - t0
 
+    policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     if args.plain:
-        specs = {"A": ({}, ["--no-relay"]), "B": ({}, [])}
-        methods = [("plain_prefill", 1), ("decode", 48)]
+        specs = {"A": (policy, ["--no-relay"]), "B": (policy, [])}
+        methods = [("plain_prefill", None, 1), ("decode", None, 48)]
     else:
         old = f"{args.before}/python:{args.before}/kernels"
-        specs = {"A": ({"PYTHONPATH": old}, []), "B": ({}, [])}
-        methods = [("naive", 1), ("relay", 1), ({"method": "relay", "reuse": 0.95}, 1),
-                   ("standard", 1), ("decode", 48)]  # fmt: skip
+        specs = {"A": ({**policy, "PYTHONPATH": old}, []), "B": (policy, [])}
+        methods = [("naive", "naive", 1), ("relay", "relay", 1),
+                   ("relay@0.95", {"method": "relay", "reuse": 0.95}, 1),
+                   ("standard", "standard", 1), ("decode", "standard", 48)]  # fmt: skip
     servers = {
         k: ServerProcess(["--model-path", model, *flags], env=env).start(timeout=900)
         for k, (env, flags) in specs.items()
@@ -76,22 +83,22 @@ def main() -> None:
             assert ups["A"] == ups["B"], "the two servers decode differently"
         for rd in range(args.rounds):
             order = ["A", "B"] if rd % 2 == 0 else ["B", "A"]
-            for method, n in methods:
+            for label, relay, n in methods:
+                salt = f"{rd} {time.time():.0f}"  # one fresh prefix per round and measure
                 for k in order:
-                    url, salt = servers[k].url, f"{rd} {time.time()}"
-                    if method == "decode":
-                        relay = None if args.plain else "standard"
+                    url = servers[k].url
+                    if label == "decode":
                         _, dt = gen(url, chat(f"Writer {salt}.", "Tell a long story."), n, relay)
                         value = n / dt
-                    elif method == "plain_prefill":
+                    elif label == "plain_prefill":
                         text = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 50
                         _, value = gen(url, chat(f"Reader {salt}.", text), n)
                     else:
                         prompt = chat(f"Reviewer {salt}.", f"Plan:\n{ups[k]}\nOne risk.")
-                        out, value = gen(url, prompt, n, method)
+                        out, value = gen(url, prompt, n, relay)
                         info = out["meta_info"].get("relay") or {}
-                        assert method == "standard" or info.get("fallback") is None, info
-                    samples.setdefault((str(method), k), []).append(value)
+                        assert label == "standard" or info.get("fallback") is None, info
+                    samples.setdefault((label, k), []).append(value)
     finally:
         for s in servers.values():
             s.stop()
@@ -103,8 +110,18 @@ def main() -> None:
         print(f"| {method} | {statistics.median(a):.4f} | {statistics.median(b):.4f} | "
               f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |")  # fmt: skip
     if args.json:
+
+        def commit(path: str | None) -> str:
+            where = ["-C", path] if path else []
+            cmd = ["git", *where, "rev-parse", "HEAD"]
+            return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+
+        a_is = "--no-relay server" if args.plain else f"{args.before} @ {commit(args.before)}"
+        meta = {"A": a_is, "B": f"this checkout @ {commit(None)}", "env": policy,
+                "args": vars(args)}  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({f"{m} {k}": v for (m, k), v in samples.items()}, f, indent=1)
+            json.dump({"meta": meta, "samples": {f"{m} {k}": v for (m, k), v in samples.items()}},
+                      f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -194,28 +194,35 @@ def rank_key(entry: dict[str, Any], best_kl: float) -> tuple:
     return (0 if tied else 1, -m["tf_top1"] if tied else m["first_token_kl"], -m["reuse_mean"])
 
 
-def keeps_the_user_measures(entry: dict[str, Any], eligible: list[dict[str, Any]]) -> bool:
-    """Whether ``entry`` is within :data:`MEASURE_SLACK_RELAYS` relays of the best eligible
-    candidate on first-token top-1 and on greedy prefix (a measure a candidate lacks, e.g.
-    one logged by an older profiler, does not count against it)."""
-    m = entry["metrics"]
-    slack = MEASURE_SLACK_RELAYS / max(1, int(m.get("relays", 1)))
+def user_measure_bar(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates within :data:`MEASURE_SLACK_RELAYS` relays (1/n each, n calibration
+    relays) of the best one on first-token top-1, then, among those, on greedy prefix. Bars
+    apply in that order, each among the survivors of the one before, so the result is never
+    empty (the leader of each bar passes it). A candidate lacking a measure (logged by an
+    older profiler) is not held to it."""
+    n = max((int(c["metrics"].get("relays", 0)) for c in candidates), default=0)
+    if n == 0:
+        return candidates
+    slack = MEASURE_SLACK_RELAYS / n + 1e-6  # metrics are rounded to 6 decimals
+    kept = candidates
     for measure in ("top1", "greedy_prefix"):
-        values = [e["metrics"][measure] for e in eligible if measure in e["metrics"]]
-        if measure in m and values and m[measure] < max(values) - slack - 1e-9:
-            return False
-    return True
+        values = [c["metrics"][measure] for c in kept if measure in c["metrics"]]
+        if values:
+            bar = max(values) - slack
+            kept = [c for c in kept if c["metrics"].get(measure, bar) >= bar]
+    return kept
 
 
 def choose(search: list[dict[str, Any]], min_reuse: float) -> dict[str, Any] | None:
     """The candidate a profile keeps: reuse >= ``min_reuse`` on every relay, first-token top-1
-    and greedy prefix within one relay of the best such candidate's (the constraint form of
-    issue 29's multi-measure objective), then the lowest mean first-token KL
-    (:func:`rank_key`: near-ties by teacher-forced top-1, then reuse)."""
+    and then greedy prefix within one relay of the best such candidate's
+    (:func:`user_measure_bar`, the constraint form of issue 29's multi-measure objective),
+    then the lowest mean first-token KL (:func:`rank_key`: near-ties by teacher-forced top-1,
+    then reuse)."""
     eligible = [e for e in search if e["metrics"]["reuse_min"] >= min_reuse - 1e-9]
     if not eligible:
         return None
-    kept = [e for e in eligible if keeps_the_user_measures(e, eligible)]
+    kept = user_measure_bar(eligible)
     best_kl = min(e["metrics"]["first_token_kl"] for e in kept)
     return min(kept, key=lambda e: rank_key(e, best_kl))
 
@@ -413,8 +420,9 @@ def run_frontier(
 ) -> list[dict[str, Any]]:
     """Per reuse target, the best of the profiled deviation rule (its cap solved for the
     target), :func:`first_k_rule`, :func:`context_rule` and :func:`probe_rule` (at the
-    layer :func:`pick_context_layer` chose) on the calibration relays: the lowest mean first-token
-    KL among those whose reuse is >= the target on every relay. A server stores one stream
+    layer :func:`pick_context_layer` chose) on the calibration relays: :func:`choose` among
+    those whose reuse is >= the target on every relay (the user-measure bar, then the lowest
+    mean first-token KL). A server stores one stream
     per output token, so when the deviation rule and the context rule need different
     layers, the points come from one family (deviation + first-k, or context + first-k):
     the one with the lower KL summed over the targets. The runtime maps a requested target

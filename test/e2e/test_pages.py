@@ -75,8 +75,9 @@ def test_relay_with_pages_owns_whole_pages(page, chunk, mixed, model_dir):
         # mixed chunk, a decode runs during the first half: the fillers' chunks carry its
         # rows; its own stored tail page is then given back by the second half)
         with cf.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(generate_ids, s.url, list(range(9000, 9040)), 120) if mixed else None
+            busy = pool.submit(generate_ids, s.url, list(range(9000, 9040)), 240) if mixed else None
             time.sleep(1.0 if mixed else 0.0)
+            assert busy is None or not busy.done(), "the decode ended before the fillers began"
             for i in range(12):
                 generate_ids(s.url, list(range(5000 + 300 * i, 5000 + 300 * i + 260)), 4)
                 if i == 5 and busy is not None:

@@ -106,6 +106,7 @@ def test_goodput_curve_is_goodput_at_each_slo(tmp_path):
     ]  # fmt: skip
     curve = serve.goodput_curve(rows, [1.0, 2.0, 4.0])
     assert curve == {"standard": [0, 2, 4], "relay": [2, 4, 4]}
+    pytest.importorskip("matplotlib")  # the bench extra
     out = tmp_path / "serve.png"
     serve.plot(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -54,3 +54,13 @@ def test_candidates_logged_without_the_new_measures_are_ranked_by_kl():
                                       "reuse_min": 0.9, "reuse_mean": 0.9}}  # fmt: skip
     new = cand("new", 0.02, 1.0, 0.7)
     assert choose([old, new], 0.9)["name"] == "old"
+
+
+def test_measures_that_cross_leave_a_choice():
+    # the top-1 leader trails on greedy prefix and the prefix leader on top-1: top-1's bar
+    # applies first, the prefix bar then among its survivors
+    a = cand("a", 0.012, 1.0, 0.448)
+    b = cand("b", 0.010, 14 / 16, 0.520)
+    assert choose([a, b], 0.9)["name"] == "a"
+    c = cand("c", 0.011, 15 / 16, 0.530)  # within one flip of a: c then sets the prefix bar
+    assert choose([a, b, c], 0.9)["name"] == "c"

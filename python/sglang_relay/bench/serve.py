@@ -13,7 +13,9 @@ Reported per method and rate: chains completed per minute, TTFT p50/p99 of every
 and of the requests that could relay, chain latency p50/p99, the share of prompt tokens
 relayed, fallbacks by reason, and the server's relay counters over the run (spans
 recorded / evicted, pool use). **Goodput** at an SLO is the highest rate whose p99 TTFT
-meets it (:func:`goodput`).
+meets it (:func:`goodput`). Each row also has the time per output token (TPOT p50/p99:
+the decode speed requests saw) and chain latency per chain kind. ``--plot`` draws goodput
+against the SLO, the TTFT tail and chain latency per rate; ``--replot`` redraws saved runs.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ class Record:
 
     @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first (decode speed as this request saw it)."""
+        """Time per output token after the first (decode speed as this request saw it);
+        ``output_tokens`` is the requested length, exact under ``ignore_eos`` (the bench's
+        requests all set it)."""
         if self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
@@ -356,7 +360,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    slos = [round(0.1 * i, 2) for i in range(1, 81)]  # 0.1 .. 8 s
+    worst = max((r["ttft_p99"] for r in rows if r.get("ttft_p99") is not None), default=4.0)
+    top = max(8.0, 1.25 * worst)
+    slos = [round(top * i / 100, 3) for i in range(1, 101)]  # up to past the worst p99
     curves = goodput_curve(rows, slos)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (method, curve) in enumerate(curves.items()):
@@ -418,10 +424,14 @@ def main(argv: list[str]) -> int:
     )
     args, server_flags = p.parse_known_args(argv)
     if args.replot:
-        rows = [r for f in args.replot.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        files = [Path(f) for f in args.replot.split(",")]
+        rows = []
+        for f in files:  # several files: a method's rows keep their file apart (name@stem)
+            for r in json.loads(f.read_text())["rows"]:
+                rows.append({**r, "method": f"{r['method']}@{f.stem}"} if len(files) > 1 else r)
         print(markdown(rows, [float(x) for x in args.slos.split(",")]))
         if args.plot:
-            plot(rows, args.plot, title=", ".join(Path(f).name for f in args.replot.split(",")))
+            plot(rows, args.plot, title=", ".join(f.name for f in files))
         return 0
     if args.quick:
         args.rates, args.duration, args.methods = "2,6", 45.0, "standard,relay"
