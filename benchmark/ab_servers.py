@@ -12,8 +12,7 @@ else PASSIVE, set explicitly for both: an older checkout may not set it for one 
 with spinning threads an idle server steals cycles from the other one). Relay mode
 measures per round the client latency of a 1-token reply to a prompt quoting a 512-token
 upstream output (``naive``, ``relay``, ``relay`` at reuse 0.95, ``standard``) and decode
-tokens/s (48
-tokens, prefill included: the prompt is short); plain mode the 1-token latency of a
+tokens/s (48 tokens, prefill included: the prompt is short); plain mode the 1-token latency of a
 ~560-token plain prompt and decode tokens/s. Prints medians and the median (min, max) of
 the per-round B/A ratios; ``--json`` keeps every sample with the commits, policy and args.
 """
@@ -27,9 +26,10 @@ import statistics
 import subprocess
 import time
 
-import requests
 from transformers import AutoTokenizer
 
+from sglang_relay.client import generate
+from sglang_relay.demo import chat_prompt
 from sglang_relay.embedded_model import ensure_model
 from sglang_relay.runtime.launch import ServerProcess
 
@@ -46,17 +46,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
 
     def chat(system: str, user: str) -> str:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return chat_prompt(tok, system, user)
 
-    def gen(url: str, text: str, n: int, relay=None) -> tuple[dict, float]:
+    def gen(url: str, text: str, n: int, relay=None):
+        """(the generation, its client latency): one non-streamed request, EOS ignored."""
         params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
         if relay is not None:
             params["custom_params"] = {"relay": relay}
-        t0 = time.perf_counter()
-        body = {"text": text, "sampling_params": params}
-        out = requests.post(url + "/generate", json=body, timeout=600).json()
-        return out, time.perf_counter() - t0
+        out = generate(url, text, params, stream=False)
+        return out, out.latency_s
 
     policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     if args.plain:
@@ -78,13 +76,15 @@ def main() -> None:
         if not args.plain:
             for k, s in servers.items():
                 ask = chat("You are a planner.", "Describe how to build a compiler in detail.")
-                ups[k] = gen(s.url, ask, 512)[0]["text"]
+                ups[k] = gen(s.url, ask, 512)[0].text
                 gen(s.url, chat("Warm.", f"Plan:\n{ups[k]}\nShort."), 2, "naive")
             assert ups["A"] == ups["B"], "the two servers decode differently"
         for rd in range(args.rounds):
             order = ["A", "B"] if rd % 2 == 0 else ["B", "A"]
             for label, relay, n in methods:
-                salt = f"{rd} {time.time():.0f}"  # one fresh prefix per round and measure
+                # one fresh prompt per round and measure, the same for A and B (the measures
+                # of a round must not be radix prefix hits of each other)
+                salt = f"{label} {rd} {time.time()}"
                 for k in order:
                     url = servers[k].url
                     if label == "decode":
@@ -96,7 +96,7 @@ def main() -> None:
                     else:
                         prompt = chat(f"Reviewer {salt}.", f"Plan:\n{ups[k]}\nOne risk.")
                         out, value = gen(url, prompt, n, relay)
-                        info = out["meta_info"].get("relay") or {}
+                        info = out.relay or {}
                         assert label == "standard" or info.get("fallback") is None, info
                     samples.setdefault((label, k), []).append(value)
     finally:
