@@ -7,7 +7,7 @@ STAMP := $(VENV)/.sglang-relay-setup
 ARGS ?=
 BENCH_OUT ?= bench-results
 
-.PHONY: setup demo serve test test-unit test-e2e lint bench clean
+.PHONY: setup demo serve test test-full test-unit test-e2e lint bench clean
 
 setup: $(STAMP)
 	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
@@ -32,6 +32,10 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25 test kernels/tests $(ARGS)
+
+# Every test, the `full` tier too (other architectures, page 16; ~1.3x the time of `test`)
+test-full: setup
+	$(PY) -m pytest -q --durations=25 --full test kernels/tests $(ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q test/unit $(ARGS)

@@ -19,6 +19,27 @@ def model_dir():
     return ensure_model(quiet=True)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=os.environ.get("SGLANG_RELAY_FULL_TESTS") == "1",
+        help="also run the tests marked `full` (make test-full; SGLANG_RELAY_FULL_TESTS=1)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # Each `full` test repeats, on another configuration, a path a CI-tier test already
+    # serves end to end (a server start is ~60 s here): CI stays well inside its limit and
+    # `make test-full` runs them all. Skipped with a reason, so the summary shows them.
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="full tier: run with `make test-full`")
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     # No hub at run time: anything that tries to download must fail fast.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

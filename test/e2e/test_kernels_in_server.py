@@ -23,10 +23,10 @@ def _chain(url, tok, **relay):
     up = generate(
         url,
         chat(tok, "You are a planner.", "List four steps to rename a Python module safely."),
-        n=100,
+        n=64,  # a span of 64 under the interpreter: the oracle below runs it through every layer
     )
     prompt = chat(tok, "You are a reviewer.", f"Plan:\n\n{up['text']}\n\nOne risk, briefly.")
-    return up, generate(url, prompt, n=6, logprobs=True, **relay), prompt
+    return up, generate(url, prompt, n=3, logprobs=True, **relay), prompt
 
 
 def test_triton_relay_extend_serves_what_torch_serves(server, triton_server, tok):
@@ -49,8 +49,8 @@ def test_triton_relay_extend_serves_what_torch_serves(server, triton_server, tok
 
     # METHOD.md's oracle through the kernels: everything recomputed equals standard prefill
     every = {"method": "relay", "config": ALL_SELECTED}
-    full = generate(triton_server.url, prompt, n=6, logprobs=True, relay=every)
-    std = generate(triton_server.url, prompt, n=6, logprobs=True, relay="standard")
+    full = generate(triton_server.url, prompt, n=3, logprobs=True, relay=every)
+    std = generate(triton_server.url, prompt, n=3, logprobs=True, relay="standard")
     assert full["meta_info"]["relay"]["spans_matched"] >= 1
     assert full["meta_info"]["relay"]["reuse_rate"] == 0.0
     a, b = first_logprobs(full), first_logprobs(std)

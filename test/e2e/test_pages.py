@@ -41,7 +41,10 @@ def _pool_adds_up(url: str) -> dict:
     return info
 
 
-@pytest.mark.parametrize("page, chunk, mixed", [(16, 256, False), (64, 256, True)])
+@pytest.mark.parametrize(
+    "page, chunk, mixed",
+    [pytest.param(16, 256, False, marks=pytest.mark.full), (64, 256, True)],  # 64: CI tier
+)
 def test_relay_with_pages_owns_whole_pages(page, chunk, mixed, model_dir):
     args = ["--model-path", str(model_dir), "--page-size", str(page), "--max-total-tokens", "2048"]
     args += ["--chunked-prefill-size", str(chunk), "--relay-span-tokens", "1024"]

@@ -174,7 +174,11 @@ def _req(tokens, extra_key=None, cache_salt=None, relay=None):
 
     params = SimpleNamespace(custom_params={"relay": relay} if relay is not None else None)
     return SimpleNamespace(
-        input_ids=tokens, extra_key=extra_key, cache_salt=cache_salt, sampling_params=params
+        input_ids=tokens,
+        extra_key=extra_key,
+        lora_id=None,
+        cache_salt=cache_salt,
+        sampling_params=params,
     )
 
 
@@ -187,7 +191,7 @@ def test_a_prompt_only_matches_spans_of_its_own_namespace(tmp_path):
     router = _router(tmp_path)
     pub = FingerprintPublisher(router.endpoint, rank=1)
     ns_a = router.namespace(_req(prompt, cache_salt="tenant-a"))
-    assert ns_a == (None, "tenant-a", None)  # extra_key, cache_salt, relay key
+    assert ns_a == (None, None, "tenant-a", None)  # extra_key, lora_id, cache_salt, relay key
     pub.added(3, span, ns_a)  # what the rank's SpanStore tells the publisher
     deadline = time.time() + 5
     while not router.spans and time.time() < deadline:

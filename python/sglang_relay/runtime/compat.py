@@ -361,8 +361,10 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "rid", "prefix_len", "extend_len", "origin_input_ids", "output_ids",
         "full_untruncated_fill_ids", "get_fill_ids", "finished", "kv", "extra_key",
         "cache_salt", "return_logprob", "logprob_start_len", "multimodal_inputs",
-        "sampling_params", "customized_info", "session_id", "return_hidden_states",
+        "sampling_params", "customized_info", "session_id", "return_hidden_states", "lora_id",
     ),
+    # the DP controller's routing namespace (tokenized_isolation)
+    "TokenizedGenerateReqInput": ("input_ids", "extra_key", "lora_id", "cache_salt"),
     "PrefillAdder": ("tree_cache", "can_run_list"),
     "GroupCoordinator": ("world_size", "rank_in_group", "cpu_group", "all_reduce"),
     "KVCacheConfigurator": ("server_args", "model_config", "model_dtype", "is_draft_worker"),
@@ -397,6 +399,13 @@ def check_surface(kind: str, obj) -> None:
             f"sglang-relay: SGLang {SGLANG_VERSION}'s {kind} lacks {', '.join(missing)}; this "
             "sglang-relay release does not support it (see runtime/compat.py SURFACE)"
         )
+
+
+def check_router_surface() -> None:
+    """The DP controller's start-up check: the tokenized request it routes by namespace."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+    check_surface("TokenizedGenerateReqInput", TokenizedGenerateReqInput)
 
 
 def check_startup_surface(ctx, model_runner) -> None:
@@ -608,9 +617,36 @@ def evict_result():
 
 
 # ---- requests ------------------------------------------------------------------------------
-def request_namespace(req):
-    """Who may reuse whose spans: SGLang's own cache isolation keys of a request."""
-    return (req.extra_key, req.cache_salt)
+class IsolationError(ValueError):
+    """A scheduler request whose ``extra_key`` cannot be split into the user's key and its
+    LoRA adapter id: it neither stores nor reuses spans."""
+
+
+def request_isolation(req, lora: str = "adapter") -> tuple:
+    """SGLang's cache isolation keys of a scheduler ``Req``: ``(extra_key the user set,
+    LoRA adapter id, cache_salt)``. ``Req.__init__`` stores ``extra_key`` as the user's
+    key with the adapter id appended and keeps ``lora_id`` apart, so the two are split
+    here (a concatenation would let ``"x" + id`` under the base model meet ``"x"`` under
+    the adapter). ``lora``: ``"adapter"`` keeps adapters apart, ``"shared"`` drops the id.
+    Raises :class:`IsolationError` if the key does not end with the id."""
+    key, lora_id = req.extra_key or None, getattr(req, "lora_id", None) or None
+    if lora_id is not None:
+        if key is None or not key.endswith(lora_id):
+            raise IsolationError("extra_key does not end with the request's lora_id")
+        key = key[: len(key) - len(lora_id)] or None
+    return _isolation(key, lora_id, req.cache_salt, lora)
+
+
+def tokenized_isolation(recv, lora: str = "adapter") -> tuple:
+    """The same keys of a tokenized request (``TokenizedGenerateReqInput``, where the DP
+    controller routes it): it carries ``extra_key`` and ``lora_id`` as separate fields.
+    An embedding request has no ``extra_key`` (AttributeError: the router leaves it to
+    SGLang's own routing, counted)."""
+    return _isolation(recv.extra_key or None, recv.lora_id or None, recv.cache_salt, lora)
+
+
+def _isolation(key, lora_id, salt, lora: str) -> tuple:
+    return (key, lora_id if lora == "adapter" else None, salt)
 
 
 def request_refusal(req) -> str | None:

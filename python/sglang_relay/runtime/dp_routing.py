@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from sglang_relay.runtime.options import namespace, request_option
-from sglang_relay.runtime.settings import ENV_SCOPE
+from sglang_relay.runtime.settings import ENV_LORA, ENV_SCOPE
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +194,15 @@ class DPRouter:
         self.last_decision: str | None = None
         self.errors_seen: set[str] = set()  # exception kinds already logged (_route)
         self.scope = os.environ.get(ENV_SCOPE) or "shared"  # the ranks' relay scope
+        self.lora = os.environ.get(ENV_LORA) or "adapter"  # and their LoRA namespaces
 
     def namespace(self, req) -> tuple | None:
         """The namespace ``req`` relays from, as its rank will compute it (None: none)."""
         from sglang_relay.runtime import compat
 
         try:
-            return namespace(self.scope, compat.request_namespace(req), request_option(req))
+            isolation = compat.tokenized_isolation(req, self.lora)
+            return namespace(self.scope, isolation, request_option(req))
         except ValueError:
             return None  # a bad relay key: the rank runs standard prefill
 
@@ -301,6 +303,9 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
     if os.environ.get(ROUTING_ENV, "1") == "0":  # SGLang's load-balance method alone
         logger.info("sglang-relay: DP routing by span fingerprints is off (%s=0)", ROUTING_ENV)
         return
+    from sglang_relay.runtime import compat
+
+    compat.check_router_surface()
     name = f"sglang-relay-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     endpoint = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/{name}"
     imbalance = int(os.environ.get(IMBALANCE_ENV, DEFAULT_MAX_IMBALANCE))

@@ -116,7 +116,8 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (
             view.enable_lora,
-            "--enable-lora / --lora-paths (adapter KV is not namespaced per adapter yet)",
+            "--enable-lora / --lora-paths (relay recomputes row subsets through LoRA layers whose "
+            "segment info describes the whole batch; docs/lora-study.md)",
             "drop the LoRA flags",
         ),
         (

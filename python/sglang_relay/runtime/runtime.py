@@ -167,7 +167,8 @@ class RelayRuntime:
     def namespace(self, req: Any) -> tuple | None:
         """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
         a key); ValueError on a bad relay key."""
-        return namespace(self.settings.scope, compat.request_namespace(req), request_option(req))
+        isolation = compat.request_isolation(req, self.settings.lora)
+        return namespace(self.settings.scope, isolation, request_option(req))
 
     def span_context(
         self, row: torch.Tensor, prompt_len: int, tokens: list[int], answer_start: int = 0
@@ -280,6 +281,8 @@ class RelayRuntime:
             return self._publish(req, stats, fallback=refusal)
         try:
             ns = self.namespace(req)
+        except compat.IsolationError as exc:
+            return self._publish(req, stats, fallback=f"lora_namespace: {exc}")
         except ValueError as exc:
             return self._publish(req, stats, fallback=f"bad_options: {exc}")
         if ns is None:  # scope "key": no cache_salt and no relay key

@@ -16,6 +16,10 @@ set them directly:
   of the same SGLang isolation keys, ``cache_salt`` / LoRA, and relay key) or ``key``
   (only requests carrying the same ``cache_salt`` or relay key; requests with neither
   store and reuse nothing)
+* ``SGLANG_RELAY_LORA``: spans across LoRA adapters: ``adapter`` (default: a request under
+  adapter X reuses only KV decoded under X, base-model requests only the base model's) or
+  ``shared`` (every adapter and the base model reuse each other's spans; the selected rows
+  are recomputed under the requesting adapter, the rest keep the other adapter's KV)
 * ``SGLANG_RELAY_MIN_SHARE``: relatedness rule: a stored span relays into a prompt only
   if the prompt holds at least this share of it (default 0.5) or a run of at least 256
   of its tokens (:func:`sglang_relay.core.span_index.related_spans`); 0 relays any match
@@ -45,6 +49,7 @@ ENV_PROFILE = "SGLANG_RELAY_PROFILE"
 ENV_CONFIG = "SGLANG_RELAY_CONFIG"
 ENV_REUSE = "SGLANG_RELAY_REUSE"
 ENV_SCOPE = "SGLANG_RELAY_SCOPE"
+ENV_LORA = "SGLANG_RELAY_LORA"
 ENV_MIN_SHARE = "SGLANG_RELAY_MIN_SHARE"
 ENV_REASONING_REUSE = "SGLANG_RELAY_REASONING_REUSE"
 # reasoning answers at reuse 0.60 match plain answers at the default 0.80 on first-token KL
@@ -52,6 +57,7 @@ ENV_REASONING_REUSE = "SGLANG_RELAY_REASONING_REUSE"
 DEFAULT_REASONING_REUSE = 0.60
 DEFAULT_MIN_SHARE = 0.5  # real relays: every pasted output >= 0.72 (docs/configuration.md)
 SCOPES = ("shared", "key")
+LORA_MODES = ("adapter", "shared")
 
 # Without a profile nothing is known about the model's layers: no hidden state is stored
 # (no side memory, nothing to calibrate), layer 0 is recomputed densely, value deviation at
@@ -79,6 +85,7 @@ class RelaySettings:
     reuse_target: float | None = None  # default operating point (None: ``config`` as is)
     overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
     scope: str = "shared"  # SGLANG_RELAY_SCOPE
+    lora: str = "adapter"  # SGLANG_RELAY_LORA
     min_share: float = DEFAULT_MIN_SHARE  # SGLANG_RELAY_MIN_SHARE
     reasoning_reuse: float | None = DEFAULT_REASONING_REUSE  # SGLANG_RELAY_REASONING_REUSE
 
@@ -139,6 +146,9 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     scope = env.get(ENV_SCOPE) or "shared"
     if scope not in SCOPES:
         raise ValueError(f"{ENV_SCOPE} must be one of {', '.join(SCOPES)}; got {scope!r}")
+    lora = env.get(ENV_LORA) or "adapter"
+    if lora not in LORA_MODES:
+        raise ValueError(f"{ENV_LORA} must be one of {', '.join(LORA_MODES)}; got {lora!r}")
     raw_share = env.get(ENV_MIN_SHARE)
     try:
         min_share = float(raw_share) if raw_share else DEFAULT_MIN_SHARE
@@ -174,6 +184,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         reuse_target=reuse if config.method == "relay" else None,
         overrides=tuple(overrides.items()),
         scope=scope,
+        lora=lora,
         min_share=min_share,
         reasoning_reuse=reasoning,
     )
