@@ -30,3 +30,49 @@ def test_names_import_and_raise_when_called():
 def test_submodules_are_absent_so_sglang_takes_its_fallbacks():
     proc = _run("import sgl_kernel.scalar_type")
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
+
+
+_LORA_BATCH = """
+import os, sys
+os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+from types import SimpleNamespace
+from sglang_relay.runtime import cpu
+if sys.argv[1] == "on":
+    os.environ[cpu.CPU_LORA_ENV] = "1"
+    cpu.pinning_off()
+import torch
+from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+backend = TorchNativeLoRABackend(max_loras_per_batch=2, device=torch.device("cpu"))
+fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=3, extend_num_tokens=9,
+    extend_seq_lens=torch.tensor([3, 2, 4], dtype=torch.int32), extend_seq_lens_cpu=[3, 2, 4])
+try:
+    backend.prepare_lora_batch(fb, [0, 0, 1], [8, 4], [2.0, 0.5], use_cuda_graph=False)
+except RuntimeError as exc:
+    print("RAISED", exc)
+    sys.exit(3)
+info = backend.batch_info
+print(info.seg_lens_cpu.tolist(), info.weight_indices_cpu.tolist(), info.seg_indptr_cpu.tolist(),
+      info.lora_ranks_cpu.tolist(), info.scalings_cpu.tolist())
+"""
+
+
+def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
+    """SGLang's torch_native LoRA backend pins its per-batch tensors, which raises without
+    an NVIDIA driver; with ``SGLANG_RELAY_CPU_LORA=1`` (``cpu.pinning_off``) it builds the
+    batch info: requests of 3, 2, 4 tokens under adapter slots 0, 0, 1 merge into
+    segments of 5 and 4 tokens."""
+    script = tmp_path / "lora_batch.py"
+    script.write_text(_LORA_BATCH)
+
+    def run(mode):
+        return subprocess.run(
+            [sys.executable, str(script), mode], capture_output=True, text=True, timeout=300
+        )
+
+    off = run("off")
+    assert off.returncode == 3 and "NVIDIA driver" in off.stdout, off.stdout + off.stderr[-2000:]
+    on = run("on")
+    assert on.returncode == 0, on.stderr[-2000:]
+    last = on.stdout.strip().splitlines()[-1]
+    assert last == "[5, 4] [0, 1] [0, 5, 9] [8, 4] [2.0, 0.5]", on.stdout

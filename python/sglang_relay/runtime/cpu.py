@@ -167,6 +167,43 @@ def fp8_e5m2_kv_on_cpu(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+# opt-in (tests): SGLang's LoRA layers and torch_native LoRA backend on the CPU
+CPU_LORA_ENV = "SGLANG_RELAY_CPU_LORA"
+_PINNING_FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange")
+
+
+def cpu_lora_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_LORA_ENV) == "1"
+
+
+def pinning_off() -> None:
+    """With ``SGLANG_RELAY_CPU_LORA=1`` on a CPU host: pinned host memory becomes ordinary
+    memory. SGLang 0.5.23's LoRA layers and its torch_native LoRA backend pin their
+    per-batch index tensors unconditionally (``Tensor.pin_memory()`` and
+    ``pin_memory=True``; ``docs/lora-study.md`` lists the 13 calls), which raises "Found
+    no NVIDIA driver" without CUDA, so no LoRA server starts here. Pinning only speeds up
+    host-to-device copies, and there is no device: every call it changes would have
+    raised. Measured 2026-11-26: a ``--no-relay`` server with two adapters and
+    ``--lora-backend torch_native`` starts and serves each adapter's own output."""
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch, "_sglang_relay_unpinned", False):
+        return
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    def unpinned(factory):
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        call.__wrapped__ = factory
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch._sglang_relay_unpinned = True
+
+
 def model_parallel_group_without_pynccl(original, *args, **kwargs):
     """Around-hook of ``init_model_parallel_group`` on the CPU: SGLang 0.5.23 gives every
     in-tree platform a PyNccl communicator when the caller does not say otherwise, and

@@ -63,6 +63,8 @@ def register() -> None:
         compat.register_hook(compat.DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
         if cpu.cpu_fp8_kv_opted_in():
             compat.register_hook(compat.KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
+        if cpu.cpu_lora_opted_in():
+            cpu.pinning_off()
     _registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
