@@ -363,6 +363,11 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "cache_salt", "return_logprob", "logprob_start_len", "multimodal_inputs",
         "sampling_params", "customized_info", "session_id", "return_hidden_states", "lora_id",
     ),
+    # a row subset's LoRA info (runtime/lora_rows.py; read and replaced on backend.batch_info)
+    "TorchNativeLoRABatchInfo": (
+        "bs", "num_segments", "max_len", "seg_lens", "seg_indptr", "weight_indices",
+        "seg_lens_cpu", "seg_indptr_cpu", "weight_indices_cpu", "expected_tokens", "permutation",
+    ),
     # the DP controller's routing namespace (tokenized_isolation)
     "TokenizedGenerateReqInput": ("input_ids", "extra_key", "lora_id", "cache_salt"),
     "PrefillAdder": ("tree_cache", "can_run_list"),
