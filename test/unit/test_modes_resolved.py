@@ -217,3 +217,16 @@ def test_relays_splice_writes_through_sglangs_kv_pool_views(dtype):
         assert stored.dtype == pool.store_dtype
         assert torch.equal(stored.view(dtype).double(), got)
         assert torch.equal(pool.get_value_buffer(lid)[dst], v_src)
+
+
+def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
+    from types import SimpleNamespace
+
+    def view(**kw):
+        return compat.server_view(SimpleNamespace(model_path="m", **kw))
+
+    assert modes.refusal(view(enable_lora=True, lora_backend="torch_native")) is None
+    for backend in ("csgmv", "triton"):  # csgmv: SGLang's default
+        message = modes.refusal(view(lora_paths=["a=/p"], lora_backend=backend))
+        assert f"--lora-backend {backend}" in message and "torch_native" in message, message
+    assert "--lora-backend csgmv" in modes.refusal(view(enable_lora=True))  # unset: default

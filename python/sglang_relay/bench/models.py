@@ -108,3 +108,73 @@ def random_model(arch: str, out: Path, tokenizer_from: Path, *, seed: int = 0) -
 def random_llama(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     """The random tp-splittable Llama (the tensor-parallel test and ``bench decode``)."""
     return random_model("llama", out, tokenizer_from, seed=seed)
+
+
+# ---- LoRA adapters (test/e2e/test_lora.py, benchmark/lora_shared_cost.py) -----------------
+LORA_TARGETS = {  # PEFT target name -> the module under each decoder layer
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}  # fmt: skip
+
+
+def random_lora_adapter(
+    model_dir: Path, out: Path, *, seed: int, rank: int = 8, alpha: int = 16, std: float = 0.03
+) -> dict[str, tuple]:
+    """Write a random PEFT LoRA adapter for every linear of every decoder layer of the
+    Llama-shaped model in ``model_dir`` (A and B both random, so it changes outputs from
+    the start); returns its ``(A, B)`` pairs by the base weight's checkpoint name."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    h, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    shapes = {  # (in, out) of each target
+        "q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
+        "o_proj": (heads * hd, h), "gate_proj": (h, cfg.intermediate_size),
+        "up_proj": (h, cfg.intermediate_size), "down_proj": (cfg.intermediate_size, h),
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    tensors, pairs = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        for target, (d_in, d_out) in shapes.items():
+            a = torch.randn(rank, d_in, generator=g) * std
+            b = torch.randn(d_out, rank, generator=g) * std
+            module = f"model.layers.{i}.{LORA_TARGETS[target]}"
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b
+            pairs[f"{module}.weight"] = (a, b, alpha / rank)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "r": rank, "lora_alpha": alpha, "target_modules": list(shapes), "peft_type": "LORA",
+        "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0,
+        "base_model_name_or_path": str(model_dir),
+    }  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return pairs
+
+
+def merged_lora_model(model_dir: Path, out: Path, pairs: dict[str, tuple]) -> Path:
+    """A copy of the model in ``model_dir`` with the adapter ``pairs`` merged into its
+    weights (``W + s B A``, in float64 then the checkpoint's dtype): what a server with the
+    adapter must compute, for the reference executor."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    files = [f for f in Path(model_dir).iterdir() if f.suffix == ".safetensors"]
+    for f in Path(model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    for f in files:
+        weights = load_file(str(f))
+        for name, (a, b, scale) in pairs.items():
+            if name in weights:
+                w = weights[name]
+                weights[name] = (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
+        save_file(weights, str(out / f.name), metadata={"format": "pt"})
+    return out

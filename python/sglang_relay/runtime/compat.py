@@ -289,6 +289,7 @@ def server_view(obj) -> ServerView:
         load_format=str(get("load_format", "auto")),
         speculative_algorithm=get("speculative_algorithm", None),
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
+        lora_backend=str(get("lora_backend", "csgmv") or "csgmv"),
         enable_hierarchical_cache=bool(get("enable_hierarchical_cache", False)),
         disaggregation_mode=str(get("disaggregation_mode", "null")),
         enable_deterministic_inference=bool(get("enable_deterministic_inference", False)),
@@ -404,6 +405,13 @@ def check_surface(kind: str, obj) -> None:
             f"sglang-relay: SGLang {SGLANG_VERSION}'s {kind} lacks {', '.join(missing)}; this "
             "sglang-relay release does not support it (see runtime/compat.py SURFACE)"
         )
+
+
+def lora_backend(model_runner):
+    """SGLang's LoRA backend of a model runner serving LoRA (its layers read
+    ``backend.batch_info``), else None."""
+    manager = getattr(model_runner, "lora_manager", None)
+    return None if manager is None else manager.lora_backend
 
 
 def check_router_surface() -> None:

@@ -24,6 +24,7 @@ from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.anatomy import rotation_table
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
+from sglang_relay.runtime.lora_rows import for_rows
 from sglang_relay.runtime.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
@@ -62,6 +63,7 @@ class BatchPlan:
     tp: TPSync | None = None  # tensor parallel: scores reduced, selections checked
     probes: list[ProbeTarget] = field(default_factory=list)  # requests whose rule probes
     probe_pre: torch.Tensor | None = None  # [P] int64 rows the probe computes for good
+    lora: object | None = None  # SGLang's LoRA backend on a LoRA server (lora_rows.py)
 
 
 def splice(fb, model, plan: BatchPlan) -> None:
@@ -83,7 +85,9 @@ def splice(fb, model, plan: BatchPlan) -> None:
     )
 
 
-def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=None) -> None:
+def detect_and_select(
+    fb, pool, layer, group: SpanGroup, h, r, influence, tp=None, lora=None
+) -> None:
     """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select
     per matched run; fills ``group.selected`` and each run's ``ChunkUse``."""
     cfg, rows = group.cfg, group.rows
@@ -97,7 +101,8 @@ def detect_and_select(fb, pool, layer, group: SpanGroup, h, r, influence, tp=Non
             x = layer.input_layernorm(hs)
         else:
             x = layer.input_layernorm(hs, gather_rows(r, rows))[0]
-        _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
+        with for_rows(lora, rows):
+            _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
         ra = layer.self_attn.attn
         loc = fb.out_cache_loc[rows]
         if cfg.signal == "key":
@@ -191,7 +196,9 @@ def relay_extend(
                 scatter_rows(h, g.rows, gather_rows(ledger.hidden, g.src))
                 r[g.rows] = 0  # the stored stream is h + r: carry it in h
             if lid == g.sched.l_det and lid <= g.sched.l_end:
-                detect_and_select(fb, plan.kv_pool, layer, g, h, r, ledger.influence, plan.tp)
+                detect_and_select(
+                    fb, plan.kv_pool, layer, g, h, r, ledger.influence, plan.tp, plan.lora
+                )
         phase = tuple(_phase(g, lid) for g in plan.groups)
         if phase != last_phase:  # the active rows change at group boundaries only
             last_phase = phase
@@ -219,7 +226,8 @@ def relay_extend(
 
         # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
         r_in = None if r is None else gather_rows(r, rows)
-        h_out, r_out = run_layer(layer, row_pos, gather_rows(h, rows), r_in, fb, attend)
+        with for_rows(plan.lora, rows):  # a LoRA server: each row's own adapter
+            h_out, r_out = run_layer(layer, row_pos, gather_rows(h, rows), r_in, fb, attend)
         if r is None:
             r = torch.zeros_like(h)
         scatter_rows(h, rows, h_out)

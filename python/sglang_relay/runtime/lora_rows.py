@@ -14,13 +14,16 @@ is the slot of the full segment holding it, run-length encoded over the selected
 their order (sorted or not). :func:`rows_swapped` installs it on the backend around a call
 and restores the full batch's after. SGLang's torch_native backend (the one that runs on a
 CPU) reads only the host copies (``*_cpu``); the device fields get the same values.
-Not wired into relay's layer loop yet: LoRA serving stays refused (``modes.py``)."""
+Relay's extend (``extend.py``: each phase's rows, the detection layer's rows, the probe's
+rows) runs its layers inside :func:`for_rows`; the context pass of a finished request
+(``runtime.span_context``), which runs outside any batch, runs on the base weights
+(:func:`base_only`): its masses only rank tokens for recompute."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -78,6 +81,26 @@ def rows_swapped(backend: Any, rows: torch.Tensor) -> Iterator[None]:
         yield
         return
     backend.batch_info = rows_info(full, rows)
+    try:
+        yield
+    finally:
+        backend.batch_info = full
+
+
+def for_rows(backend: Any, rows: torch.Tensor):
+    """:func:`rows_swapped` on a LoRA server (``backend`` not None), else nothing."""
+    return nullcontext() if backend is None else rows_swapped(backend, rows)
+
+
+@contextmanager
+def base_only(backend: Any) -> Iterator[None]:
+    """Within the block ``backend``'s LoRA layers add nothing (SGLang's layers skip LoRA
+    when their backend has no batch info)."""
+    if backend is None:
+        yield
+        return
+    full = backend.batch_info
+    backend.batch_info = None
     try:
         yield
     finally:

@@ -53,6 +53,7 @@ class ServerView:
     load_format: str = "auto"
     speculative_algorithm: str | None = None
     enable_lora: bool = False
+    lora_backend: str = "csgmv"
     enable_hierarchical_cache: bool = False
     disaggregation_mode: str = "null"
     enable_deterministic_inference: bool = False
@@ -115,10 +116,11 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "drop --speculative-algorithm",
         ),
         (
-            view.enable_lora,
-            "--enable-lora / --lora-paths (relay recomputes row subsets through LoRA layers whose "
-            "segment info describes the whole batch; docs/lora-study.md)",
-            "drop the LoRA flags",
+            view.enable_lora and view.lora_backend != "torch_native",
+            f"--enable-lora / --lora-paths with --lora-backend {view.lora_backend} (relay "
+            "recomputes row subsets through LoRA layers; their per-row adapter info is built "
+            "for torch_native only, runtime/lora_rows.py)",
+            "add --lora-backend torch_native, or drop the LoRA flags",
         ),
         (
             view.enable_hierarchical_cache,

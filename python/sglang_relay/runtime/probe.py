@@ -25,6 +25,7 @@ import torch
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
 from sglang_relay.runtime.llama import run_layer, stream, write_kv
+from sglang_relay.runtime.lora_rows import for_rows
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay_kernels import gather_rows, scatter_rows
 
@@ -110,7 +111,8 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
                 out[n_pre + j] = o[0].to(out.dtype)
             return out.reshape(q.shape[0], -1)
 
-        hp, rp = run_layer(layer, row_pos, hp, rp, fb, attend)
+        with for_rows(plan.lora, rows):
+            hp, rp = run_layer(layer, row_pos, hp, rp, fb, attend)
     if n_pre:
         scatter_rows(h, pre, hp[:n_pre])
     tp = plan.tp

@@ -34,6 +34,7 @@ from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_routing import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
 from sglang_relay.runtime.llama import qkv as layer_qkv
+from sglang_relay.runtime.lora_rows import base_only
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner
@@ -74,6 +75,7 @@ class RelayRuntime:
         self.num_layers = len(self.model.layers)
         compat.check_model_anatomy(model_runner)
         self.kv_pool = model_runner.token_to_kv_pool
+        self.lora = compat.lora_backend(model_runner)  # None unless SGLang serves LoRA
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
         self.device = kbuf.device
@@ -191,7 +193,8 @@ class RelayRuntime:
         else:
             h = self.ledger.hidden[slots[prompt_len:]]
         pos = torch.arange(prompt_len, prompt_len + n, device=self.device)
-        q, _, _ = layer_qkv(layer.self_attn, pos, layer.input_layernorm(h))
+        with base_only(self.lora):  # outside any batch: no row-to-adapter info applies
+            q, _, _ = layer_qkv(layer.self_attn, pos, layer.input_layernorm(h))
         keys = self.kv_pool.get_key_buffer(ra.layer_id)[slots]
         q = q.reshape(n, ra.tp_q_head_num, ra.qk_head_dim)
         keys = keys.reshape(prompt_len + n, ra.tp_k_head_num, ra.qk_head_dim)
@@ -387,6 +390,7 @@ class RelayRuntime:
         return False
 
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
+        plan.lora = self.lora
         try:
             out = relay_extend(
                 model, input_ids, positions, fb, plan, self.ledger, self.capture_layer
