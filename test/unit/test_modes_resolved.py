@@ -230,3 +230,9 @@ def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
         message = modes.refusal(view(lora_paths=["a=/p"], lora_backend=backend))
         assert f"--lora-backend {backend}" in message and "torch_native" in message, message
     assert "--lora-backend csgmv" in modes.refusal(view(enable_lora=True))  # unset: default
+    lora = view(enable_lora=True, lora_backend="torch_native")
+    for arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"):
+        assert "mixture-of-experts model (" + arch in modes.refusal(lora, architecture=arch)
+        assert modes.refusal(view(), architecture=arch) is None  # without LoRA: served
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        assert modes.refusal(lora, architecture=arch) is None

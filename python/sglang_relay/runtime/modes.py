@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_relay.runtime.anatomy import SUPPORTED_ARCHITECTURES
+from sglang_relay.runtime.anatomy import SPARSE_MLP, SUPPORTED_ARCHITECTURES, anatomy_of
 
 # --kv-cache-dtype values relay serves: the model's own dtype, a lower-precision float, or
 # an unscaled FP8 element format (the splice rounds re-rotated keys once into it; relay's
@@ -79,8 +79,17 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); drop --radix-cache-backend "
             "relay to serve this model without relay"
         )
+    moe = architecture is not None and any(
+        SPARSE_MLP <= block for block in anatomy_of(architecture).mlp_blocks
+    )
     checks = [
         (view.hybrid_model, "sliding-window, Mamba or DSA models", "use a dense model"),
+        (
+            view.enable_lora and moe,
+            f"--enable-lora on a mixture-of-experts model ({architecture}: SGLang's MoE LoRA "
+            "reads per-request expert info that relay's row subsets do not rebuild)",
+            "serve LoRA on a dense model, or drop the LoRA flags",
+        ),
         (
             view.disable_radix_cache,
             "--disable-radix-cache (relay is a radix cache)",
