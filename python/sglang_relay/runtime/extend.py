@@ -24,7 +24,7 @@ from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.anatomy import rotation_table
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
-from sglang_relay.runtime.lora_rows import for_rows
+from sglang_relay.runtime.lora_rows import info_for, installed, rows_swapped
 from sglang_relay.runtime.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
@@ -101,7 +101,7 @@ def detect_and_select(
             x = layer.input_layernorm(hs)
         else:
             x = layer.input_layernorm(hs, gather_rows(r, rows))[0]
-        with for_rows(lora, rows):
+        with rows_swapped(lora, rows):
             _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
         ra = layer.self_attn.attn
         loc = fb.out_cache_loc[rows]
@@ -184,7 +184,7 @@ def relay_extend(
         if plan.probe_pre is not None and plan.probe_pre.numel():
             normal_rows = normal_rows[~torch.isin(normal_rows, plan.probe_pre)]
     normal_loc = fb.out_cache_loc[normal_rows]
-    last_phase = rows = handle = row_pos = None
+    last_phase = rows = handle = row_pos = lora_info = None
     for lid, layer in enumerate(model.layers):
         if lid == capture_layer and normal_rows.numel():
             rows_h = gather_rows(h, normal_rows)
@@ -211,6 +211,7 @@ def relay_extend(
             rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
             row_pos = positions[rows]
             handle = plan.attention.plan(plan.batch, rows.cpu(), row_pos) if rows.numel() else None
+            lora_info = info_for(plan.lora, rows)  # a LoRA server: each row's own adapter
         if handle is None:
             continue
         ra = layer.self_attn.attn
@@ -226,7 +227,7 @@ def relay_extend(
 
         # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
         r_in = None if r is None else gather_rows(r, rows)
-        with for_rows(plan.lora, rows):  # a LoRA server: each row's own adapter
+        with installed(plan.lora, lora_info):
             h_out, r_out = run_layer(layer, row_pos, gather_rows(h, rows), r_in, fb, attend)
         if r is None:
             r = torch.zeros_like(h)

@@ -15,7 +15,8 @@ their order (sorted or not). :func:`rows_swapped` installs it on the backend aro
 and restores the full batch's after. SGLang's torch_native backend (the one that runs on a
 CPU) reads only the host copies (``*_cpu``); the device fields get the same values.
 Relay's extend (``extend.py``: each phase's rows, the detection layer's rows, the probe's
-rows) runs its layers inside :func:`for_rows`; the context pass of a finished request
+rows; each row set's info built once, not per layer) runs its layers inside
+:func:`installed`; the context pass of a finished request
 (``runtime.span_context``), which runs outside any batch, runs on the base weights
 (:func:`base_only`): its masses only rank tokens for recompute."""
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -71,25 +72,32 @@ def rows_info(info: Any, rows: torch.Tensor) -> Any:
     )
 
 
+def info_for(backend: Any, rows: torch.Tensor) -> Any:
+    """The info of ``rows`` on a LoRA server's ``backend`` (None: no backend, or no LoRA
+    in this forward). Built once per row set; :func:`installed` swaps it in per call."""
+    full = None if backend is None else backend.batch_info
+    return None if full is None else rows_info(full, rows)
+
+
 @contextmanager
-def rows_swapped(backend: Any, rows: torch.Tensor) -> Iterator[None]:
-    """Within the block, ``backend``'s LoRA layers see the info of ``rows`` only; the
-    full batch's info is back afterwards, also if the block raises. A backend with no
-    batch info (no LoRA in this forward) is left alone."""
-    full = getattr(backend, "batch_info", None)
-    if full is None:
+def installed(backend: Any, info: Any) -> Iterator[None]:
+    """Within the block ``backend``'s LoRA layers read ``info`` (from :func:`info_for`);
+    the full batch's info is back afterwards, also if the block raises. ``info`` None
+    leaves the backend alone."""
+    if info is None:
         yield
         return
-    backend.batch_info = rows_info(full, rows)
+    full = backend.batch_info
+    backend.batch_info = info
     try:
         yield
     finally:
         backend.batch_info = full
 
 
-def for_rows(backend: Any, rows: torch.Tensor):
-    """:func:`rows_swapped` on a LoRA server (``backend`` not None), else nothing."""
-    return nullcontext() if backend is None else rows_swapped(backend, rows)
+def rows_swapped(backend: Any, rows: torch.Tensor):
+    """:func:`installed` with the info of ``rows`` built for this one call."""
+    return installed(backend, info_for(backend, rows))
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import torch
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
 from sglang_relay.runtime.llama import run_layer, stream, write_kv
-from sglang_relay.runtime.lora_rows import for_rows
+from sglang_relay.runtime.lora_rows import info_for, installed
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay_kernels import gather_rows, scatter_rows
 
@@ -77,6 +77,7 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
     layers = set(probe_layers(len(model.layers)))
     att = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=h.device) for t in targets]
     loc = fb.out_cache_loc[rows]
+    lora_info = info_for(plan.lora, rows)  # the same rows in every layer
     # per target, the slots its last row sees (context before the first span, the spans,
     # itself) and where its spans sit among them: the same in every layer
     vis, where = [], []
@@ -111,7 +112,7 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
                 out[n_pre + j] = o[0].to(out.dtype)
             return out.reshape(q.shape[0], -1)
 
-        with for_rows(plan.lora, rows):
+        with installed(plan.lora, lora_info):
             hp, rp = run_layer(layer, row_pos, hp, rp, fb, attend)
     if n_pre:
         scatter_rows(h, pre, hp[:n_pre])
