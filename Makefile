@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.sglang-relay-setup
 ARGS ?=
+# Test processes: server starts are bound by SGLang's imports (one core per process for
+# ~20 s), so two test files each starting servers overlap well on 2 cores. JOBS=0: one process.
+JOBS ?= 2
+XDIST := -n $(JOBS) --dist loadfile
 BENCH_OUT ?= bench-results
 
 .PHONY: setup demo serve test test-full test-unit test-e2e lint bench clean
@@ -31,11 +35,11 @@ serve: setup
 	$(PY) -m sglang_relay.cli serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q --durations=25 test kernels/tests $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 test kernels/tests $(ARGS)
 
 # Every test, the `full` tier too (other architectures, page 16; ~1.3x the time of `test`)
 test-full: setup
-	$(PY) -m pytest -q --durations=25 --full test kernels/tests $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 --full test kernels/tests $(ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q test/unit $(ARGS)
