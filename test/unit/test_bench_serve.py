@@ -57,6 +57,15 @@ def test_downstream_prompts_quote_earlier_outputs_verbatim():
     assert not quotes and "B-trees" in user
     _, _, quotes = serve._chain_prompts("fanin", 7, "B-trees", outs[:1])  # an expert
     assert not quotes
+    _, _, quotes = serve._chain_prompts("fanout", 7, "B-trees", [])  # the lead
+    assert not quotes
+    systems = set()
+    for i in range(1, serve.AGENTS["fanout"]):  # every worker quotes the lead's brief
+        system, user, quotes = serve._chain_prompts("fanout", 7, "B-trees", outs[:1], i)
+        assert quotes and outs[0] in user and outs[1] not in user
+        systems.add(system)
+    # each worker its own role ahead of the brief: the prefix cache cannot serve the brief
+    assert len(systems) == serve.AGENTS["fanout"] - 1
 
 
 def test_summary_counts_relayed_tokens_and_fallbacks():
@@ -82,6 +91,7 @@ def test_only_the_last_agent_of_a_chain_answers_short():
     assert serve.output_lengths("fanin", 256, 32) == [256, 256, 256, 32]
     assert serve.output_lengths("groupchat", 96, None) == [96] * 4
     assert serve.output_lengths("plain", 256, 32) == [256]  # reads nothing: not an answer
+    assert serve.output_lengths("fanout", 256, 16) == [256] + [16] * 4  # every worker answers
 
 
 def test_tpot_and_per_kind_latency_are_reported():

@@ -5,9 +5,10 @@ Agent chains arrive as a Poisson process at each ``--rates`` (chains per minute)
 ``custom_params.relay``, so every method runs on the same server), the cache flushed
 between runs. Chain kinds (``--mix``): a ``pipeline`` (3 agents, each reads all earlier
 outputs), a ``fanin`` (3 independent agents, then one that reads the three outputs), a
-``groupchat`` (4 turns, each reads all earlier turns) and ``plain`` requests that relay
-nothing (the control). Outputs have a fixed length (``ignore_eos``), so every method does
-the same decode work and only prefill differs.
+``groupchat`` (4 turns, each reads all earlier turns), a ``fanout`` (a lead writes a brief,
+then four workers with their own roles read it at once: an orchestrator sending subtasks)
+and ``plain`` requests that relay nothing (the control). Outputs have a fixed length
+(``ignore_eos``), so every method does the same decode work and only prefill differs.
 
 Reported per method and rate: chains completed per minute, TTFT p50/p99 of every request
 and of the requests that could relay, chain latency p50/p99, the share of prompt tokens
@@ -41,7 +42,7 @@ SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_
                    "fallbacks", "owned_spans_released_for_room",
                    "owned_tokens_released_for_room", "batches_split")  # fmt: skip
 
-KINDS = ("pipeline", "fanin", "groupchat", "plain")
+KINDS = ("pipeline", "fanin", "groupchat", "fanout", "plain")
 DEFAULT_MIX = "pipeline:0.4,fanin:0.2,groupchat:0.2,plain:0.2"
 METHOD_OPTIONS: dict[str, Any] = {
     "standard": "standard",
@@ -131,9 +132,15 @@ class Record:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str, str, bool]:
-    """(system, user message, whether it quotes earlier outputs) of agent ``len(outs)``."""
-    i = len(outs)
+FANOUT_ROLES = ("Writer", "Critic", "Tester", "Translator")
+
+
+def _chain_prompts(
+    kind: str, k: int, topic: str, outs: list[str], i: int | None = None
+) -> tuple[str, str, bool]:
+    """(system, user message, whether it quotes earlier outputs) of agent ``i`` (default
+    ``len(outs)``: the agent after the earlier ones)."""
+    i = len(outs) if i is None else i
     if kind == "plain":
         return f"Assistant {k}.", f"Explain {topic} in a few paragraphs.", False
     if kind == "pipeline":
@@ -147,6 +154,12 @@ def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str,
             return f"Expert {i} ({k}).", f"Write about {topic}: {angle}.", False
         notes = "".join(f"\n\nNote {j + 1}:\n{o}" for j, o in enumerate(outs))
         return f"Editor ({k}).", f"Merge these notes on {topic} into one text.{notes}", True
+    if kind == "fanout":
+        if i == 0:
+            return f"Lead ({k}).", f"Write a brief on {topic} for four specialists.", False
+        role = FANOUT_ROLES[i - 1]
+        task = f"Brief from the lead:\n{outs[0]}\n\nDo your part as the {role} on {topic}."
+        return f"You are the {role} ({k}).", task, True
     turns = "".join(f"\n\nSpeaker {j % 2 + 1}: {o}" for j, o in enumerate(outs))
     return (
         f"Speaker {i % 2 + 1} of a debate ({k}).",
@@ -155,15 +168,17 @@ def _chain_prompts(kind: str, k: int, topic: str, outs: list[str]) -> tuple[str,
     )
 
 
-AGENTS = {"pipeline": 3, "fanin": 4, "groupchat": 4, "plain": 1}
+AGENTS = {"pipeline": 3, "fanin": 4, "groupchat": 4, "fanout": 1 + len(FANOUT_ROLES), "plain": 1}
 
 
 def output_lengths(kind: str, out_tokens: int, answer_tokens: int | None) -> list[int]:
     """Output tokens of each agent of a ``kind`` chain: ``out_tokens``, except the last
-    agent of a chain that reads earlier outputs, which answers in ``answer_tokens`` (None:
-    ``out_tokens`` too)."""
+    agent of a chain that reads earlier outputs (a fan-out's workers: every agent after the
+    lead), which answers in ``answer_tokens`` (None: ``out_tokens`` too)."""
     n = AGENTS[kind]
     last = out_tokens if answer_tokens is None or kind == "plain" else answer_tokens
+    if kind == "fanout":
+        return [out_tokens] + [last] * (n - 1)
     return [out_tokens] * (n - 1) + [last]
 
 
@@ -172,30 +187,32 @@ def run_chain(
     answer_tokens: int | None = None,
 ) -> list[Record]:  # fmt: skip
     """One chain, agent after agent (a fan-in's first three agents are independent but run
-    in order too: the client of a fan-in waits for all of them)."""
-    outs: list[str] = []
-    records = []
-    for i, n in enumerate(output_lengths(kind, out_tokens, answer_tokens)):
-        system, user, quotes = _chain_prompts(kind, k, topic, outs)
-        params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0.0,
+    in order too: the client of a fan-in waits for all of them); a fan-out's workers are
+    sent at once after the lead's brief."""
+    lengths = output_lengths(kind, out_tokens, answer_tokens)
+
+    def agent(i: int, outs: list[str]) -> tuple[str, Record]:
+        system, user, quotes = _chain_prompts(kind, k, topic, outs, i)
+        params: dict[str, Any] = {"max_new_tokens": lengths[i], "temperature": 0.0,
                                   "ignore_eos": True}  # fmt: skip
         if relay is not None:
             params["custom_params"] = {"relay": relay}
         gen = generate(url, chat_prompt(tok, system, user), params)
-        outs.append(gen.text.strip())
-        records.append(
-            Record(
-                k,
-                kind,
-                i,
-                quotes,
-                gen.ttft_s,
-                gen.latency_s,
-                gen.prompt_tokens,
-                gen.relay or {},
-                output_tokens=n,
-            )  # fmt: skip
-        )
+        rec = Record(k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens,
+                     gen.relay or {}, output_tokens=lengths[i])  # fmt: skip
+        return gen.text.strip(), rec
+
+    outs: list[str] = []
+    records: list[Record] = []
+    if kind == "fanout":
+        text, rec = agent(0, [])
+        with cf.ThreadPoolExecutor(max_workers=len(lengths) - 1) as workers:
+            done = list(workers.map(lambda i: agent(i, [text]), range(1, len(lengths))))
+        return [rec] + [r for _, r in done]
+    for i in range(len(lengths)):
+        text, rec = agent(i, outs)
+        outs.append(text)
+        records.append(rec)
     return records
 
 
@@ -409,7 +426,8 @@ def main(argv: list[str]) -> int:
         "--answer-tokens",
         type=int,
         default=None,
-        help="output tokens of a chain's last agent (default: --out-tokens); short answers "
+        help="output tokens of a chain's last agent and of a fan-out's workers (default: "
+        "--out-tokens); short answers "
         "after long pasted outputs are the shape where prefill, which relay saves, dominates",
     )
     p.add_argument("--slos", default="0.5,1,2,4", help="TTFT SLOs (s) for the goodput table")
