@@ -23,30 +23,14 @@ import torch.nn.functional as F
 DATA = Path(__file__).with_name("data") / "demo_relay_chain.json"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from sglang_relay.bench.fidelity import shipped_profile_path
+def reviewer_relay(ref, tok) -> tuple[list[int], list, list]:
+    """``(prompt, span occurrences, upstream records)`` of the relay pipeline's Reviewer:
+    the captured Architect and Developer texts teacher-forced (their decode KV exact), the
+    Reviewer prompt holding both, its spans found as the server finds them."""
     from sglang_relay.bench.workload import chat_ids, find_spans
-    from sglang_relay.core.config import RelayConfig, load_profile
-    from sglang_relay.core.operating import Frontier
-    from sglang_relay.core.reference import (
-        exact_prefill,
-        generate,
-        greedy_continue,
-        load_model,
-        relay_prefill,
-    )
+    from sglang_relay.core.reference import generate
     from sglang_relay.demo import load_chain
-    from sglang_relay.embedded_model import ensure_model
 
-    model = ensure_model()
-    tok = AutoTokenizer.from_pretrained(model)
-    ref = load_model(str(model))
     chain = load_chain(None)
     outs = json.loads(DATA.read_text())["outs"]
     eos = tok.eos_token_id
@@ -58,7 +42,32 @@ def main() -> None:
         texts[agent["name"]] = outs[agent["name"]]
     agent = chain["agents"][2]
     prompt = chat_ids(tok, agent["system"], agent["template"].format(**texts))
-    spans = find_spans(prompt, records, 32)
+    return prompt, find_spans(prompt, records, 32), records
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.core.config import RelayConfig, load_profile
+    from sglang_relay.core.operating import Frontier
+    from sglang_relay.core.reference import (
+        exact_prefill,
+        greedy_continue,
+        load_model,
+        relay_prefill,
+    )
+    from sglang_relay.embedded_model import ensure_model
+
+    model = ensure_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = load_model(str(model))
+    eos = tok.eos_token_id
+    prompt, spans, records = reviewer_relay(ref, tok)
     ticks = tok("```", add_special_tokens=False).input_ids
 
     def logp(row: torch.Tensor) -> torch.Tensor:
