@@ -1,5 +1,5 @@
 """One relay server with ``--relay-scope key`` and a KV pool sized by the memory budget
-(``--mem-fraction-static 0.1``, ``--max-total-tokens`` above what the budget allows), for
+(``--mem-fraction-static 0.3``, ``--max-total-tokens`` above what the budget allows), for
 two properties that need those flags:
 
 * relay's side memory comes out of SGLang's KV budget (runtime/budget.py);
@@ -29,8 +29,11 @@ def key_server(model_dir):
     args = [
         "--model-path",
         str(model_dir),
+        # SGLang refuses a fraction below the share of memory that went elsewhere while the
+        # weights loaded; under `make test`'s two processes another server may be starting
+        # then (0.1 failed that way): 0.3 leaves room and the budget still binds
         "--mem-fraction-static",
-        "0.1",
+        "0.3",
         "--max-total-tokens",
         str(10**8),  # above the budget: SGLang sizes the pool from the budget
     ]
