@@ -5,7 +5,8 @@ Offline, on the reference executor: the relay pipeline's Architect and Developer
 decode KV is exact; then the Reviewer prompt is relayed with chosen span tokens recomputed
 (oracle selections) and under the shipped operating points and rule variants. Reported:
 the probability of the end of turn after the reply's first token three backticks, the
-first-token KL and the greedy output.
+first-token KL and the greedy output; then the same with the Developer's decode KV as a
+relay server's chain leaves it (its own prompt relayed at the same point).
 
     python benchmark/demo_collapse_study.py [--threads 2]
 """
@@ -23,10 +24,12 @@ import torch.nn.functional as F
 DATA = Path(__file__).with_name("data") / "demo_relay_chain.json"
 
 
-def reviewer_relay(ref, tok) -> tuple[list[int], list, list]:
+def reviewer_relay(ref, tok, chain_cfg=None) -> tuple[list[int], list, list]:
     """``(prompt, span occurrences, upstream records)`` of the relay pipeline's Reviewer:
     the captured Architect and Developer texts teacher-forced (their decode KV exact), the
-    Reviewer prompt holding both, its spans found as the server finds them."""
+    Reviewer prompt holding both, its spans found as the server finds them. ``chain_cfg``
+    (a RelayConfig): the Developer's prompt is relayed with it (the Architect's text in it
+    reused), so the Developer's decode KV is what a relay server's chain leaves, not exact."""
     from sglang_relay.bench.workload import chat_ids, find_spans
     from sglang_relay.core.reference import generate
     from sglang_relay.demo import load_chain
@@ -38,7 +41,10 @@ def reviewer_relay(ref, tok) -> tuple[list[int], list, list]:
     for agent in chain["agents"][:2]:
         prompt = chat_ids(tok, agent["system"], agent["template"].format(**texts))
         want = tok(outs[agent["name"]], add_special_tokens=False).input_ids + [eos]
-        records.append(generate(ref, [prompt], len(want), stop_ids=[eos], force=[want])[0])
+        spans = find_spans(prompt, records, 32) if chain_cfg is not None else []
+        relayed = [(spans, chain_cfg)] if spans else None
+        rec = generate(ref, [prompt], len(want), stop_ids=[eos], force=[want], relayed=relayed)
+        records.append(rec[0])
         texts[agent["name"]] = outs[agent["name"]]
     agent = chain["agents"][2]
     prompt = chat_ids(tok, agent["system"], agent["template"].format(**texts))
@@ -110,21 +116,29 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     variants = {"shipped": {}, "l_suf 8": {"l_suf": 8}, "l_suf 16": {"l_suf": 16},
                 "l_ctx 2": {"l_ctx": 2}, "l_ctx 20": {"l_ctx": 20}}  # fmt: skip
-    for target in (0.8, 0.9, 0.95):
-        point = frontier.point(base, target, ref.num_layers).config
+
+    def row(target: float, name: str, spans: list, cfg: RelayConfig) -> None:
+        res = relay_prefill(ref, prompt, spans, cfg, forced=ticks)
+        free = relay_prefill(ref, prompt, spans, cfg)
+        p0, q0 = logp(exact0.logits[-1]), logp(free.logits[-1])
+        kl = float((p0.exp() * (p0 - q0)).sum())
+        greedy = tok.decode(greedy_continue(ref, free, 8, [eos]))
+        print(f"| {target:.2f} | {name} | {res.reuse_rate:.3f} | {sum(res.selected)} | "
+              f"{kl:.4f} | {p_end(res):.3f} | {greedy!r} |")  # fmt: skip
+
+    points = {t: frontier.point(base, t, ref.num_layers).config for t in (0.8, 0.9, 0.95)}
+    for target, point in points.items():
         for name, change in variants.items():
-            cfg = replace(point, **change)
-            res = relay_prefill(ref, prompt, spans, cfg, forced=ticks)
-            free = relay_prefill(ref, prompt, spans, cfg)
-            kl = float(
-                (
-                    logp(exact0.logits[-1]).exp()
-                    * (logp(exact0.logits[-1]) - logp(free.logits[-1]))
-                ).sum()
-            )
-            greedy = tok.decode(greedy_continue(ref, free, 8, [eos]))
-            print(f"| {target:.2f} | {name} | {res.reuse_rate:.3f} | {sum(res.selected)} | "
-                  f"{kl:.4f} | {p_end(res):.3f} | {greedy!r} |")  # fmt: skip
+            row(target, name, spans, replace(point, **change))
+    # The chain as a relay server runs it: the Developer's prompt (holding the Architect's
+    # text) relayed at the same point, so the Developer span's decode KV carries that error.
+    print("\n| point | upstream KV | reuse | selected | KL first token | P(end | ```) | greedy |")
+    print("|---|---|---|---|---|---|---|")
+    for target, point in points.items():
+        row(target, "exact decode (above)", spans, point)
+        chained, chain_spans, _ = reviewer_relay(ref, tok, point)
+        assert chained == prompt  # the same texts: only the Developer span's KV differs
+        row(target, "Developer decoded over its relayed prompt", chain_spans, point)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,32 @@ def test_teacher_forcing_and_greedy_agree_with_one_pass(ref, tok, upstream):
     assert same["first_token_kl"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_a_chains_later_agent_decodes_over_its_relayed_prompt(ref, tok, upstream):
+    """``generate(relayed=...)``: the decode of a prompt that was itself relayed (a chain's
+    second hop) attends to the relayed prompt KV. Its teacher-forced decode KV equals one
+    relay prefill with the same text as forced rows (a separate code path: one pass, not a
+    token loop), differs from the exact decode's, and its context masses read the relayed
+    prompt keys."""
+    prompt, span = relay_prompt(tok, upstream, "You are a terse editor who writes summaries.")
+    cfg = RelayConfig().for_method("epic")
+    text = greedy_continue(ref, exact_prefill(ref, prompt), 12)
+    (chained,) = generate(ref, [prompt], 0, force=[text], relayed=[([span], cfg)])
+    (exact,) = generate(ref, [prompt], 0, force=[text])
+    one_pass = relay_prefill(ref, prompt, [span], cfg, forced=text[:-1]).cache
+    p, n = len(prompt), len(text) - 1
+    torch.testing.assert_close(chained.k, one_pass.k[:, p : p + n], atol=1e-4, rtol=0)
+    torch.testing.assert_close(chained.v, one_pass.v[:, p : p + n], atol=1e-4, rtol=0)
+    torch.testing.assert_close(chained.prompt_k, one_pass.k[:, :p])
+    assert exact.prompt_k is None
+    assert rel_err(chained.k[2], exact.k[2]) > 1e-3  # the relayed prompt's error carries on
+    mass = record_context_mass(ref, chained, 2)
+    chained.prompt_k = None  # the same decode read against the exact prompt keys
+    chained.context.clear()
+    assert not torch.allclose(mass, record_context_mass(ref, chained, 2), atol=1e-4)
+    with pytest.raises(ValueError, match="one entry"):
+        generate(ref, [prompt], 0, force=[text], relayed=[])
+
+
 def test_greedy_after_forced_equals_greedy_decoding_from_scratch(ref, tok, upstream):
     """The fidelity bench's free-running outputs come from the teacher-forced pass plus the
     steps after the first divergence; they must equal a plain greedy decode."""

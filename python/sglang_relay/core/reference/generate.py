@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class UpstreamRecord:
             layer from the decode queries (its own and every later fed token), summed over
             query heads: METHOD.md's ``s_inf``, as the runtime accumulates it at ``l_det``.
         context: context masses by layer, filled by :func:`record_context_mass`.
+        prompt_k: ``[L, P, H_kv, D]`` the prompt keys the decode attended to when the prompt
+            was itself relayed (a chain's later agent, :func:`generate`'s ``relayed``);
+            ``None``: the exact prefill's.
     """
 
     prompt: list[int]
@@ -45,6 +49,7 @@ class UpstreamRecord:
     hidden: torch.Tensor | None = None
     influence: torch.Tensor | None = None
     context: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    prompt_k: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def span_tokens(self) -> list[int]:
@@ -67,6 +72,7 @@ def generate(
     min_new_tokens: int = 0,
     capture: bool = True,
     force: Sequence[Sequence[int]] | None = None,
+    relayed: Sequence[tuple[Sequence[Any], Any] | None] | None = None,
 ) -> list[UpstreamRecord]:
     """Greedy generation of several requests, decoded as one batch.
 
@@ -80,7 +86,10 @@ def generate(
     Returns one :class:`UpstreamRecord` per prompt; with ``capture`` it holds the decode KV,
     the stream entering every layer and the influence score of each fed (span) token.
     Attention is eager (explicit softmax) so that the influence comes from the same
-    probabilities the outputs use.
+    probabilities the outputs use. ``relayed`` (one entry per prompt, ``None`` or ``(span
+    occurrences, RelayConfig)``) prefills that prompt by :func:`relay_prefill` instead of
+    exactly: the decode then attends to the relayed prompt KV, as a chain's later agent
+    does on a relay server, and the record keeps those prompt keys (``prompt_k``).
     """
     bsz = len(prompts)
     if bsz == 0:
@@ -97,8 +106,11 @@ def generate(
     kb = torch.zeros(num_l, bsz, hkv, tmax, d, dtype=ref.dtype, device=dev)
     vb = torch.zeros_like(kb)
     first = []
+    if relayed is not None and len(relayed) != bsz:
+        raise ValueError("relayed needs one entry (None or (spans, config)) per prompt")
+    plans = list(relayed) if relayed is not None else [None] * bsz
     for b, prompt in enumerate(prompts):
-        res = relay_prefill(ref, prompt, [], None)
+        res = relay_prefill(ref, prompt, *(plans[b] or ([], None)))
         kb[:, b, :, : lens[b]] = res.cache.k.transpose(1, 2)
         vb[:, b, :, : lens[b]] = res.cache.v.transpose(1, 2)
         first.append(res.logits[0])
@@ -174,5 +186,7 @@ def generate(
             rec.v = vb[:, b, :, span].transpose(1, 2).contiguous()
             rec.hidden = hidden[b, :n].clone() if hidden is not None else None
             rec.influence = influence[:, b, span].T.contiguous()  # [n, L]
+            if plans[b] is not None:
+                rec.prompt_k = kb[:, b, :, : lens[b]].transpose(1, 2).contiguous()
         records.append(rec)
     return records

@@ -475,8 +475,11 @@ def record_decode_queries(
     if rec.hidden is None or rec.k is None:
         raise ValueError("the context mass needs the upstream record's hidden states and KV")
     p, n = len(rec.prompt), rec.k.shape[1]
-    prompt = relay_prefill(ref, rec.prompt, [], None).cache
-    keys = torch.cat((prompt.k[layer, :p], rec.k[layer]))
+    if rec.prompt_k is not None:  # the decode attended to a relayed prompt
+        prompt_k = rec.prompt_k[layer]
+    else:
+        prompt_k = relay_prefill(ref, rec.prompt, [], None).cache.k[layer, :p]
+    keys = torch.cat((prompt_k, rec.k[layer]))
     pos = torch.arange(p, p + n, device=ref.device)
     lyr = ref.layers[layer]
     q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)
