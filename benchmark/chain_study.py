@@ -1,0 +1,154 @@
+"""Second hops: relays whose upstream output was itself decoded over a relayed prompt.
+
+Every fidelity workload measures single hops: each upstream output's decode KV is exact.
+On a relay server a chain's later agent (the demo's Developer, a workload's second
+upstream agent whose prompt quotes the first one's output) decodes over a prompt that was
+relayed too, so its span KV carries that relay's error into the next relay. Here, for each
+relay of a workload with such an upstream agent, that agent's text is teacher-forced over
+its own prompt relayed by the same method at the same point (reference
+``generate(relayed=...)``), and the downstream relay is measured both ways: every
+user-visible measure per method and point, and paired intervals of chain minus single hop
+and of relay minus EPIC on the chains (docs/fidelity.md, "The chain as the server runs
+it").
+
+    python benchmark/chain_study.py [--workload humaneval82_workload.jsonl] [--limit N]
+        [--targets 0.8,0.9,0.95] [--threads 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+MEASURES = ("first_token_kl", "top1", "greedy_prefix", "collapsed", "rouge_l")
+
+
+def chained_relay(ref, relay, cfg, match_min: int):
+    """``relay`` with each upstream record after the first whose prompt quotes an earlier
+    record's output re-decoded (same text) over that prompt relayed under ``cfg``; the
+    number of records re-decoded. Records are replaced in place, so the relay's span
+    occurrences follow them."""
+    from sglang_relay.bench.workload import find_spans
+    from sglang_relay.core.reference import generate
+
+    hops = 0
+    for i, rec in enumerate(relay.records[1:], 1):
+        spans = find_spans(rec.prompt, relay.records[:i], match_min)
+        if not spans:
+            continue
+        (new,) = generate(ref, [rec.prompt], 0, force=[rec.output], relayed=[(spans, cfg)])
+        rec.k, rec.v, rec.hidden, rec.influence = new.k, new.v, new.hidden, new.influence
+        rec.prompt_k, rec.context = new.prompt_k, {}
+        hops += 1
+    return hops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", default="humaneval82_workload.jsonl")
+    p.add_argument("--limit", type=int, default=None, help="first N usable relays only")
+    p.add_argument("--targets", default="0.8,0.9,0.95")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="per-relay rows, rewritten after each relay")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from sglang_relay.bench.fidelity import (
+        default_cache_dir,
+        evaluate_relay,
+        prepare_usable,
+        shipped_profile_path,
+    )
+    from sglang_relay.bench.frontier import parse_targets, sweep_points
+    from sglang_relay.bench.intervals import bootstrap_ci, paired_ci
+    from sglang_relay.bench.workload import (
+        GenSettings,
+        find_spans,
+        load_relay,
+        load_workload,
+        model_fingerprint,
+    )
+    from sglang_relay.core.config import load_profile
+    from sglang_relay.core.operating import Frontier
+    from sglang_relay.core.reference import load_model
+    from sglang_relay.embedded_model import ensure_model
+
+    model = ensure_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = load_model(str(model))
+    stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")} - {None})
+    gen = GenSettings()
+    base, data = load_profile(shipped_profile_path(model))
+    usable, _ = prepare_usable(ref, tok, load_workload(None, name=args.workload), args.limit,
+                               default_cache_dir(), model_fingerprint(model, ref.num_layers),
+                               gen, progress=False)  # fmt: skip
+    chains = []
+    for case, path in usable:  # relays with a second hop: an upstream prompt quoting another
+        relay = load_relay(path, case)
+        if any(find_spans(r.prompt, relay.records[:i], gen.match_min)
+               for i, r in enumerate(relay.records[1:], 1)):  # fmt: skip
+            chains.append((case, path, [s.length for s in relay.spans]))
+    if not chains:
+        raise SystemExit(f"{args.workload}: no relay has an upstream prompt quoting another")
+    mean_span = statistics.fmean(n for _, _, lengths in chains for n in lengths)  # per span
+    points = sweep_points(base, ref.num_layers, mean_span, parse_targets(args.targets),
+                          ("relay", "epic"), Frontier.from_profile(data))  # fmt: skip
+    print(f"{args.workload}: {len(chains)} of {len(usable)} usable relays have a second hop")
+    rows: dict[tuple[str, float, str], list[dict]] = {}
+    started = time.perf_counter()
+    for case, path, _ in chains:
+        for pt in points:
+            single = evaluate_relay(ref, load_relay(path, case), {pt.method: pt.config}, stop_ids)
+            relay = load_relay(path, case)
+            chained_relay(ref, relay, pt.config, gen.match_min)
+            chain = evaluate_relay(ref, relay, {pt.method: pt.config}, stop_ids)
+            rows.setdefault((pt.method, pt.target, "single"), []).append(single[pt.method])
+            rows.setdefault((pt.method, pt.target, "chain"), []).append(chain[pt.method])
+        print(f"  {case.id} ({time.perf_counter() - started:.0f} s)", flush=True)
+        if args.json:
+            dump = [{"method": m, "target": t, "upstream": h, "rows": rs}
+                    for (m, t, h), rs in rows.items()]  # fmt: skip
+            Path(args.json).write_text(json.dumps(dump, default=str))
+
+    def col(key, m):
+        return [float(r[m]) for r in rows[key]]
+
+    print("\n| method | target | upstream | reuse | " + " | ".join(MEASURES) + " |")
+    print("|---|---|---|---|" + "---|" * len(MEASURES))
+    for (method, target, hop), rs in rows.items():
+        cells = []
+        for m in MEASURES:
+            lo, hi = bootstrap_ci(col((method, target, hop), m))
+            cells.append(
+                f"{statistics.mean(col((method, target, hop), m)):.4f} [{lo:.4f}, {hi:.4f}]"
+            )
+        reuse = statistics.mean(r["reuse_rate"] for r in rs)
+        print(f"| {method} | {target} | {hop} | {reuse:.3f} | " + " | ".join(cells) + " |")
+    print("\npaired 95 % intervals of the mean difference")
+    print("| target | compared | " + " | ".join(MEASURES) + " |")
+    print("|---|---|" + "---|" * len(MEASURES))
+    targets = sorted({t for _, t, _ in rows})
+    pairs = [(f"{m}: chain - single", (m, "chain"), (m, "single")) for m in ("relay", "epic")]
+    pairs.append(("chain: relay - epic", ("relay", "chain"), ("epic", "chain")))
+    for target in targets:
+        for name, (ma, ha), (mb, hb) in pairs:
+            if (ma, target, ha) not in rows or (mb, target, hb) not in rows:
+                continue
+            cells = []
+            for m in MEASURES:
+                a, b = col((ma, target, ha), m), col((mb, target, hb), m)
+                lo, hi = paired_ci(a, b)
+                cells.append(
+                    f"{statistics.mean(a) - statistics.mean(b):+.4f} [{lo:+.4f}, {hi:+.4f}]"
+                )
+            print(f"| {target} | {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
