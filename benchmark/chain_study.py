@@ -23,8 +23,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 MEASURES = ("first_token_kl", "top1", "greedy_prefix", "collapsed", "rouge_l")
 
 
@@ -56,38 +54,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="per-relay rows, rewritten after each relay")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     from sglang_relay.bench.fidelity import (
-        default_cache_dir,
+        build_parser,
         evaluate_relay,
+        load_bench_model,
         prepare_usable,
-        shipped_profile_path,
     )
     from sglang_relay.bench.frontier import parse_targets, sweep_points
     from sglang_relay.bench.intervals import bootstrap_ci, paired_ci
-    from sglang_relay.bench.workload import (
-        GenSettings,
-        find_spans,
-        load_relay,
-        load_workload,
-        model_fingerprint,
-    )
+    from sglang_relay.bench.workload import GenSettings, find_spans, load_relay, load_workload
     from sglang_relay.core.config import load_profile
     from sglang_relay.core.operating import Frontier
-    from sglang_relay.core.reference import load_model
-    from sglang_relay.embedded_model import ensure_model
 
-    model = ensure_model()
-    tok = AutoTokenizer.from_pretrained(model)
-    ref = load_model(str(model))
+    bm = load_bench_model(build_parser().parse_args(["--threads", str(args.threads)]))
+    ref, tok, gen = bm.ref, bm.tok, GenSettings()
     stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")} - {None})
-    gen = GenSettings()
-    base, data = load_profile(shipped_profile_path(model))
     usable, _ = prepare_usable(ref, tok, load_workload(None, name=args.workload), args.limit,
-                               default_cache_dir(), model_fingerprint(model, ref.num_layers),
-                               gen, progress=False)  # fmt: skip
+                               bm.cache_dir, bm.fingerprint, gen, progress=False)  # fmt: skip
     chains = []
     for case, path in usable:  # relays with a second hop: an upstream prompt quoting another
         relay = load_relay(path, case)
@@ -97,8 +80,9 @@ def main() -> None:
     if not chains:
         raise SystemExit(f"{args.workload}: no relay has an upstream prompt quoting another")
     mean_span = statistics.fmean(n for _, _, lengths in chains for n in lengths)  # per span
-    points = sweep_points(base, ref.num_layers, mean_span, parse_targets(args.targets),
-                          ("relay", "epic"), Frontier.from_profile(data))  # fmt: skip
+    frontier = Frontier.from_profile(load_profile(bm.profile_path)[1])
+    points = sweep_points(bm.relay_cfg, ref.num_layers, mean_span, parse_targets(args.targets),
+                          ("relay", "epic"), frontier)  # fmt: skip
     print(f"{args.workload}: {len(chains)} of {len(usable)} usable relays have a second hop")
     rows: dict[tuple[str, float, str], list[dict]] = {}
     started = time.perf_counter()
