@@ -46,6 +46,12 @@ def chained_relay(ref, relay, cfg, match_min: int):
     return hops
 
 
+def quotes_upstream(case) -> bool:
+    """An upstream agent's template holds an earlier upstream agent's output."""
+    names = [a.name for a in case.upstream]
+    return any("{" + n + "}" in a.template for i, a in enumerate(case.upstream) for n in names[:i])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", default="humaneval82_workload.jsonl")
@@ -53,7 +59,12 @@ def main() -> None:
     p.add_argument("--targets", default="0.8,0.9,0.95")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="per-relay rows, rewritten after each relay")
+    p.add_argument("--report", default=None, help="print the tables of a --json file and stop")
     args = p.parse_args()
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        report({(d["method"], d["target"], d["upstream"]): d["rows"] for d in saved})
+        return
     from sglang_relay.bench.fidelity import (
         build_parser,
         evaluate_relay,
@@ -61,7 +72,6 @@ def main() -> None:
         prepare_usable,
     )
     from sglang_relay.bench.frontier import parse_targets, sweep_points
-    from sglang_relay.bench.intervals import bootstrap_ci, paired_ci
     from sglang_relay.bench.workload import GenSettings, find_spans, load_relay, load_workload
     from sglang_relay.core.config import load_profile
     from sglang_relay.core.operating import Frontier
@@ -69,8 +79,10 @@ def main() -> None:
     bm = load_bench_model(build_parser().parse_args(["--threads", str(args.threads)]))
     ref, tok, gen = bm.ref, bm.tok, GenSettings()
     stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")} - {None})
-    usable, _ = prepare_usable(ref, tok, load_workload(None, name=args.workload), args.limit,
-                               bm.cache_dir, bm.fingerprint, gen, progress=False)  # fmt: skip
+    # only cases whose upstream agents quote one another are generated (the rest: no chain)
+    cases = [c for c in load_workload(None, name=args.workload) if quotes_upstream(c)]
+    usable, _ = prepare_usable(ref, tok, cases, args.limit, bm.cache_dir, bm.fingerprint, gen,
+                               progress=False)  # fmt: skip
     chains = []
     for case, path in usable:  # relays with a second hop: an upstream prompt quoting another
         relay = load_relay(path, case)
@@ -83,7 +95,7 @@ def main() -> None:
     frontier = Frontier.from_profile(load_profile(bm.profile_path)[1])
     points = sweep_points(bm.relay_cfg, ref.num_layers, mean_span, parse_targets(args.targets),
                           ("relay", "epic"), frontier)  # fmt: skip
-    print(f"{args.workload}: {len(chains)} of {len(usable)} usable relays have a second hop")
+    print(f"{args.workload}: {len(chains)} relays with a second hop (of {len(usable)} quoting)")
     rows: dict[tuple[str, float, str], list[dict]] = {}
     started = time.perf_counter()
     for case, path, _ in chains:
@@ -99,6 +111,14 @@ def main() -> None:
             dump = [{"method": m, "target": t, "upstream": h, "rows": rs}
                     for (m, t, h), rs in rows.items()]  # fmt: skip
             Path(args.json).write_text(json.dumps(dump, default=str))
+
+    report(rows)
+
+
+def report(rows: dict[tuple[str, float, str], list[dict]]) -> None:
+    """Per (method, point, hop) means with bootstrap intervals, then paired intervals of
+    chain minus single hop per method and of relay minus EPIC on chains."""
+    from sglang_relay.bench.intervals import bootstrap_ci, paired_ci
 
     def col(key, m):
         return [float(r[m]) for r in rows[key]]
