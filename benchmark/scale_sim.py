@@ -55,7 +55,6 @@ except ImportError:  # running from a checkout without an install
 
 from sglang_relay.runtime.dp_routing import (
     DEFAULT_MAX_IMBALANCE,
-    STRIDE,
     WINDOW,
     fingerprint_choice,
     key_worker,
@@ -379,11 +378,10 @@ class Request:
 
 
 def fingerprint_tokens(span_tokens: int) -> int:
-    """Relayable tokens a router credits a worker with for holding a span pasted whole:
-    ``STRIDE`` per published window (one at every ``STRIDE``-th token, ``WINDOW`` long)."""
-    if span_tokens < WINDOW:
-        return 0
-    return STRIDE * ((span_tokens - WINDOW) // STRIDE + 1)
+    """Relayable tokens a router credits a worker with for holding a span pasted whole: the
+    tokens its published windows cover (``runtime.dp_routing.span_fingerprints``: every
+    ``STRIDE``-th window and the last), i.e. all of a span of at least ``WINDOW`` tokens."""
+    return span_tokens if span_tokens >= WINDOW else 0
 
 
 class Policy:
@@ -493,9 +491,9 @@ class Fingerprints(Policy):
     """The rule of ``runtime/dp_routing.py`` (``DPRouter.route``, calling its
     ``fingerprint_choice`` and ``key_worker`` with every worker active; ties go to the
     lowest worker), with span ownership at token level: a worker holding a pasted span is
-    credited :func:`fingerprint_tokens` of it (what counting its published 32-token windows
-    at stride 16 in the prompt gives; hash collisions and windows across segment boundaries
-    are ignored), and ranks publish instantly. No match: the routing key's hash
+    credited :func:`fingerprint_tokens` of it (the prompt tokens its published 32-token
+    windows cover; hash collisions and windows across segment boundaries are ignored), and
+    ranks publish instantly. No match: the routing key's hash
     (``use_key``), else ``fallback``."""
 
     def __init__(self, n: int, fallback: Policy, use_key: bool, max_imbalance: int) -> None:

@@ -1,6 +1,6 @@
 """DP routing by span fingerprints: the hashes against a brute-force polynomial hash, the
 router's decisions against the rules in runtime/dp_routing.py, and the rank -> controller
-messages over a real ZMQ socket."""
+messages over a real Unix socket."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from sglang_relay.runtime.dp_routing import (
     WINDOW,
     DPRouter,
     FingerprintPublisher,
+    covered_tokens,
     decode_message,
     encode_message,
     fingerprint_choice,
     key_worker,
+    span_fingerprints,
     window_hashes,
 )
 
@@ -41,7 +43,24 @@ def test_window_hashes_equal_a_brute_force_polynomial_hash():
 
 
 def _router(tmp_path, imbalance=8) -> DPRouter:
-    return DPRouter(2, f"ipc://{tmp_path}/router", max_imbalance=imbalance)
+    return DPRouter(2, str(tmp_path / "router"), max_imbalance=imbalance)
+
+
+def test_a_spans_fingerprints_are_its_stride_windows_and_its_last():
+    rng = random.Random(3)
+    for n in (WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + STRIDE, 39, 200):
+        span = [rng.randrange(50_000) for _ in range(n)]
+        offsets = sorted({*range(0, n - WINDOW + 1, STRIDE), n - WINDOW}) if n >= WINDOW else []
+        want = [_brute_hash(span[o : o + WINDOW]) for o in offsets]
+        assert span_fingerprints(span).tolist() == want
+
+
+def test_covered_tokens_is_the_size_of_the_union_of_the_windows():
+    rng = random.Random(4)
+    for _ in range(300):
+        starts = sorted(rng.sample(range(200), rng.randint(0, 12)))
+        union = {t for s in starts for t in range(s, s + WINDOW)}
+        assert covered_tokens(starts) == len(union)
 
 
 def test_a_pasted_span_routes_to_the_rank_that_holds_it(tmp_path):
@@ -49,12 +68,11 @@ def test_a_pasted_span_routes_to_the_rank_that_holds_it(tmp_path):
     span_a = [rng.randrange(50_000) for _ in range(200)]
     span_b = [rng.randrange(50_000) for _ in range(80)]
     router = _router(tmp_path)
-    router.apply(0, "add", 1, window_hashes(span_b, STRIDE))
-    router.apply(1, "add", 1, window_hashes(span_a, STRIDE))
+    router.apply(0, "add", 1, span_fingerprints(span_b))
+    router.apply(1, "add", 1, span_fingerprints(span_a))
     prompt = [7] * 13 + span_b + [9] * 5 + span_a + [11] * 3  # both pasted, odd offsets
     held = router.held_tokens(prompt)
-    assert held[1] == STRIDE * len(range(0, 200 - WINDOW + 1, STRIDE))  # every window found
-    assert held[0] == STRIDE * len(range(0, 80 - WINDOW + 1, STRIDE))
+    assert held == {1: 200, 0: 80}  # every token of each span: its windows cover it
     assert router.route(prompt, None, [0, 0], [0, 1]) == 1  # rank 1 holds more
     assert router.route(prompt, None, [0, 9], [0, 1]) is None  # 9 > 0 + 8: overloaded
     assert router.route(prompt, None, [1, 9], [0, 1]) == 1  # within the imbalance
@@ -102,29 +120,55 @@ def test_a_routing_key_indexes_the_active_ranks():
         assert key_worker(key, range(4)) == key_worker(key, [0, 1, 2, 3])
 
 
-def test_ranks_publish_to_the_controller_over_zmq(tmp_path):
+def test_a_ranks_message_is_visible_to_the_controller_when_its_send_returns(tmp_path):
+    """The rank publishes a span before it streams the request's output, so a downstream
+    request that pastes the output reaches the controller after the message did: no wait,
+    no poll, the next drain has it (a race under load with ZMQ's I/O threads before)."""
     router = _router(tmp_path)
-    pub = FingerprintPublisher(router.endpoint, rank=1)
-    span = list(range(1000, 1100))
-    pub.added(5, span)
-    deadline = time.time() + 5
-    while not router.spans and time.time() < deadline:
+    pubs = [FingerprintPublisher(router.endpoint, rank=r) for r in (0, 1)]
+    spans = {r: list(range(1000 + 500 * r, 1100 + 500 * r)) for r in (0, 1)}
+    for round_ in range(50):
+        for r, pub in enumerate(pubs):
+            pub.added(round_, spans[r])
+            router.drain()
+            assert (r, round_) in router.spans
+            assert router.held_tokens([0, *spans[r]])[r] == 100
+            pub.dropped_span(round_)
         router.drain()
-        time.sleep(0.01)
-    assert (1, 5) in router.spans and router.held_tokens([0, *span])[1] > 0
-    pub.dropped_span(5)
-    deadline = time.time() + 5
-    while router.spans and time.time() < deadline:
-        router.drain()
-        time.sleep(0.01)
-    assert router.spans == {} and router.holders == {}
-    assert pub.sent == 2 and pub.dropped == 0
+        assert router.spans == {} and router.holders == {}
+    assert [(p.sent, p.dropped) for p in pubs] == [(100, 0), (100, 0)]
+    for pub in pubs:
+        pub.close()
+    router.drain()  # the ranks' closed connections are let go
+    assert router._conns == []
+    router.close()
+    assert not (tmp_path / "router").exists()
+
+
+def test_a_rank_counts_what_it_cannot_send_and_never_raises(tmp_path):
+    router = _router(tmp_path)
+    pub = FingerprintPublisher(router.endpoint, rank=0)
+    span = list(range(100))
+    for i in range(100_000):  # never drained: the socket's buffer fills
+        pub.added(i, span)
+        if pub.dropped:
+            break
+    assert pub.dropped == 1 and pub.sent > 100
+    router.drain()  # everything sent arrives, in order
+    assert len(router.spans) == pub.sent
+    router.close()
+    pub.added(10**6, span)  # the controller gone
+    assert pub.dropped == 2
+    nowhere = FingerprintPublisher(str(tmp_path / "nobody"), rank=0)  # never listened
+    nowhere.added(1, span)
+    assert (nowhere.sent, nowhere.dropped) == (0, 1)
 
 
 def test_fingerprint_messages_are_raw_bytes_and_malformed_ones_are_dropped(tmp_path):
+    import socket
+
     import numpy as np
     import pytest
-    import zmq
 
     hashes = window_hashes(list(range(500, 600)), STRIDE, 12345)
     raw = encode_message(1, "add", 2**40 + 3, hashes)
@@ -138,15 +182,11 @@ def test_fingerprint_messages_are_raw_bytes_and_malformed_ones_are_dropped(tmp_p
             decode_message(bad)
     # the controller skips what it cannot decode (and ranks it does not have)
     router = _router(tmp_path)
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(router.endpoint)
     for msg in (b"garbage", encode_message(9, "add", 1, hashes), raw):
         sock.send(msg)
-    deadline = time.time() + 5
-    while not router.spans and time.time() < deadline:
-        router.drain()
-        time.sleep(0.01)
+    router.drain()
     assert list(router.spans) == [(1, 2**40 + 3)]
     assert router.decisions["bad_fingerprint_messages"] == 1
     sock.close()
@@ -193,12 +233,8 @@ def test_a_prompt_only_matches_spans_of_its_own_namespace(tmp_path):
     ns_a = router.namespace(_req(prompt, cache_salt="tenant-a"))
     assert ns_a == (None, None, "tenant-a", None)  # extra_key, lora_id, cache_salt, relay key
     pub.added(3, span, ns_a)  # what the rank's SpanStore tells the publisher
-    deadline = time.time() + 5
-    while not router.spans and time.time() < deadline:
-        router.drain()
-        time.sleep(0.01)
-    full = STRIDE * len(range(0, 120 - WINDOW + 1, STRIDE))
-    assert router.held_tokens(prompt, ns_a)[1] == full
+    router.drain()
+    assert router.held_tokens(prompt, ns_a)[1] == len(span)
     for other in (
         _req(prompt),  # the default namespace
         _req(prompt, cache_salt="tenant-b"),
@@ -212,9 +248,10 @@ def test_a_prompt_only_matches_spans_of_its_own_namespace(tmp_path):
     assert window_hashes(span, STRIDE, 0).tolist() == window_hashes(span, STRIDE).tolist()
 
 
-def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_path):
+def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_path, monkeypatch):
     """The CPU stand-in's DP controller loop: every message sent is dispatched in order,
-    and the loop sleeps in between (it does not spin a core while idle)."""
+    and the loop sleeps in between (it does not spin a core while idle); while idle it
+    still reads the ranks' fingerprints (they do not queue up in the ranks)."""
     import threading
 
     # SGLang's controller module imports slowly (12 s on a loaded 2-core VM): import it
@@ -222,6 +259,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     import sglang.srt.managers.data_parallel_controller  # noqa: F401
     import zmq
 
+    from sglang_relay.runtime import dp_routing
     from sglang_relay.runtime.dp_routing import blocking_event_loop
 
     ctx = zmq.Context.instance()
@@ -243,6 +281,9 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
         except zmq.ContextTerminated:
             pass
 
+    router = _router(tmp_path)
+    monkeypatch.setattr(dp_routing, "_ROUTER", [router])
+    pub = FingerprintPublisher(router.endpoint, rank=1)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     for i in range(50):
@@ -252,9 +293,11 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
         time.sleep(0.05)
     assert got == [{"req": i} for i in range(50)]
     start = time.process_time()  # this process's CPU time, every thread
+    pub.added(7, list(range(300, 400)))
     time.sleep(1.5)  # idle: a spinning loop would burn ~1.5 s of CPU here
     assert time.process_time() - start < 0.5
     assert feeds  # the watchdog is fed
+    assert (1, 7) in router.spans  # read by the idle loop, no request needed
     push.close(linger=0)
 
 
@@ -281,7 +324,7 @@ def test_the_routing_hook_never_raises_into_the_controller(tmp_path, monkeypatch
 
     router = _router(tmp_path)
     span = list(range(500, 600))
-    router.apply(1, "add", 1, window_hashes(span, STRIDE))  # rank 1 holds the prompt's text
+    router.apply(1, "add", 1, span_fingerprints(span))  # rank 1 holds the prompt's text
     monkeypatch.setattr(dp_routing, "_ROUTER", [router])
     req = TokenizedEmbeddingReqInput(
         input_text=None,

@@ -159,12 +159,11 @@ class _Unrouted(sim.Policy):
 
 
 def test_fingerprint_policy_agrees_with_the_runtime_dp_router(tmp_path):
-    pytest.importorskip("zmq")
-    from sglang_relay.runtime.dp_routing import STRIDE, DPRouter, window_hashes
+    from sglang_relay.runtime.dp_routing import DPRouter, span_fingerprints
 
     rng = random.Random(11)
     n = 4
-    router = DPRouter(n, f"ipc://{tmp_path}/router", max_imbalance=8)
+    router = DPRouter(n, str(tmp_path / "router"), max_imbalance=8)
     policy = sim.Fingerprints(n, _Unrouted(n), use_key=True, max_imbalance=8)
     seg_len, tokens, holders = [], [], {}
     for span in range(40):  # span = segment id; tokens drawn so that no window repeats
@@ -172,7 +171,7 @@ def test_fingerprint_policy_agrees_with_the_runtime_dp_router(tmp_path):
         seg_len.append(length)
         tokens.append([rng.randrange(1, 1 << 40) for _ in range(length)])
         for w in rng.sample(range(n), rng.choice([0, 1, 1, 2])):
-            router.apply(w, "add", span, window_hashes(tokens[span], STRIDE))
+            router.apply(w, "add", span, span_fingerprints(tokens[span]))
             holders.setdefault(span, set()).add(w)
     compared = 0
     for case in range(300):

@@ -7,11 +7,19 @@ SGLang 0.5.23's ``DataParallelController`` honours ``req.routed_dp_rank`` in
 its process, so routing needs no router of our own:
 
 * every rank publishes fingerprints of the spans it stores (a hash of the 32-token window
-  at every 16th token of the span, :func:`window_hashes`) when it adds or drops one, over
-  one ZMQ PUSH socket to the controller (:class:`FingerprintPublisher`);
+  at every 16th token of the span and of its last window, :func:`span_fingerprints`) when
+  it adds or drops one, to the controller over a Unix ``SOCK_SEQPACKET`` connection
+  (:class:`FingerprintPublisher`). A send puts the message in the controller's receive
+  queue before it returns, and the rank sends it before it streams the finished request's
+  output: so the controller has it before any request that pastes that output can reach it
+  (ZMQ, used before, hands a message to background I/O threads in both processes and does
+  not order it against the rank's output; a downstream agent could be routed before its
+  upstream's fingerprints were visible);
 * the controller (:class:`DPRouter`) keeps which ranks hold each fingerprint; for a request
-  without a rank it hashes every 32-token window of the prompt and counts the matches per
-  rank (each ~16 relayable tokens). The rank with the most wins unless its queue (running
+  without a rank it hashes every 32-token window of the prompt and credits each rank with
+  the prompt tokens its matched windows cover (a span pasted whole: its length; a span of
+  another text that shares part of it: only that part). The rank with the most wins unless
+  its queue (running
   + waiting requests, SGLang's load snapshot) exceeds the least-loaded rank's by more than
   ``max_imbalance`` requests (``SGLANG_RELAY_DP_MAX_IMBALANCE``, default 8): then the
   configured load-balance method decides (``fallback_overloaded``);
@@ -33,9 +41,12 @@ still enforces namespaces when it relays (:mod:`.options`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import logging
 import os
+import socket
 import struct
 import uuid
 from collections import Counter
@@ -95,6 +106,27 @@ def window_hashes(tokens, stride: int = 1, salt: int = 0) -> np.ndarray:
         return (windows * _POWERS).sum(axis=1, dtype=np.uint64) ^ np.uint64(salt)
 
 
+def span_fingerprints(tokens, salt: int = 0) -> np.ndarray:
+    """The fingerprints a rank publishes for a stored span: the windows at every
+    ``STRIDE``-th token and the span's last window (so the windows published cover every
+    token of the span: a prompt that pastes it whole is credited with all of it)."""
+    n = len(tokens)
+    if n < WINDOW:
+        return np.empty(0, dtype=np.uint64)
+    hashes = window_hashes(tokens, STRIDE, salt)
+    if (n - WINDOW) % STRIDE:
+        hashes = np.append(hashes, window_hashes(tokens[n - WINDOW :], 1, salt))
+    return hashes
+
+
+def covered_tokens(starts: Sequence[int]) -> int:
+    """Tokens covered by ``WINDOW``-token windows starting at ``starts`` (ascending)."""
+    if not len(starts):
+        return 0
+    gaps = np.diff(np.asarray(starts, dtype=np.int64))
+    return int(np.minimum(gaps, WINDOW).sum()) + WINDOW
+
+
 # ---- the routing rules (pure; benchmark/scale_sim.py simulates policies with them) -----------
 def key_worker(routing_key: str, active: Sequence[int]) -> int:
     """The rank for a routing key (a request with a key and no matched fingerprint): a
@@ -144,50 +176,72 @@ def decode_message(raw: bytes) -> tuple[int, str, int, np.ndarray | None]:
     return rank, op, span_id, hashes if op == "add" else None
 
 
+MAX_MESSAGE = 1 << 20  # bytes: a span of up to ~2M tokens; a longer one is not published
+_SEND_BUFFER = 4 << 20  # queued messages a rank may have in flight (capped by wmem_max)
+
+
 class FingerprintPublisher:
-    """The rank side: tells the controller which span fingerprints this rank holds."""
+    """The rank side: tells the controller which span fingerprints this rank holds.
+
+    Sends never block and never raise: a message the socket cannot take (the controller
+    gone, or 4 MiB of messages it has not read yet) is counted in ``dropped``; routing then
+    degrades to the load-balance method, never to a wrong relay (the rank checks its own
+    store)."""
 
     def __init__(self, endpoint: str, rank: int) -> None:
-        import zmq
-
         self.rank = rank
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.connect(endpoint)
         self.sent = 0
-        self.dropped = 0  # messages the socket could not take (controller gone or slow)
+        self.dropped = 0
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+            self._sock.connect(endpoint)
+            self._sock.setblocking(False)
+        except OSError as exc:
+            logger.warning("sglang-relay: rank %d cannot reach the DP router at %s (%s); "
+                           "its spans are not routed to", rank, endpoint, exc)  # fmt: skip
+            self._sock.close()
+            self._sock = None
 
     def _send(self, op: str, span_id: int, hashes: np.ndarray | None) -> None:
-        import zmq
-
+        raw = encode_message(self.rank, op, span_id, hashes)
+        if self._sock is None or len(raw) >= MAX_MESSAGE:
+            self.dropped += 1
+            return
         try:
-            self._sock.send(encode_message(self.rank, op, span_id, hashes), flags=zmq.NOBLOCK)
+            self._sock.send(raw, socket.MSG_NOSIGNAL)
             self.sent += 1
-        except zmq.ZMQError:
-            self.dropped += 1  # routing degrades to the load-balance method, never wrong
+        except OSError:  # full (BlockingIOError) or the controller gone (BrokenPipeError)
+            self.dropped += 1
 
     def added(self, span_id: int, tokens: list[int], namespace: Hashable = None) -> None:
-        hashes = window_hashes(tokens, STRIDE, namespace_salt(namespace))
-        self._send("add", span_id, hashes)
+        self._send("add", span_id, span_fingerprints(tokens, namespace_salt(namespace)))
 
     def dropped_span(self, span_id: int) -> None:
         self._send("drop", span_id, None)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 class DPRouter:
     """The controller side: fingerprints per rank, and the routing decision."""
 
     def __init__(self, num_ranks: int, endpoint: str, *, max_imbalance: int) -> None:
-        import zmq
-
+        """``endpoint``: the path of the Unix socket the ranks connect to (created here,
+        removed at exit)."""
         self.num_ranks = num_ranks
         self.endpoint = endpoint
         self.max_imbalance = max_imbalance
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(endpoint)
+        self._listener.listen(256)
+        self._listener.setblocking(False)
+        atexit.register(self.close)
+        self._conns: list[socket.socket] = []  # one per publishing rank
+        self._buf = bytearray(MAX_MESSAGE)
         self.holders: dict[int, Counter[int]] = {}  # fingerprint -> rank -> windows held
         self.spans: dict[tuple[int, int], np.ndarray] = {}  # (rank, span id) -> fingerprints
         self.decisions: Counter[str] = Counter()
@@ -208,21 +262,46 @@ class DPRouter:
 
     # ---- fingerprints ---------------------------------------------------------------
     def drain(self) -> None:
-        """Apply every fingerprint message the ranks sent since the last call."""
-        import zmq
+        """Apply every fingerprint message the ranks sent before this call (each rank's in
+        the order it sent them)."""
+        while True:  # ranks that connected since the last call
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # none waiting (BlockingIOError), or closed
+                break
+            conn.setblocking(False)
+            self._conns.append(conn)
+        view = memoryview(self._buf)
+        for conn in list(self._conns):
+            while True:
+                try:
+                    n = conn.recv_into(self._buf)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    n = 0
+                if n == 0:  # the rank closed its end (it exited)
+                    self._conns.remove(conn)
+                    conn.close()
+                    break
+                try:
+                    if n >= MAX_MESSAGE:
+                        raise ValueError("fingerprint message over the size limit")
+                    rank, op, span_id, hashes = decode_message(bytes(view[:n]))
+                except ValueError:
+                    self.decisions["bad_fingerprint_messages"] += 1
+                    continue
+                if 0 <= rank < self.num_ranks:
+                    self.apply(rank, op, span_id, hashes)
 
-        while True:
-            try:
-                raw = self._sock.recv(flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            try:
-                rank, op, span_id, hashes = decode_message(raw)
-            except ValueError:
-                self.decisions["bad_fingerprint_messages"] += 1
-                continue
-            if 0 <= rank < self.num_ranks:
-                self.apply(rank, op, span_id, hashes)
+    def close(self) -> None:
+        """Stop listening and remove the socket's path."""
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        self._listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.endpoint)
 
     def apply(self, rank: int, op: str, span_id: int, hashes: np.ndarray | None) -> None:
         key = (rank, span_id)
@@ -242,14 +321,19 @@ class DPRouter:
                     del self.holders[h]
 
     def held_tokens(self, tokens, namespace: Hashable = None) -> Counter[int]:
-        """Per rank, the prompt tokens it holds as stored spans of ``namespace`` (~``STRIDE``
-        per matched window: a span's windows are ``STRIDE`` apart)."""
+        """Per rank, the prompt tokens it holds as stored spans of ``namespace``: the tokens
+        covered by the prompt's windows whose fingerprint the rank published (a span's
+        published windows cover all of it, :func:`span_fingerprints`)."""
         found: Counter[int] = Counter()
         if not self.holders:
             return found
-        for h in set(window_hashes(tokens, 1, namespace_salt(namespace)).tolist()):
+        starts: dict[int, list[int]] = {}
+        hashes = window_hashes(tokens, 1, namespace_salt(namespace)).tolist()
+        for pos, h in enumerate(hashes):
             for rank in self.holders.get(h, ()):
-                found[rank] += STRIDE
+                starts.setdefault(rank, []).append(pos)
+        for rank, pos in starts.items():
+            found[rank] = covered_tokens(pos)
         return found
 
     # ---- routing --------------------------------------------------------------------
@@ -307,7 +391,9 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
 
     compat.check_router_surface()
     name = f"sglang-relay-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    endpoint = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/{name}"
+    endpoint = os.path.join(os.environ.get("TMPDIR", "/tmp"), name)
+    if len(endpoint.encode()) > 100:  # a Unix socket path holds at most 107 bytes
+        endpoint = os.path.join("/tmp", name)
     imbalance = int(os.environ.get(IMBALANCE_ENV, DEFAULT_MAX_IMBALANCE))
     _ROUTER.append(DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance))
     os.environ[ENDPOINT_ENV] = endpoint
@@ -369,7 +455,8 @@ def blocking_event_loop(original, controller, *args, **kwargs):
     on the 2-core CPU stand-in it is half the machine, taken from the ranks pinned to those
     cores. This loop does the same work (drain every queued request, dispatch it, feed the
     soft watchdog) but sleeps in ``zmq.Poller`` until a request arrives (or a second passes,
-    so the watchdog is still fed while idle)."""
+    so the watchdog is still fed while idle). It also reads the ranks' fingerprint
+    messages at least once a second while idle, so they never queue up in the ranks."""
     import zmq
 
     from sglang_relay.runtime import compat
@@ -379,6 +466,8 @@ def blocking_event_loop(original, controller, *args, **kwargs):
     poller.register(sock, zmq.POLLIN)
     while True:
         feed()
+        if _ROUTER:
+            _ROUTER[0].drain()
         if not poller.poll(timeout=1000):
             continue
         while True:
