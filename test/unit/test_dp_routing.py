@@ -145,20 +145,34 @@ def test_a_ranks_message_is_visible_to_the_controller_when_its_send_returns(tmp_
     assert not (tmp_path / "router").exists()
 
 
-def test_a_rank_counts_what_it_cannot_send_and_never_raises(tmp_path):
+def test_a_full_socket_delays_a_ranks_messages_in_order_and_never_raises(tmp_path):
     router = _router(tmp_path)
     pub = FingerprintPublisher(router.endpoint, rank=0)
     span = list(range(100))
-    for i in range(100_000):  # never drained: the socket's buffer fills
+    i = 0
+    while not pub.waiting:  # never drained: the socket fills
         pub.added(i, span)
-        if pub.dropped:
-            break
-    assert pub.dropped == 1 and pub.sent > 100
-    router.drain()  # everything sent arrives, in order
+        i += 1
+    assert pub.sent == i - 1 > 100 and pub.dropped == 0
+    for span_id in range(i - 1):  # a burst of drops while it is full: kept, not lost
+        pub.dropped_span(span_id)
+    assert pub.waiting == i and pub.dropped == 0
+    router.drain()  # what the socket held
     assert len(router.spans) == pub.sent
+    # the rank's span store flushes at every look-up (a request arrived), in order
+    from sglang_relay.runtime.span_store import SpanStore
+
+    store = SpanStore(min_match=32, max_tokens=4096, release_slots=None, listener=pub)
+    for _ in range(1000):
+        if not pub.waiting:
+            break
+        store.matches(list(range(40)), None)
+        router.drain()
+    assert pub.waiting == 0 and pub.dropped == 0
+    assert list(router.spans) == [(0, i - 1)] and router.spans[(0, i - 1)].size > 0
     router.close()
-    pub.added(10**6, span)  # the controller gone
-    assert pub.dropped == 2
+    pub.added(10**6, span)  # the controller gone: counted, never raised
+    assert pub.dropped == 1 and pub.waiting == 0
     nowhere = FingerprintPublisher(str(tmp_path / "nobody"), rank=0)  # never listened
     nowhere.added(1, span)
     assert (nowhere.sent, nowhere.dropped) == (0, 1)

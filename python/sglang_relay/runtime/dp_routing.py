@@ -49,7 +49,7 @@ import os
 import socket
 import struct
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -177,21 +177,25 @@ def decode_message(raw: bytes) -> tuple[int, str, int, np.ndarray | None]:
 
 
 MAX_MESSAGE = 1 << 20  # bytes: a span of up to ~2M tokens; a longer one is not published
-_SEND_BUFFER = 4 << 20  # queued messages a rank may have in flight (capped by wmem_max)
+_SEND_BUFFER = 4 << 20  # bytes of messages in the socket (the kernel caps it at wmem_max)
+MAX_PENDING = 100_000  # messages a rank keeps, in order, while its socket is full
 
 
 class FingerprintPublisher:
     """The rank side: tells the controller which span fingerprints this rank holds.
 
-    Sends never block and never raise: a message the socket cannot take (the controller
-    gone, or 4 MiB of messages it has not read yet) is counted in ``dropped``; routing then
-    degrades to the load-balance method, never to a wrong relay (the rank checks its own
-    store)."""
+    Sends never block and never raise. While the socket is full (the controller has not
+    read the messages in it yet) new messages wait here, in order, and go with the next
+    send: a burst of span drops is late, never lost (a lost drop would leave the controller
+    routing to a span that is gone). A message beyond ``MAX_PENDING`` waiting ones, or with
+    the controller gone, is counted in ``dropped``; routing then degrades to the
+    load-balance method, never to a wrong relay (the rank checks its own store)."""
 
     def __init__(self, endpoint: str, rank: int) -> None:
         self.rank = rank
         self.sent = 0
         self.dropped = 0
+        self._pending: deque[bytes] = deque()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
@@ -205,14 +209,30 @@ class FingerprintPublisher:
 
     def _send(self, op: str, span_id: int, hashes: np.ndarray | None) -> None:
         raw = encode_message(self.rank, op, span_id, hashes)
-        if self._sock is None or len(raw) >= MAX_MESSAGE:
+        if self._sock is None or len(raw) >= MAX_MESSAGE or len(self._pending) >= MAX_PENDING:
             self.dropped += 1
             return
-        try:
-            self._sock.send(raw, socket.MSG_NOSIGNAL)
+        self._pending.append(raw)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the waiting messages, oldest first, until the socket is full."""
+        while self._pending and self._sock is not None:
+            try:
+                self._sock.send(self._pending[0], socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                return  # full: the rest waits for the next send
+            except OSError:  # the controller gone (BrokenPipeError): nothing will arrive
+                self.dropped += len(self._pending)
+                self._pending.clear()
+                return
+            self._pending.popleft()
             self.sent += 1
-        except OSError:  # full (BlockingIOError) or the controller gone (BrokenPipeError)
-            self.dropped += 1
+
+    @property
+    def waiting(self) -> int:
+        """Messages waiting for room in the socket."""
+        return len(self._pending)
 
     def added(self, span_id: int, tokens: list[int], namespace: Hashable = None) -> None:
         self._send("add", span_id, span_fingerprints(tokens, namespace_salt(namespace)))

@@ -85,7 +85,8 @@ class SpanStore:
         self.owned_tokens = 0
         self.release_slots = release_slots
         # told of every add and drop (``added(span_id, tokens, namespace)``,
-        # ``dropped_span(span_id)``): the DP fingerprint publisher (:mod:`.dp_routing`)
+        # ``dropped_span(span_id)``) and asked to ``flush()`` what it could not send yet at
+        # every look-up: the DP fingerprint publisher (:mod:`.dp_routing`)
         self.listener = listener
         self._next_id = 1
         self.scans = 0  # index look-ups (admission checks and plans)
@@ -175,6 +176,8 @@ class SpanStore:
     # ---- lookup ---------------------------------------------------------------------
     def matches(self, tokens: list[int], namespace: Hashable) -> list[SpanMatch]:
         """The index's matches in ``tokens`` (no LRU touch, no slots)."""
+        if self.listener is not None:
+            self.listener.flush()  # a request arrived: the controller has been reading
         matches = self.index.find(tokens, namespace)
         self.scans += 1
         self.scans_truncated += self.index.last_find_truncated
