@@ -5,8 +5,10 @@ Offline, on the reference executor: the relay pipeline's Architect and Developer
 decode KV is exact; then the Reviewer prompt is relayed with chosen span tokens recomputed
 (oracle selections) and under the shipped operating points and rule variants. Reported:
 the probability of the end of turn after the reply's first token three backticks, the
-first-token KL and the greedy output; then the same with the Developer's decode KV as a
-relay server's chain leaves it (its own prompt relayed at the same point).
+first-token KL and the greedy output; which layers of the spans' tails carry that end of
+turn (tail tokens recomputed in a band of layers only); then the same with the
+Developer's decode KV as a relay server's chain leaves it (its own prompt relayed at the
+same point).
 
     python benchmark/demo_collapse_study.py [--threads 2]
 """
@@ -109,6 +111,17 @@ def main() -> None:
         sel = pick(fn)
         res = relay_prefill(ref, prompt, spans, every, forced=ticks, selection=sel)
         print(f"| {name} | {int(sel.sum())} | {p_end(res):.3f} |")
+    # Which layers of the tail carry the end-of-turn cue: each span's last 8 / 16 tokens
+    # recomputed in layers [lo, hi] only (lo > 0: from the upstream's stored hidden state at
+    # lo, as relay's l_start does), every other span token and layer reused.
+    print("\n| span tail recomputed | layers | token-layers | P(end | ```) |\n|---|---|---|---|")
+    for k in (8, 16):
+        for lo, hi in ((0, 3), (0, 5), (0, 7), (0, 9), (0, 15), (2, 7), (4, 7), (8, 29)):
+            band = replace(every, l_start=lo, l_det=lo, l_end=hi)
+            sel = pick(lambda n, k=k: range(n - k, n))
+            res = relay_prefill(ref, prompt, spans, band, forced=ticks, selection=sel)
+            cost = int(sel.sum()) * (hi - lo + 1)
+            print(f"| last {k} of each span | {lo}..{hi} | {cost} | {p_end(res):.3f} |")
 
     base, data = load_profile(shipped_profile_path(model))
     frontier = Frontier.from_profile(data)
