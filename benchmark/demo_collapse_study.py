@@ -116,9 +116,9 @@ def main() -> None:
     # lo, as relay's l_start does), every other span token and layer reused.
     print("\n| span tail recomputed | layers | token-layers | P(end | ```) |\n|---|---|---|---|")
     for k in (8, 16):
+        sel = pick(lambda n, k=k: range(n - k, n))
         for lo, hi in ((0, 3), (0, 5), (0, 7), (0, 9), (0, 15), (2, 7), (4, 7), (8, 29)):
             band = replace(every, l_start=lo, l_det=lo, l_end=hi)
-            sel = pick(lambda n, k=k: range(n - k, n))
             res = relay_prefill(ref, prompt, spans, band, forced=ticks, selection=sel)
             cost = int(sel.sum()) * (hi - lo + 1)
             print(f"| last {k} of each span | {lo}..{hi} | {cost} | {p_end(res):.3f} |")

@@ -19,10 +19,9 @@ its process, so routing needs no router of our own:
   without a rank it hashes every 32-token window of the prompt and credits each rank with
   the prompt tokens its matched windows cover (a span pasted whole: its length; a span of
   another text that shares part of it: only that part). The rank with the most wins unless
-  its queue (running
-  + waiting requests, SGLang's load snapshot) exceeds the least-loaded rank's by more than
-  ``max_imbalance`` requests (``SGLANG_RELAY_DP_MAX_IMBALANCE``, default 8): then the
-  configured load-balance method decides (``fallback_overloaded``);
+  its queue (running + waiting requests, SGLang's load snapshot) exceeds the least-loaded
+  rank's by more than ``max_imbalance`` requests (``SGLANG_RELAY_DP_MAX_IMBALANCE``,
+  default 8): then the configured load-balance method decides (``fallback_overloaded``);
 * a request with a routing key (``X-SMG-Routing-Key`` / ``routing_key``) and no match goes
   to a stable hash of the key, so all agents of a keyed chain meet on one rank;
 * otherwise the configured method decides (``fallback``).
