@@ -53,27 +53,28 @@ def reviewer_relay(ref, tok, chain_cfg=None) -> tuple[list[int], list, list]:
     return prompt, find_spans(prompt, records, 32), records
 
 
+def embedded():
+    """``(model dir, tokenizer, reference model)`` of the embedded model."""
+    from transformers import AutoTokenizer
+
+    from sglang_relay.core.reference import load_model
+    from sglang_relay.embedded_model import ensure_model
+
+    model = ensure_model()
+    return model, AutoTokenizer.from_pretrained(model), load_model(str(model))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     from sglang_relay.bench.fidelity import shipped_profile_path
     from sglang_relay.core.config import RelayConfig, load_profile
     from sglang_relay.core.operating import Frontier
-    from sglang_relay.core.reference import (
-        exact_prefill,
-        greedy_continue,
-        load_model,
-        relay_prefill,
-    )
-    from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.core.reference import exact_prefill, greedy_continue, relay_prefill
 
-    model = ensure_model()
-    tok = AutoTokenizer.from_pretrained(model)
-    ref = load_model(str(model))
+    model, tok, ref = embedded()
     eos = tok.eos_token_id
     prompt, spans, records = reviewer_relay(ref, tok)
     ticks = tok("```", add_special_tokens=False).input_ids
