@@ -37,7 +37,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25 test kernels/tests $(ARGS)
 
-# Every test, the `full` tier too (Qwen3-MoE at tp 1, page 16)
+# Every test, the `full` tier too (Qwen3-MoE at tp 1, Mistral, page 16)
 test-full: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25 --full test kernels/tests $(ARGS)
 
