@@ -53,6 +53,11 @@ def reviewer_relay(ref, tok, chain_cfg=None) -> tuple[list[int], list, list]:
     return prompt, find_spans(prompt, records, 32), records
 
 
+def logp(row: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of a logits row, in float64."""
+    return F.log_softmax(row.double(), -1)
+
+
 def embedded():
     """``(model dir, tokenizer, reference model)`` of the embedded model."""
     from transformers import AutoTokenizer
@@ -78,9 +83,6 @@ def main() -> None:
     eos = tok.eos_token_id
     prompt, spans, records = reviewer_relay(ref, tok)
     ticks = tok("```", add_special_tokens=False).input_ids
-
-    def logp(row: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(row.double(), -1)
 
     def p_end(res) -> float:
         return float(logp(res.logits[-1]).exp()[eos])

@@ -27,20 +27,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-# measure -> (per-relay field, statistic, lower is better, format)
+# the frontier's measures shown (sglang_relay.bench.fidelity.MEASURES), with their formats
 SHOWN = {
-    "first_token_kl": ("first_token_kl", "mean", True, ".4f"),
-    "first_token_kl_median": ("first_token_kl", "median", True, ".4f"),
-    "top1_agreement": ("top1", "mean", False, ".3f"),
-    "tf_top1_agreement_64": ("tf_top1", "mean", False, ".3f"),
-    "greedy_prefix_64": ("greedy_prefix", "mean", False, ".3f"),
-    "collapse_rate": ("collapsed", "mean", True, ".3f"),
-    "rouge_l_64": ("rouge_l", "mean", False, ".3f"),
+    "first_token_kl": ".4f",
+    "first_token_kl_median": ".4f",
+    "top1_agreement": ".3f",
+    "tf_top1_agreement_64": ".3f",
+    "greedy_prefix_64": ".3f",
+    "collapse_rate": ".3f",
+    "rouge_l_64": ".3f",
 }
 
 
@@ -74,17 +75,18 @@ def floor_rows(ref, low, relays, stop_ids) -> list[dict]:
 def compare(floor: list[dict], frontier: dict) -> str:
     """Markdown: the floor's measures, then each frontier point's paired interval of
     (point - floor) per measure with its verdict against the floor."""
+    from sglang_relay.bench.fidelity import MEASURES
     from sglang_relay.bench.intervals import bootstrap_ci, paired_ci, verdict
 
     by_id = {r["id"]: r for r in floor}
     head = "| row | " + " | ".join(SHOWN) + " |"
     lines = [head, "|---" * (len(SHOWN) + 1) + "|"]
     cells = []
-    for field, stat, _, fmt in SHOWN.values():
+    for name, fmt in SHOWN.items():
+        field, stat, _ = MEASURES[name]
         values = [r[field] for r in floor]
         lo, hi = bootstrap_ci(values, stat)
-        mid = torch.tensor(values, dtype=torch.float64)
-        mid = float(mid.median() if stat == "median" else mid.mean())
+        mid = statistics.median(values) if stat == "median" else statistics.fmean(values)
         cells.append(f"{mid:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]")
     lines.append(f"| exact, bf16 model ({len(floor)} relays) | " + " | ".join(cells) + " |")
     for row in frontier["points"]:
@@ -92,7 +94,8 @@ def compare(floor: list[dict], frontier: dict) -> str:
             continue
         pairs = [(r, by_id[r["id"]]) for r in row["per_relay"] if r["id"] in by_id]
         cells = []
-        for field, stat, lower, _ in SHOWN.values():
+        for name in SHOWN:
+            field, stat, lower = MEASURES[name]
             lo, hi = paired_ci([a[field] for a, _ in pairs], [b[field] for _, b in pairs], stat)
             word = {"better": "better", "worse": "WORSE", "tie": "tie"}[
                 verdict(lo, hi, lower_is_better=lower)

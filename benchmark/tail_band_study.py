@@ -31,7 +31,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 BANDS = [(0, 0), (16, 6), (16, 8), (16, 10), (24, 6), (32, 6)]
 PROFILE_BANDS = [(16, 6), (16, 10), (8, 10)]
@@ -63,7 +62,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent))
-    from demo_collapse_study import embedded, reviewer_relay
+    from demo_collapse_study import embedded, logp, reviewer_relay
     from sglang_relay.bench.fidelity import shipped_profile_path
     from sglang_relay.core.config import RelayConfig, load_profile
     from sglang_relay.core.operating import Frontier
@@ -75,9 +74,6 @@ def main() -> None:
     eos = tok.eos_token_id
     prompt, spans, _ = reviewer_relay(ref, tok)
     ticks = tok("```", add_special_tokens=False).input_ids
-
-    def logp(row: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(row.double(), -1)
 
     exact = exact_prefill(ref, prompt, forced=ticks)
     exact0 = exact_prefill(ref, prompt)
