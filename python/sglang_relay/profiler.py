@@ -48,6 +48,10 @@ from sglang_relay.core.reference import (
 from sglang_relay.core.rope import apply_rotation, delta_cos_sin
 from sglang_relay.core.selection import kv_deviation
 
+# the packaged calibration relays: 16 in the evaluation workload's four kinds, then 64 in
+# eight list-heavy kinds of their own (the free-running measures' failure modes, loops and
+# early ends, need more relays than 16 to show). --quick takes the first 8
+CALIBRATION = "calibration_workload.jsonl,calibration_loops_workload.jsonl"
 TOP_SHARE = 0.15
 FIRST = 16
 KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
@@ -380,6 +384,18 @@ def probe_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | None
     return None if rule is None else replace(rule, probe=PROBE_POWER)
 
 
+# the head floors (``first_k``) tried under the context rules: the first tokens of every
+# span recomputed whatever their context mass, the rest of the cap by mass. On the 64
+# list-heavy calibration relays (calibration_loops_workload.jsonl) 8 halved the context
+# rule's mean first-token KL at 0.70 and 0.80 where its few worst relays carried it
+HEAD_FLOORS = (8,)
+
+
+def with_head(rule: RelayConfig | None, head: int) -> RelayConfig | None:
+    """``rule`` with each span's first ``head`` tokens forced (inside the same cap)."""
+    return None if rule is None else replace(rule, first_k=head)
+
+
 def context_layers(num_layers: int, quick: bool) -> list[int]:
     """Candidate layers of the context mass: evenly over the stack (layer 0 included: its
     queries need no stored stream)."""
@@ -420,7 +436,8 @@ def run_frontier(
 ) -> list[dict[str, Any]]:
     """Per reuse target, the best of the profiled deviation rule (its cap solved for the
     target), :func:`first_k_rule`, :func:`context_rule` and :func:`probe_rule` (at the
-    layer :func:`pick_context_layer` chose) on the calibration relays: :func:`choose` among
+    layer :func:`pick_context_layer` chose), the last two also with each head floor of
+    :data:`HEAD_FLOORS`, on the calibration relays: :func:`choose` among
     those whose reuse is >= the target on every relay (the user-measure bar, then the lowest
     mean first-token KL). A server stores one stream
     per output token, so when the deviation rule and the context rule need different
@@ -428,25 +445,28 @@ def run_frontier(
     the one with the lower KL summed over the targets. The runtime maps a requested target
     to these points (:mod:`sglang_relay.core.operating`)."""
     l_ctx = pick_context_layer(search, num_layers, quick)
+    context_names = ["context", "probe"]
+    context_names += [f"{n}+head{h}" for h in HEAD_FLOORS for n in ("context", "probe")]
     per_target = []
     for target in targets:
         label = f"frontier {target:.2f}"
-        per_target.append(
-            (
-                target,
-                {
-                    "deviation": search.run(with_cap(rule, num_layers, target), label),
-                    "first_k": search.run(first_k_rule(num_layers, target, mean_span), label),
-                    "context": search.run(context_rule(num_layers, target, l_ctx), label),
-                    "probe": search.run(probe_rule(num_layers, target, l_ctx), label),
-                },
-            )
-        )
-    families = [("deviation", "first_k", "context", "probe")]
+        ctx = context_rule(num_layers, target, l_ctx)
+        probe = probe_rule(num_layers, target, l_ctx)
+        cands = {
+            "deviation": with_cap(rule, num_layers, target),
+            "first_k": first_k_rule(num_layers, target, mean_span),
+            "context": ctx,
+            "probe": probe,
+        }
+        for h in HEAD_FLOORS:
+            cands[f"context+head{h}"] = with_head(ctx, h)
+            cands[f"probe+head{h}"] = with_head(probe, h)
+        per_target.append((target, {k: search.run(c, label) for k, c in cands.items()}))
+    families = [("deviation", "first_k", *context_names)]
     if rule.stored_layer(num_layers) != context_rule(num_layers, 0.5, l_ctx).stored_layer(
         num_layers
     ):
-        families = [("deviation", "first_k"), ("context", "first_k", "probe")]
+        families = [("deviation", "first_k"), ("first_k", *context_names)]
 
     def family_points(family) -> list[tuple[float, dict, list]]:
         out = []
@@ -553,7 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None, help="HF model dir (default: embedded)")
     p.add_argument("--out", default="relay-profile", help="output folder")
     p.add_argument("--quick", action="store_true", help="8 relays, a smaller search")
-    p.add_argument("--workload", default=None, help="calibration JSONL (default: packaged)")
+    p.add_argument(
+        "--workload",
+        default=None,
+        help=f"calibration relays: a comma list of JSONL files or packaged names (default: "
+        f"{CALIBRATION})",
+    )
     p.add_argument("--n-relays", type=int, default=None, help="calibration relays to use")
     p.add_argument("--min-reuse", type=float, default=0.80, help="reuse constraint")
     p.add_argument(
@@ -602,10 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from sglang_relay.bench.fidelity import default_cache_dir
+    from sglang_relay.bench.frontier import resolve_workloads
     from sglang_relay.bench.workload import (
         GenSettings,
         load_relay,
-        load_workload,
         model_fingerprint,
         prepare_relays,
     )
@@ -617,7 +642,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model_path) if args.model_path else ensure_model()
     ref = load_model(str(model_dir))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cases = load_workload(args.workload, name="calibration_workload.jsonl")
+    try:
+        cases = [c for _, cs in resolve_workloads(args.workload or CALIBRATION) for c in cs]
+    except ValueError as exc:
+        print(f"--workload: {exc}", file=sys.stderr)
+        return 2
     limit = args.n_relays or (8 if args.quick else len(cases))
     bar = tqdm(desc="generate (cached)", unit="seq", disable=args.no_progress, file=sys.stderr)
     usable, skipped = prepare_relays(
@@ -737,7 +766,9 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
     data["config"] = consistent_base(config, frontier, ref.num_layers, args.min_reuse).to_dict()
     data["frontier"] = frontier
     data["context_layers"] = search.context_layers
-    data.setdefault("calibration", {})["mean_span"] = round(mean_span, 1)
+    calibration = data.setdefault("calibration", {})
+    calibration["mean_span"] = round(mean_span, 1)
+    calibration["frontier_relays"] = [r.case.id for r in relays]
     data["frontier_seconds"] = round(time.perf_counter() - started, 1)
     path.write_text(json.dumps(data, indent=1))
     print_frontier(frontier)

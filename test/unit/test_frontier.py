@@ -175,9 +175,12 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     """The held-out and HumanEval workloads: other tasks, other agent roles and templates
     than the calibration set, the first evaluation set and each other; no HumanEval
     problem anywhere in calibration (its function names included). The 72-relay held-out
-    set shares nothing with any of them: six kinds of its own, twelve relays each."""
+    set shares nothing with any of them: six kinds of its own, twelve relays each. The
+    calibration relays count both packaged calibration files (the profiler's default); the
+    64 list-heavy ones are eight kinds no evaluation set has, eight relays each."""
     first = load_workload()
-    calibration = load_workload(name="calibration_workload.jsonl")
+    loops = load_workload(name="calibration_loops_workload.jsonl")
+    calibration = load_workload(name="calibration_workload.jsonl") + loops
     heldout = load_workload(name="heldout_workload.jsonl")
     humaneval = load_workload(name="humaneval_workload.jsonl")
     large = load_workload(name="humaneval82_workload.jsonl")
@@ -219,6 +222,12 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
     used = {c.kind for s in (first, calibration, heldout, humaneval, large) for c in s}
     assert not set(kinds) & used
     assert sum(len(c.upstream) == 2 for c in heldout72) >= 12
+    loop_kinds = [c.kind for c in loops]
+    assert len({c.task for c in loops}) == 64 and len({c.id for c in loops}) == 64
+    assert len(set(loop_kinds)) == 8 and all(loop_kinds.count(k) == 8 for k in loop_kinds)
+    assert not set(loop_kinds) & {
+        c.kind for s in (first, heldout, humaneval, large, heldout72) for c in s
+    }
 
 
 def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
@@ -262,3 +271,53 @@ def test_verdicts_compare_relay_with_the_best_baseline_of_each_measure_paired():
     assert "ci" in relay and relay["ci"]["first_token_kl"][0] < relay["first_token_kl"]
     table = verdict_table([relay, epic, blend])
     assert "| 0.90 | first_token_kl | epic |" in table and "worse" in table
+
+
+def test_profiler_frontier_tries_a_head_floor_under_the_context_rules(tiny):
+    """The profiler's operating points (``run_frontier`` on two relays, targets 0.7 and
+    0.9): beside the plain context and probe rules each target tries them with every head
+    floor. A head-floor candidate recomputes each span's first tokens, then the highest
+    context masses, inside the same cap: checked against a brute-force pick from the masses
+    the plain context rule reports. Every point keeps its target on every relay."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from sglang_relay.core.operating import rule_name
+    from sglang_relay.core.reference import exact_prefill, relay_prefill
+    from sglang_relay.profiler import HEAD_FLOORS, Search, context_rule, run_frontier
+
+    relays = [_relay(tiny, n, seed) for seed, n in enumerate((41, 57))]
+    exacts = [exact_prefill(tiny, r.prompt, forced=r.continuation[:-1]) for r in relays]
+
+    def replace_k(cfg: RelayConfig, k: int) -> RelayConfig:
+        return replace(cfg, first_k=k)
+
+    bar = SimpleNamespace(update=lambda _n: None, set_postfix_str=lambda _s: None)
+    search = Search(tiny, relays, exacts, 0.8, bar)
+    rule = RelayConfig(l_start=1, l_det=2, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0)
+    points = run_frontier(search, rule, 10, 49.0, [0.7, 0.9], quick=True)
+    assert [p["target"] for p in points] == [0.7, 0.9]
+    tried = [RelayConfig.from_dict(e["config"]) for e in search.log]
+    for target, point in zip((0.7, 0.9), points, strict=True):
+        assert point["metrics"]["reuse_min"] >= target
+    head = HEAD_FLOORS[0]
+    heads = [c for c in tried if c.ranks_context and c.first_k == head]
+    assert len({c.l_ctx for c in heads}) == 1  # at the picked layer only
+    for target in (0.7, 0.9):
+        cap = context_rule(10, target, heads[0].l_ctx).max_ratio
+        at = [c for c in heads if c.max_ratio == cap]
+        assert sorted(c.probes for c in at) == [False, True]
+        assert all(replace_k(c, 0) in tried for c in at)  # beside the plain rule
+    ctx = replace_k(next(c for c in heads if not c.probes), 0)
+    for relay in relays:
+        n = relay.spans[0].length
+        masses = relay_prefill(tiny, relay.prompt, relay.spans, ctx).deviation
+        got = relay_prefill(tiny, relay.prompt, relay.spans, replace_k(ctx, head))
+        cap = int(ctx.max_ratio * n)
+        want = torch.zeros(n, dtype=torch.bool)
+        want[:head] = True
+        rest = masses.clone()
+        rest[:head] = float("-inf")
+        want[rest.topk(cap - head).indices] = True
+        assert cap > head and torch.equal(got.selected_mask, want)
+        assert rule_name(replace_k(ctx, head)) == "context+head"

@@ -383,7 +383,8 @@ def test_packaged_workloads_and_profile():
 
     evaluation = load_workload()
     calibration = load_workload(name="calibration_workload.jsonl")
-    assert len(evaluation) >= 40 and len(calibration) >= 12
+    calibration += load_workload(name="calibration_loops_workload.jsonl")
+    assert len(evaluation) >= 40 and len(calibration) >= 80
     assert not {c.task for c in evaluation} & {c.task for c in calibration}
     assert {c.kind for c in evaluation[:8]} == {"code", "math", "know", "plan"}
     for case in evaluation + calibration:

@@ -90,12 +90,14 @@ def at_target(cfg: RelayConfig, num_layers: int, target: float) -> RelayConfig:
 
 def rule_name(cfg: RelayConfig) -> str:
     """``"deviation"``, ``"context"``, ``"context+probe"`` or ``"first_k"``: what selects
-    the tokens."""
+    the tokens; a context rule that also forces each span's first tokens ends in
+    ``"+head"``."""
     if cfg.detects:
         return "deviation"
-    if cfg.probes:
-        return "context+probe"
-    return "context" if cfg.ranks_context else "first_k"
+    if not cfg.ranks_context:
+        return "first_k"
+    name = "context+probe" if cfg.probes else "context"
+    return f"{name}+head" if cfg.first_k else name
 
 
 @dataclass(frozen=True, slots=True)
