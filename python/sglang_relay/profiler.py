@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.bench.intervals import paired_ci
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import reuse_cap, rule_name
 from sglang_relay.core.reference import (
@@ -56,9 +57,12 @@ TOP_SHARE = 0.15
 FIRST = 16
 KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
 # The measures a user sees beside KL (issue 29): a candidate whose first-token top-1 or
-# greedy prefix trails the best eligible candidate's by more than this many relays' worth
-# (1/n each, n calibration relays) is not chosen, whatever its KL
+# greedy prefix is worse than the best eligible candidate's beyond the paired 95 %
+# bootstrap interval over the calibration relays (the evaluation's verdict rule) is not
+# chosen, whatever its KL. Candidates logged without per-relay values (older profiles)
+# are held to a fixed slack instead: this many relays' worth (1/n each, n relays)
 MEASURE_SLACK_RELAYS = 1
+BAR_MEASURES = ("top1", "greedy_prefix")
 NOISE = 1e-5  # mean deviation below this is float noise (no curve value)
 
 
@@ -166,7 +170,7 @@ def with_cap(cfg: RelayConfig, num_layers: int, min_reuse: float, scale: float =
 def evaluate(
     ref: RefModel, relays: list[Any], exacts: list[RelayResult], cfg: RelayConfig
 ) -> dict[str, Any]:
-    """Calibration metrics of one candidate."""
+    """Calibration metrics of one candidate (``per_relay``: the bar's measures per relay)."""
     kls, tfs, top1s, prefixes, reuses, spans, sel = [], [], [], [], [], 0, 0
     for relay, exact in zip(relays, exacts, strict=True):
         res = relay_prefill(ref, relay.prompt, relay.spans, cfg, forced=relay.continuation[:-1])
@@ -179,6 +183,7 @@ def evaluate(
         spans += sum(res.span_lengths)
         sel += sum(res.selected)
     return {
+        "per_relay": {"top1": top1s, "greedy_prefix": prefixes},
         "first_token_kl": statistics.fmean(kls),
         "first_token_kl_median": statistics.median(kls),
         "tf_top1": statistics.fmean(tfs),
@@ -198,22 +203,35 @@ def rank_key(entry: dict[str, Any], best_kl: float) -> tuple:
     return (0 if tied else 1, -m["tf_top1"] if tied else m["first_token_kl"], -m["reuse_mean"])
 
 
+def _behind(entry: dict[str, Any], leader: dict[str, Any], measure: str, slack: float) -> bool:
+    """Whether ``entry`` is worse than ``leader`` on ``measure``: beyond the paired 95 %
+    interval over the relays when both carry per-relay values, else by more than
+    ``slack``. A candidate lacking the measure (logged by an older profiler) is not."""
+    if measure not in entry["metrics"]:
+        return False
+    mine = entry.get("per_relay", {}).get(measure)
+    best = leader.get("per_relay", {}).get(measure)
+    if mine is not None and best is not None and len(mine) == len(best) > 0:
+        return paired_ci(mine, best)[1] < 0
+    return entry["metrics"][measure] < leader["metrics"][measure] - slack
+
+
 def user_measure_bar(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The candidates within :data:`MEASURE_SLACK_RELAYS` relays (1/n each, n calibration
-    relays) of the best one on first-token top-1, then, among those, on greedy prefix. Bars
-    apply in that order, each among the survivors of the one before, so the result is never
-    empty (the leader of each bar passes it). A candidate lacking a measure (logged by an
-    older profiler) is not held to it."""
+    """The candidates no worse than the best one on first-token top-1, then, among those,
+    on greedy prefix (:func:`_behind`: the paired interval, or :data:`MEASURE_SLACK_RELAYS`
+    relays' worth for candidates without per-relay values). Bars apply in that order, each
+    among the survivors of the one before, so the result is never empty (the leader of
+    each bar passes it)."""
     n = max((int(c["metrics"].get("relays", 0)) for c in candidates), default=0)
     if n == 0:
         return candidates
     slack = MEASURE_SLACK_RELAYS / n + 1e-6  # metrics are rounded to 6 decimals
     kept = candidates
-    for measure in ("top1", "greedy_prefix"):
-        values = [c["metrics"][measure] for c in kept if measure in c["metrics"]]
-        if values:
-            bar = max(values) - slack
-            kept = [c for c in kept if c["metrics"].get(measure, bar) >= bar]
+    for measure in BAR_MEASURES:
+        rated = [c for c in kept if measure in c["metrics"]]
+        if rated:
+            leader = max(rated, key=lambda c: c["metrics"][measure])
+            kept = [c for c in kept if not _behind(c, leader, measure, slack)]
     return kept
 
 
@@ -249,10 +267,12 @@ class Search:
             return self._seen[cfg]
         t0 = time.perf_counter()
         metrics = evaluate(self.ref, self.relays, self.exacts, cfg)
+        per_relay = metrics.pop("per_relay")
         entry = {
             "stage": stage,
             "config": cfg.to_dict(),
             "metrics": {k: round(v, 6) for k, v in metrics.items()},
+            "per_relay": {k: [round(x, 4) for x in v] for k, v in per_relay.items()},
             "seconds": round(time.perf_counter() - t0, 2),
         }
         self._seen[cfg] = entry
@@ -494,7 +514,9 @@ def run_frontier(
                 "rule": rule_name(cfg),
                 "metrics": best["metrics"],
                 "candidates": [
-                    {"config": c["config"], "metrics": c["metrics"]} for c in cands if c
+                    {k: c[k] for k in ("config", "metrics", "per_relay") if k in c}
+                    for c in cands
+                    if c
                 ],
             }
         )

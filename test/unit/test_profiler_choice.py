@@ -1,6 +1,7 @@
 """The profiler's choice among candidates: reuse first, then the measures a user sees
-(first-token top-1, greedy prefix) within one relay of the best, then KL. Hand-built
-candidates whose winner is known by reading them."""
+(first-token top-1, greedy prefix) no worse than the best candidate's (beyond the paired
+interval over the relays; within one relay for candidates logged without per-relay values),
+then KL. Hand-built candidates whose winner is known by reading them."""
 
 from __future__ import annotations
 
@@ -64,3 +65,36 @@ def test_measures_that_cross_leave_a_choice():
     assert choose([a, b], 0.9)["name"] == "a"
     c = cand("c", 0.011, 15 / 16, 0.530)  # within one flip of a: c then sets the prefix bar
     assert choose([a, b, c], 0.9)["name"] == "c"
+
+
+def relays(name: str, kl: float, top1: list[int], prefix: list[float]):
+    """A candidate as the profiler logs it now: means plus the per-relay values."""
+    c = cand(name, kl, sum(top1) / len(top1), sum(prefix) / len(prefix))
+    c["metrics"]["relays"] = len(top1)
+    c["per_relay"] = {"top1": top1, "greedy_prefix": prefix}
+    return c
+
+
+def test_with_per_relay_values_the_bar_is_the_paired_interval():
+    # 80 relays. Six more first-token flips than the leader, on relays where the leader is
+    # right: worse beyond the paired interval, out whatever its KL
+    safe = relays("safe", 0.012, [1] * 80, [0.5] * 80)
+    flips = relays("flips", 0.005, [0] * 6 + [1] * 74, [0.5] * 80)
+    assert choose([flips, safe], 0.9)["name"] == "safe"
+    # two more flips are within the interval (the old 1/n slack would have dropped it)
+    near = relays("near", 0.005, [0] * 2 + [1] * 78, [0.5] * 80)
+    assert choose([near, safe], 0.9)["name"] == "near"
+
+
+def test_a_greedy_prefix_gap_within_the_noise_does_not_decide():
+    # the prefix leader's mean is 0.05 higher (4 relays' worth at n = 80), but the relays
+    # disagree in both directions: the paired interval holds zero, KL decides
+    up = [0.9, 0.1] * 40
+    down = [0.8, 0.0] * 20 + [0.1, 0.9] * 20
+    leader = relays("leader", 0.012, [1] * 80, up)
+    lower = relays("lower", 0.004, [1] * 80, down)
+    assert abs(sum(up) / 80 - sum(down) / 80 - 4 / 80) < 1e-9
+    assert choose([lower, leader], 0.9)["name"] == "lower"
+    # the same gap on every relay is a real one
+    steady = relays("steady", 0.004, [1] * 80, [x - 0.05 for x in up])
+    assert choose([steady, leader], 0.9)["name"] == "leader"
