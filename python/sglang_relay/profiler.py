@@ -404,13 +404,6 @@ def probe_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | None
     return None if rule is None else replace(rule, probe=PROBE_POWER)
 
 
-# the head floors (``first_k``) tried under the context rules: the first tokens of every
-# span recomputed whatever their context mass, the rest of the cap by mass. On the 64
-# list-heavy calibration relays (calibration_loops_workload.jsonl) 8 halved the context
-# rule's mean first-token KL at 0.70 and 0.80 where its few worst relays carried it
-HEAD_FLOORS = (8,)
-
-
 def with_head(rule: RelayConfig | None, head: int) -> RelayConfig | None:
     """``rule`` with each span's first ``head`` tokens forced (inside the same cap)."""
     return None if rule is None else replace(rule, first_k=head)
@@ -453,11 +446,13 @@ def run_frontier(
     targets,
     *,
     quick: bool = False,
+    head_floors: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Per reuse target, the best of the profiled deviation rule (its cap solved for the
     target), :func:`first_k_rule`, :func:`context_rule` and :func:`probe_rule` (at the
     layer :func:`pick_context_layer` chose), the last two also with each head floor of
-    :data:`HEAD_FLOORS`, on the calibration relays: :func:`choose` among
+    ``head_floors`` (``--head-floors``; :func:`with_head`), on the calibration relays:
+    :func:`choose` among
     those whose reuse is >= the target on every relay (the user-measure bar, then the lowest
     mean first-token KL). A server stores one stream
     per output token, so when the deviation rule and the context rule need different
@@ -466,7 +461,7 @@ def run_frontier(
     to these points (:mod:`sglang_relay.core.operating`)."""
     l_ctx = pick_context_layer(search, num_layers, quick)
     context_names = ["context", "probe"]
-    context_names += [f"{n}+head{h}" for h in HEAD_FLOORS for n in ("context", "probe")]
+    context_names += [f"{n}+head{h}" for h in head_floors for n in ("context", "probe")]
     per_target = []
     for target in targets:
         label = f"frontier {target:.2f}"
@@ -478,7 +473,7 @@ def run_frontier(
             "context": ctx,
             "probe": probe,
         }
-        for h in HEAD_FLOORS:
+        for h in head_floors:
             cands[f"context+head{h}"] = with_head(ctx, h)
             cands[f"probe+head{h}"] = with_head(probe, h)
         per_target.append((target, {k: search.run(c, label) for k, c in cands.items()}))
@@ -616,6 +611,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="only (re)compute the operating points of an existing profile JSON, in place",
     )
+    p.add_argument(
+        "--head-floors",
+        default="",
+        help="operating points: also try the context rules with each span's first K tokens "
+        "forced, for each K of this comma list (default none: measured in docs/fidelity.md, "
+        "a calibration-only gain)",
+    )
     p.add_argument("--cache-dir", default=None, help="generation cache folder")
     p.add_argument(
         "--threads",
@@ -641,6 +643,13 @@ def main(argv: list[str] | None = None) -> int:
         targets = []
     if not targets or not all(0 < t < 1 for t in targets):
         print("--frontier-targets must be numbers in (0, 1)", file=sys.stderr)
+        return 2
+    try:
+        args.head_floors = tuple(int(k) for k in args.head_floors.split(",") if k.strip())
+    except ValueError:
+        args.head_floors = (0,)
+    if not all(k > 0 for k in args.head_floors):
+        print("--head-floors must be positive integers", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -711,7 +720,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no candidate reaches reuse {args.min_reuse}", file=sys.stderr)
         return 1
     config = RelayConfig.from_dict(chosen["config"])
-    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets, quick=args.quick)
+    frontier = run_frontier(
+        search,
+        config,
+        ref.num_layers,
+        mean_span,
+        targets,
+        quick=args.quick,
+        head_floors=args.head_floors,
+    )
     bar.close()
     config = consistent_base(config, frontier, ref.num_layers, args.min_reuse)
     out = Path(args.out)
@@ -783,7 +800,15 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
     ]
     bar = tqdm(desc="frontier", unit="cfg", disable=args.no_progress, file=sys.stderr)
     search = Search(ref, relays, exacts, args.min_reuse, bar)
-    frontier = run_frontier(search, config, ref.num_layers, mean_span, targets, quick=args.quick)
+    frontier = run_frontier(
+        search,
+        config,
+        ref.num_layers,
+        mean_span,
+        targets,
+        quick=args.quick,
+        head_floors=args.head_floors,
+    )
     bar.close()
     data["config"] = consistent_base(config, frontier, ref.num_layers, args.min_reuse).to_dict()
     data["frontier"] = frontier

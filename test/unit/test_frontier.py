@@ -275,16 +275,17 @@ def test_verdicts_compare_relay_with_the_best_baseline_of_each_measure_paired():
 
 def test_profiler_frontier_tries_a_head_floor_under_the_context_rules(tiny):
     """The profiler's operating points (``run_frontier`` on two relays, targets 0.7 and
-    0.9): beside the plain context and probe rules each target tries them with every head
-    floor. A head-floor candidate recomputes each span's first tokens, then the highest
-    context masses, inside the same cap: checked against a brute-force pick from the masses
-    the plain context rule reports. Every point keeps its target on every relay."""
+    0.9, ``--head-floors 8``): beside the plain context and probe rules each target tries
+    them with the head floor. A head-floor candidate recomputes each span's first tokens,
+    then the highest context masses, inside the same cap: checked against a brute-force
+    pick from the masses the plain context rule reports. Every point keeps its target on
+    every relay."""
     from dataclasses import replace
     from types import SimpleNamespace
 
     from sglang_relay.core.operating import rule_name
     from sglang_relay.core.reference import exact_prefill, relay_prefill
-    from sglang_relay.profiler import HEAD_FLOORS, Search, context_rule, run_frontier
+    from sglang_relay.profiler import Search, context_rule, run_frontier
 
     relays = [_relay(tiny, n, seed) for seed, n in enumerate((41, 57))]
     exacts = [exact_prefill(tiny, r.prompt, forced=r.continuation[:-1]) for r in relays]
@@ -295,12 +296,12 @@ def test_profiler_frontier_tries_a_head_floor_under_the_context_rules(tiny):
     bar = SimpleNamespace(update=lambda _n: None, set_postfix_str=lambda _s: None)
     search = Search(tiny, relays, exacts, 0.8, bar)
     rule = RelayConfig(l_start=1, l_det=2, l_end=-1, tau_dev=0.0, l_suf=0, first_k=0)
-    points = run_frontier(search, rule, 10, 49.0, [0.7, 0.9], quick=True)
+    points = run_frontier(search, rule, 10, 49.0, [0.7, 0.9], quick=True, head_floors=(8,))
     assert [p["target"] for p in points] == [0.7, 0.9]
     tried = [RelayConfig.from_dict(e["config"]) for e in search.log]
     for target, point in zip((0.7, 0.9), points, strict=True):
         assert point["metrics"]["reuse_min"] >= target
-    head = HEAD_FLOORS[0]
+    head = 8
     heads = [c for c in tried if c.ranks_context and c.first_k == head]
     assert len({c.l_ctx for c in heads}) == 1  # at the picked layer only
     for target in (0.7, 0.9):
