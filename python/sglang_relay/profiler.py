@@ -14,8 +14,10 @@ reference executor:
    candidate carries the ``max_ratio`` cap that makes its reuse >= ``--min-reuse`` on
    every span by construction;
 3. the rule: among candidates whose reuse is >= ``--min-reuse`` on every calibration
-   relay, the lowest mean first-token KL; candidates within 2 % of it are ranked by
-   teacher-forced top-1, then by reuse.
+   relay and whose first-token top-1 and greedy prefix are no worse than the best such
+   candidate's beyond the paired 95 % interval over the relays, the lowest mean
+   first-token KL; candidates within 2 % of it are ranked by teacher-forced top-1, then
+   by reuse.
 
 Writes ``profile.json`` (``{"model", "config", "curves", "search", "chosen", ...}``, the
 ``config`` loadable by :func:`~sglang_relay.core.config.load_profile`) and
