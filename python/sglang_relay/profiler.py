@@ -723,13 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     config = RelayConfig.from_dict(chosen["config"])
     frontier = run_frontier(
-        search,
-        config,
-        ref.num_layers,
-        mean_span,
-        targets,
-        quick=args.quick,
-        head_floors=args.head_floors,
+        search, config, ref.num_layers, mean_span, targets, **_search_opts(args)
     )
     bar.close()
     config = consistent_base(config, frontier, ref.num_layers, args.min_reuse)
@@ -776,6 +770,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _search_opts(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line options :func:`run_frontier` takes."""
+    return {"quick": args.quick, "head_floors": args.head_floors}
+
+
 def print_frontier(frontier: list[dict[str, Any]]) -> None:
     for p in frontier:
         m = p["metrics"]
@@ -803,13 +802,7 @@ def add_frontier(args, ref, relays, targets, mean_span, started) -> int:
     bar = tqdm(desc="frontier", unit="cfg", disable=args.no_progress, file=sys.stderr)
     search = Search(ref, relays, exacts, args.min_reuse, bar)
     frontier = run_frontier(
-        search,
-        config,
-        ref.num_layers,
-        mean_span,
-        targets,
-        quick=args.quick,
-        head_floors=args.head_floors,
+        search, config, ref.num_layers, mean_span, targets, **_search_opts(args)
     )
     bar.close()
     data["config"] = consistent_base(config, frontier, ref.num_layers, args.min_reuse).to_dict()
