@@ -28,6 +28,12 @@ def merge(base: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], li
     ids = {r["id"] for p in new["points"] for r in p["per_relay"]}
     if ids != {r["id"] for p in base["points"] for r in p["per_relay"]}:
         raise SystemExit("the two runs did not score the same relays")
+    a, b = (set().union(*run["points"]) for run in (base, new))
+    if a != b:
+        raise SystemExit(
+            f"the two runs measured different things ({sorted(a ^ b)}); re-run the base "
+            "with this version of `sglang-relay bench fidelity --frontier`"
+        )
     fresh = {(p["method"], p["target"]): p for p in new["points"]}
     points, replaced = [], []
     for p in base["points"]:
