@@ -239,8 +239,9 @@ def user_measure_bar(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def choose(search: list[dict[str, Any]], min_reuse: float) -> dict[str, Any] | None:
     """The candidate a profile keeps: reuse >= ``min_reuse`` on every relay, first-token top-1
-    and then greedy prefix within one relay of the best such candidate's
-    (:func:`user_measure_bar`, the constraint form of issue 29's multi-measure objective),
+    and then greedy prefix no worse than the best such candidate's beyond the paired
+    interval (:func:`user_measure_bar`, the constraint form of issue 29's multi-measure
+    objective),
     then the lowest mean first-token KL (:func:`rank_key`: near-ties by teacher-forced top-1,
     then reuse)."""
     eligible = [e for e in search if e["metrics"]["reuse_min"] >= min_reuse - 1e-9]
