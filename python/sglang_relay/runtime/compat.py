@@ -169,6 +169,14 @@ REQUEST_LEVEL_KEY_TARGET = (
     "SchedulerOutputStreamer.is_request_level_customized_info_key"
 )
 META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+# every generate request enters here (HTTP, OpenAI, the guard's redo): relay's trust
+# boundary (runtime/trust.py); a ValueError raised here is SGLang's 400
+GENERATE_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+# the tokenizer manager is built: the trust boundary's gate is built with it (a relay
+# server whose settings do not resolve there fails start-up, not each request)
+TOKENIZER_INIT_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
+# /abort_request: an abort of a request also reaches its guard redo (runtime/guard.py)
+ABORT_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request"
 # every response a client gets (streamed or not) comes out of this async generator; a
 # streamed chunk that did not carry new relay info gets SGLang's raw accumulated list
 STREAM_RESPONSE_TARGET = (
@@ -568,10 +576,17 @@ GUARD_KEY = "__sglang_relay_guard"  # private custom_params key: guard redo -> s
 
 def guard_redo_of(req) -> dict | None:
     """The early-stop guard's note on a scheduler request that redoes a relayed one
-    (``{"of": rid, "reused_tokens": n}``), else None."""
+    (``{"of": rid, "reused_tokens": n}``), else None. The tokenizer removes private keys
+    from client requests (:mod:`.trust`); a note not shaped as the guard writes it is
+    ignored here all the same, never raised on (a scheduler exception ends the server)."""
     params = getattr(req.sampling_params, "custom_params", None)
     note = params.get(GUARD_KEY) if isinstance(params, dict) else None
-    return note if isinstance(note, dict) else None
+    if not isinstance(note, dict):
+        return None
+    of, n = note.get("of"), note.get("reused_tokens")
+    if not isinstance(of, str) or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return None
+    return {"of": of[:256], "reused_tokens": min(n, 1 << 40)}
 
 
 def check_tokenizer_surface(manager, state) -> None:
@@ -604,10 +619,18 @@ def scheduler_times_sent(manager) -> bool:
     return bool(getattr(manager.server_args, "enable_metrics", False))
 
 
+# every routing decision the DP controller tags (runtime/dp_routing.py): a fixed label set
+DP_DECISIONS = frozenset(
+    {"matched", "key", "explicit", "fallback", "fallback_overloaded", "fallback_error"}
+)
+
+
 def dp_route(req) -> str | None:
-    """The DP controller's routing decision for a scheduler request (None: no DP routing)."""
+    """The DP controller's routing decision for a scheduler request (None: no DP routing,
+    or a value the controller does not write)."""
     params = getattr(req.sampling_params, "custom_params", None)
-    return params.get(DP_ROUTE_KEY) if isinstance(params, dict) else None
+    route = params.get(DP_ROUTE_KEY) if isinstance(params, dict) else None
+    return route if isinstance(route, str) and route in DP_DECISIONS else None
 
 
 def dp_rank() -> tuple[int, int]:

@@ -106,9 +106,24 @@ def standard_option(option: Any) -> dict[str, Any]:
     return redo
 
 
+REDO_SUFFIX = "-relay-guard"
+# rid of a request -> rid of its redo in flight (this process), so an abort reaches both
+_LIVE_REDOS: dict[str, str] = {}
+
+
+def live_redo(rid: str) -> str | None:
+    """The rid of the guard's redo of request ``rid`` while it runs, else None."""
+    return _LIVE_REDOS.get(rid)
+
+
 def redo_request(obj: Any, out: dict[str, Any]) -> Any:
-    """A copy of request ``obj`` that runs with standard prefill, under a new rid."""
+    """A copy of request ``obj`` that runs with standard prefill, under a new rid: one
+    sample (the guarded request is one sample of its request, whatever its ``n``), marked
+    as built here so the trust boundary keeps its private note (:mod:`.trust`)."""
+    from sglang_relay.runtime import trust
+
     sp = dict(obj.sampling_params)
+    sp.pop("n", None)
     params = dict(sp.get("custom_params") or {})
     info = out["meta_info"]["relay"]
     params["relay"] = standard_option(params.get("relay"))
@@ -116,8 +131,14 @@ def redo_request(obj: Any, out: dict[str, Any]) -> Any:
     sp["custom_params"] = params
     redo = copy.copy(obj)
     redo.sampling_params = sp
-    redo.rid = f"{obj.rid}-relay-guard"
-    return redo
+    redo.rid = f"{obj.rid}{REDO_SUFFIX}"
+    return trust.trust(redo)
+
+
+def _first_usage(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the relayed (first) attempt computed, for the redo's response."""
+    keys = ("prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency")
+    return {k: meta[k] for k in keys if k in meta}
 
 
 async def guarded(responses, manager: Any, obj: Any, request: Any, policy: GuardPolicy, state):
@@ -154,7 +175,9 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
         times = compat.request_times(state)
         waited = time.perf_counter() - times[0] if times is not None else 0.0
         redo = redo_request(obj, out)
+        first_usage = _first_usage(meta)
         sent = False
+        _LIVE_REDOS[str(obj.rid)] = redo.rid
         try:
             async for redone in compat.submit_request(manager, redo, request):
                 redone_meta = redone.get("meta_info") if isinstance(redone, dict) else None
@@ -164,7 +187,15 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
                     info = dict(info if isinstance(info, dict) else {})
                     if "ttft_s" in info:  # from the first request's arrival
                         info["ttft_s"] = round(waited + info["ttft_s"], 6)
-                    info["guard"] = {"reprefilled": True, "reason": reason, "relayed": first}
+                    if isinstance(redone_meta.get("e2e_latency"), int | float):
+                        # what the client waited for: the first attempt and the redo
+                        redone_meta["e2e_latency"] = round(waited + redone_meta["e2e_latency"], 6)
+                    info["guard"] = {
+                        "reprefilled": True,
+                        "reason": reason,
+                        "relayed": first,
+                        "first_attempt": first_usage,  # computed too, then replaced
+                    }
                     redone_meta["relay"] = info
                 sent = True
                 yield redone
@@ -178,6 +209,8 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
             for chunk in held:
                 yield chunk
             yield out
+        finally:
+            _LIVE_REDOS.pop(str(obj.rid), None)
         return
     for chunk in held:
         yield chunk

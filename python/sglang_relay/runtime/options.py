@@ -57,7 +57,7 @@ def resolve_config(
     if method == "off":
         method = "standard"
     if method not in METHODS:
-        raise ValueError(f"unknown relay method {method!r}")
+        raise ValueError(f"unknown relay method {method!r} (allowed: off, {', '.join(METHODS)})")
     if reuse is not None and method != "relay":
         raise ValueError(f"a reuse target applies to method relay, not {method}")
     if method == "standard":
@@ -93,6 +93,33 @@ def resolve_config(
             )
         )
     return cfg, point
+
+
+def check_option_fields(option: Any) -> None:
+    """ValueError naming the field and what it accepts, for a relay option whose fields
+    have the wrong types (``resolve_config`` checks what they mean)."""
+    if isinstance(option, str):
+        return
+    if not isinstance(option, dict):
+        raise ValueError(
+            "custom_params.relay must be a method name (off, "
+            + ", ".join(METHODS)
+            + ") or an object with "
+            + ", ".join(sorted(OPTION_KEYS))
+            + f"; got {type(option).__name__}"
+        )
+    unknown = sorted(str(k) for k in option if k not in OPTION_KEYS)
+    if unknown:
+        raise ValueError(
+            f"custom_params.relay has unknown fields {', '.join(unknown)} "
+            f"(allowed: {', '.join(sorted(OPTION_KEYS))})"
+        )
+    if "method" in option and not isinstance(option["method"], str):
+        raise ValueError(f"custom_params.relay.method must be one of off, {', '.join(METHODS)}")
+    if "config" in option and not isinstance(option["config"], dict | type(None)):
+        raise ValueError("custom_params.relay.config must be an object of RelayConfig fields")
+    if "store" in option and not isinstance(option["store"], bool):
+        raise ValueError("custom_params.relay.store must be true or false")
 
 
 def request_option(req: Any) -> Any:

@@ -47,6 +47,9 @@ def register() -> None:
     compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
     compat.register_hook(compat.STREAM_RESPONSE_TARGET, _unwrapped_responses, "around")
+    compat.register_hook(compat.TOKENIZER_INIT_TARGET, _build_gate, "after")
+    compat.register_hook(compat.GENERATE_REQUEST_TARGET, _admitted_request, "around")
+    compat.register_hook(compat.ABORT_REQUEST_TARGET, _abort_with_redo, "around")
     compat.register_hook(compat.KV_BUDGET_TARGET, _config_from_budget, "around")
     from sglang_relay.runtime import cpu
 
@@ -160,6 +163,37 @@ def _config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
     from sglang_relay.runtime.budget import config_from_budget
 
     return config_from_budget(original, configurator, budget_bytes, *args, **kwargs)
+
+
+def _build_gate(result, manager, *args, **kwargs):
+    from sglang_relay.runtime import trust
+
+    trust.gate_for(manager)
+    return result
+
+
+async def _admitted_request(original, manager, obj, *args, **kwargs):
+    """Every generate request on a relay server passes the trust boundary first
+    (:mod:`.trust`): private keys stripped, the relay option resolved; a bad one raises
+    ValueError before anything is sent to a scheduler (SGLang answers 400)."""
+    from sglang_relay.runtime import trust
+
+    gate = trust.gate_for(manager)
+    if gate is not None and hasattr(obj, "sampling_params"):
+        gate.admit(obj)
+    async for out in original(manager, obj, *args, **kwargs):
+        yield out
+
+
+def _abort_with_redo(original, manager, rid: str = "", *args, **kwargs):
+    """An abort of a request reaches the early-stop guard's redo of it too."""
+    from sglang_relay.runtime import guard
+
+    result = original(manager, rid, *args, **kwargs)
+    redo = guard.live_redo(rid) if rid else None
+    if redo is not None:
+        original(manager, redo, *args, **kwargs)
+    return result
 
 
 def _request_level_key(original, streamer, key, *args, **kwargs):

@@ -1,0 +1,142 @@
+"""The request trust boundary (runtime/trust.py) and the scheduler's defensive reads of
+relay's private keys; the served behaviour is in test/e2e/test_trust.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_relay.runtime import compat, trust
+from sglang_relay.runtime.guard import redo_request
+from sglang_relay.runtime.metrics import MAX_EVENTS, OVERFLOW_EVENT, RelayCounters
+from sglang_relay.runtime.settings import settings_from_env
+
+
+class Req:  # a request object as SGLang builds it: fields only
+    def __init__(self, sampling_params=None, text="p", input_ids=None, rid="r1"):
+        self.sampling_params = sampling_params
+        self.text = text
+        self.input_ids = input_ids
+        self.rid = rid
+
+
+@pytest.fixture(scope="module")
+def gate(model_dir):
+    return trust.RequestGate(settings_from_env(str(model_dir), {}), 30, 49152)
+
+
+def test_private_keys_are_removed_from_client_requests(gate):
+    params = {
+        "max_new_tokens": 4,
+        "custom_params": {
+            compat.GUARD_KEY: {"reused_tokens": "x"},
+            compat.DP_ROUTE_KEY: "zzz",
+            "__sglang_relay_anything": 1,
+            "mine": 2,
+        },
+    }
+    obj = Req(params)
+    gate.admit(obj)
+    assert obj.sampling_params["custom_params"] == {"mine": 2}
+    batch = Req([{"custom_params": {compat.GUARD_KEY: {}}}, {"custom_params": None}])
+    gate.admit(batch)
+    assert batch.sampling_params[0]["custom_params"] == {}
+
+
+def test_the_guards_own_redo_keeps_its_note(gate):
+    first = Req({"max_new_tokens": 64, "custom_params": {"relay": "relay"}})
+    out = {"meta_info": {"relay": {"reused_tokens": 7}, "prompt_tokens": 3}}
+    redo = redo_request(first, out)
+    gate.admit(redo)
+    assert redo.sampling_params["custom_params"][compat.GUARD_KEY] == {
+        "of": "r1",
+        "reused_tokens": 7,
+    }
+    # a look-alike built elsewhere (same fields, same rid) is not trusted
+    fake = Req(dict(redo.sampling_params), rid=redo.rid)
+    fake.sampling_params["custom_params"] = dict(redo.sampling_params["custom_params"])
+    gate.admit(fake)
+    assert compat.GUARD_KEY not in fake.sampling_params["custom_params"]
+
+
+def test_the_redo_is_one_sample():
+    first = Req({"max_new_tokens": 64, "n": 3, "custom_params": {"relay": "relay"}})
+    redo = redo_request(first, {"meta_info": {"relay": {"reused_tokens": 7}}})
+    assert "n" not in redo.sampling_params and first.sampling_params["n"] == 3
+
+
+@pytest.mark.parametrize(
+    ("relay", "field"),
+    [
+        ("warp", "allowed: off, standard"),
+        (3, "must be a method name"),
+        ({"method": 3}, "custom_params.relay.method"),
+        ({"reuse": 7}, "reuse target must be a number in (0, 1)"),
+        ({"reuse": 0.9, "method": "epic"}, "applies to method relay"),
+        ({"store": "yes"}, "custom_params.relay.store"),
+        ({"key": ""}, "relay key"),
+        ({"key": "k" * 300}, "relay key"),
+        ({"zzz": 1}, "unknown fields zzz"),
+        ({"config": {"l_start": "x"}}, "l_start must be an integer"),
+        ({"config": {"nope": 1}}, "unknown relay config fields"),
+        ({"config": {"l_start": 5, "l_det": 5}}, "l_start must be 0 or"),
+    ],
+)
+def test_bad_relay_options_are_refused_naming_the_field(gate, relay, field):
+    with pytest.raises(ValueError, match="sampling_params.custom_params") as exc:
+        gate.admit(Req({"custom_params": {"relay": relay}}))
+    assert field in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "relay",
+    ["relay", "off", "standard", "epic", {"reuse": "speed"}, {"reuse": 0.8, "key": "k"},
+     {"method": "standard", "store": True}, {"method": "relay", "config": {"first_k": 2}}],
+)  # fmt: skip
+def test_good_relay_options_pass(gate, relay):
+    gate.admit(Req({"custom_params": {"relay": relay}}))
+
+
+def test_prompts_the_scheduler_cannot_run_are_refused(gate):
+    for ids in ([1, 49152], [-1], [[1, 2], [3, 10**9]], [1.5], [True]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            gate.admit(Req(input_ids=ids, text=None))
+    for obj in (Req(text=""), Req(text=["a", ""]), Req(text=None, input_ids=[])):
+        with pytest.raises(ValueError, match="empty"):
+            gate.admit(obj)
+    with pytest.raises(ValueError, match="must be an object"):
+        gate.admit(Req({"custom_params": [1]}))
+    gate.admit(Req(input_ids=[0, 49151], text=None))
+
+
+def _req(params):
+    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=params))
+
+
+def test_the_scheduler_ignores_private_notes_it_did_not_write():
+    bad = [{"reused_tokens": "x"}, {"of": 1, "reused_tokens": 2}, {"of": "a"}, "x", 5]
+    bad += [{"of": "a", "reused_tokens": -1}, {"of": "a", "reused_tokens": True}]
+    for note in bad:
+        assert compat.guard_redo_of(_req({compat.GUARD_KEY: note})) is None
+    assert compat.guard_redo_of(_req({compat.GUARD_KEY: {"of": "a", "reused_tokens": 3}})) == {
+        "of": "a",
+        "reused_tokens": 3,
+    }
+    for route in ("zzz", 1, None, ["matched"]):
+        assert compat.dp_route(_req({compat.DP_ROUTE_KEY: route})) is None
+    assert compat.dp_route(_req({compat.DP_ROUTE_KEY: "matched"})) == "matched"
+    assert compat.dp_route(_req(None)) is None
+
+
+def test_counters_hold_a_bounded_label_set():
+    c = RelayCounters()
+    c["fallbacks"] += 2
+    c["Bad Label!"] += 1
+    for i in range(3 * MAX_EVENTS):
+        c[f"e{i}"] += 1
+    assert len(c) <= MAX_EVENTS
+    assert c["fallbacks"] == 2
+    # admitted: e0.. while fewer than MAX_EVENTS - 1 events exist (fallbacks, the overflow)
+    assert c[OVERFLOW_EVENT] == 1 + 3 * MAX_EVENTS - (MAX_EVENTS - 3)
+    assert "Bad Label!" not in c
