@@ -118,14 +118,15 @@ def test_namespaces_never_share_spans(server, tok):
         {"weird": 1},
     ],
 )
-def test_malformed_options_fall_back_cleanly(server, upstream, bad):
+def test_malformed_options_are_refused_with_400(server, upstream, bad):
     _, prompt = upstream
-    out = generate(server.url, prompt, relay=bad)
-    relay = out["meta_info"]["relay"]
-    assert relay["fallback"].startswith("bad_options")
-    assert relay["spans_matched"] == 0
-    std = generate(server.url, prompt, relay="standard")
-    assert out["output_ids"] == std["output_ids"]
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 4, "custom_params": {"relay": bad}},
+    }
+    resp = requests.post(server.url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 400, resp.text[:300]
+    assert "custom_params.relay" in resp.json()["error"]["message"]
     assert healthy(server.url)
 
 

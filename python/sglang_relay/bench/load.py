@@ -197,10 +197,12 @@ def _chain(url: str, tok: Any, rng: random.Random, stats: LoadStats, k: int) -> 
         stats.add("client_disconnects")
         return
     if roll < 0.3:
-        out = _post(url, prompt, 16, relay=rng.choice(BAD_OPTIONS), salt=salt)
-        if not str(out["meta_info"]["relay"].get("fallback", "")).startswith("bad_options"):
-            stats.add("errors", "malformed options were not refused")
-        stats.served(out)
+        body = _body(prompt, 16, rng.choice(BAD_OPTIONS), salt)
+        resp = requests.post(url + "/generate", json=body, timeout=300)
+        if resp.status_code != 400 or "custom_params.relay" not in resp.text:
+            stats.add("errors", f"malformed options not refused: HTTP {resp.status_code}")
+        else:
+            stats.add("bad_requests_refused")
         return
     down, ttft = _post_stream(url, prompt, rng.choice([16, 48]), relay=down_relay, salt=salt)
     stats.down(down, could, ttft)

@@ -274,17 +274,19 @@ def parse_server_view(argv: list[str]):
 def check_server_mode(argv: list[str]) -> None:
     """Refuse, before SGLang spawns anything, a server option relay cannot serve correctly
     (the same check runs again in the scheduler for SGLang's own launcher): first the
-    options as typed, then as SGLang resolves them (a backend may force a page size)."""
-    from sglang_relay.runtime import compat, modes
+    options as typed against the allow-list (:mod:`.server_options`) and the mode matrix
+    (:mod:`.modes`), then as SGLang resolves them (a backend may force a page size); an
+    error of SGLang's own resolution is reported here, before any weights load."""
+    from sglang_relay.runtime import compat, modes, server_options
 
-    message = modes.refusal(parse_server_view(argv))
+    typed = compat.parse_server_args(argv)
+    message = server_options.refusal(vars(typed)) or modes.refusal(parse_server_view(argv))
     if message is None:
         try:
             resolved = compat.resolved_server_args(argv)
-        except Exception:  # noqa: BLE001 - SGLang reports its own refusal when it starts
-            resolved = None
-        if resolved is not None:
-            message = modes.refusal(compat.server_view(resolved))
+        except Exception as exc:  # SGLang refuses the options itself: say so, now
+            raise RelayError(f"SGLang refuses these options: {type(exc).__name__}: {exc}") from exc
+        message = modes.refusal(compat.server_view(resolved))
     if message is not None:
         raise RelayError(message)
 

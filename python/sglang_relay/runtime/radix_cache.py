@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.span_index import answer_offset
-from sglang_relay.runtime import compat, modes
+from sglang_relay.runtime import compat, modes, server_options
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import settings_from_env
 from sglang_relay.runtime.side_data import SlotLedger
@@ -238,7 +238,8 @@ def build_relay_cache(ctx: Any) -> Any:
     correctly (:mod:`sglang_relay.runtime.modes`)."""
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
-    refusal = modes.refusal(compat.server_view(ctx), architecture=arch)
+    refusal = server_options.refusal(server_options.typed_values(ctx.server_args))
+    refusal = refusal or modes.refusal(compat.server_view(ctx), architecture=arch)
     refusal = refusal or modes.kv_layout_refusal(*compat.live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)

@@ -1,0 +1,133 @@
+"""The allow-list of SGLang server options (runtime/server_options.toml): every option of
+the installed SGLang is classified, unclassified and refused options are refused before
+anything loads, and docs/server-options.md is the table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sglang_relay.errors import RelayError
+from sglang_relay.runtime import compat, server_options
+from sglang_relay.runtime.launch import build_server_argv, check_server_mode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _argv(model_dir, *extra, cpu=True):
+    return build_server_argv(list(extra), cpu=cpu, model_path=str(model_dir))
+
+
+def test_every_sglang_option_is_classified_once():
+    """The walk over SGLang's ServerArgs options: a release that adds an option fails here
+    until the option is classified."""
+    table = server_options.load_table()
+    dests = {dest for dest, _, _ in server_options.sglang_options()}
+    assert dests - table.classified() == set(), "unclassified SGLang options"
+    assert table.classified() - dests == set(), "classified options SGLang does not have"
+    assert table.duplicates() == set()
+    for dest, served in table.served.items():
+        assert (ROOT / served.test).is_file(), (dest, served.test)
+    for dest, refused in table.refused.items():
+        assert refused.reason and refused.way_out, dest
+
+
+# what modes.py refuses (and the issue named) must be refused by the table too
+MUST_REFUSE = [
+    "enable_nvidia_megakernel", "enable_amd_monokernel", "moe_a2a_backend", "enable_lmcache",
+    "enable_flexkv", "enable_hierarchical_cache", "speculative_algorithm",
+    "disaggregation_mode", "quantization", "pp_size", "enable_dp_attention",
+    "enable_deterministic_inference", "dllm_algorithm", "enable_hisparse", "enable_pdmux",
+    "attn_cp_size", "enable_prefill_cp", "dcp_size", "enable_attn_tp_input_scattered",
+    "enable_layernorm_sp", "prefill_only_disable_kv_cache", "disable_radix_cache",
+]  # fmt: skip
+
+
+def test_what_relay_cannot_serve_is_refused_by_the_table():
+    table = server_options.load_table()
+    assert [d for d in MUST_REFUSE if d not in table.refused] == []
+
+
+def test_the_launchers_own_arguments_pass(model_dir):
+    for argv in (
+        _argv(model_dir),
+        _argv(model_dir, cpu=False),
+        _argv(
+            model_dir,
+            "--tp-size",
+            "2",
+            "--enable-torch-compile",
+            "--cuda-graph-bs-decode",
+            "1",
+            "2",
+            "--torch-compile-max-bs",
+            "2",
+            "--page-size",
+            "16",
+        ),  # fmt: skip
+        _argv(model_dir, "--dp-size", "2", "--kv-cache-dtype", "fp8_e4m3", "--port", "1234"),
+        _argv(
+            model_dir,
+            "--enable-lora",
+            "--lora-backend",
+            "torch_native",
+            "--max-loras-per-batch",
+            "2",
+        ),
+    ):
+        assert server_options.refusal(vars(compat.parse_server_args(argv))) is None, argv
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--enable-nvidia-megakernel"], "--enable-nvidia-megakernel"),
+        (["--enable-amd-monokernel"], "--enable-amd-monokernel"),
+        (["--monokernel-backend", "amd"], "--enable-amd-monokernel"),
+        (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend"),
+        (["--enable-lmcache"], "--enable-lmcache"),
+        (["--enable-flexkv"], "--enable-flexkv"),
+        (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
+        (["--lora-backend", "triton"], "--lora-backend triton"),
+    ],
+)
+def test_refused_options_are_named_before_anything_loads(model_dir, extra, named):
+    with pytest.raises(RelayError, match="sglang-relay cannot serve") as exc:
+        check_server_mode(_argv(model_dir, *extra))
+    assert named in str(exc.value) and "--no-relay" in str(exc.value)
+
+
+def test_an_option_the_table_does_not_know_is_refused(model_dir):
+    table = server_options.load_table()
+    unknown = replace(table, neutral=table.neutral - {"log_level"})  # as a newer SGLang's
+    typed = vars(compat.parse_server_args(_argv(model_dir, "--log-level", "debug")))
+    message = server_options.refusal(typed, unknown)
+    assert message is not None and "has not classified --log-level" in message
+    assert server_options.refusal(typed, table) is None
+
+
+def test_the_docs_are_the_table():
+    assert (ROOT / "docs/server-options.md").read_text() == server_options.markdown(), (
+        "regenerate: python -m sglang_relay.runtime.server_options > docs/server-options.md"
+    )
+
+
+def test_serve_refuses_an_unclassified_mode_before_weights_load(tmp_path):
+    env = {**os.environ, "SGLANG_RELAY_MODEL_DIR": os.environ.get("SGLANG_RELAY_MODEL_DIR", "")}
+    env = {k: v for k, v in env.items() if v}
+    cmd = [sys.executable, "-m", "sglang_relay.cli", "serve", "--enable-nvidia-megakernel"]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "--enable-nvidia-megakernel" in text and "sglang-relay cannot serve" in text, text[
+        -2000:
+    ]
+    assert "Load weight" not in text
+    print(f"refused in {time.monotonic() - t0:.1f} s")
