@@ -260,8 +260,10 @@ def test_guard_redoes_a_relayed_reply_that_stops_at_once(server, upstream):
     stop = {"stop_token_ids": [full["output_ids"][1]]}
     before = relay_info(server.url)
 
-    def run(relay=None, **extra):
+    def run(relay=None, n=1, **extra):
         params = {"max_new_tokens": 12, "temperature": 0, **stop}
+        if n > 1:
+            params["n"] = n
         if relay is not None:
             params["custom_params"] = {"relay": relay}
         body = {"text": prompt, "sampling_params": params, **extra}
@@ -281,6 +283,15 @@ def test_guard_redoes_a_relayed_reply_that_stops_at_once(server, upstream):
     after = relay_info(server.url)
     assert after["guard_reprefills"] == before["guard_reprefills"] + 1
     assert after["guard_relayed_tokens_redone"] > before["guard_relayed_tokens_redone"]
+    # n > 1: each sample is guarded on its own and its redo is one sample (issue 44)
+    both = run(n=2)
+    assert isinstance(both, list) and len(both) == 2, both
+    for sample in both:
+        assert sample["output_ids"] == want["output_ids"]
+        guard = sample["meta_info"]["relay"].get("guard")
+        assert guard is None or guard["reprefilled"] is True
+        if guard is not None:
+            assert guard["first_attempt"]["completion_tokens"] <= 4
     # streams are not held back by default: the relayed reply comes as it is
     resp = requests.post(
         server.url + "/generate",

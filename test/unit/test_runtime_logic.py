@@ -167,6 +167,16 @@ def test_span_store_budget_evicts_lru_and_releases_owned_slots():
     assert b is not None and store.add([1, 2, 3], z[:3], z[:3], z[:3], "ns") is None  # short
 
 
+def test_span_store_budget_counts_the_page_slots_spans_hold():
+    store, released = _store()  # budget 100
+    z = torch.zeros(10, dtype=torch.int64)
+    ids = [store.add(list(range(k * 10, k * 10 + 10)), torch.arange(10), z, z, "ns",
+                     owned=True, held=64) for k in range(3)]  # fmt: skip
+    # three 10-token spans, each holding a 64-slot page: 30 tokens but 192 slots
+    assert store.owned_tokens <= 100 and store.num_tokens <= 100
+    assert set(store.spans) == {ids[2]} and len(released) == 2
+
+
 def _planner(store, ledger, slots_per_req=64):
     req_to_token = torch.arange(4 * slots_per_req).view(4, slots_per_req) + 200
     return Planner(

@@ -140,3 +140,15 @@ def test_counters_hold_a_bounded_label_set():
     # admitted: e0.. while fewer than MAX_EVENTS - 1 events exist (fallbacks, the overflow)
     assert c[OVERFLOW_EVENT] == 1 + 3 * MAX_EVENTS - (MAX_EVENTS - 3)
     assert "Bad Label!" not in c
+
+
+def test_an_abort_reaches_the_guards_redo(monkeypatch):
+    from sglang_relay.runtime import guard, plugin
+
+    aborted = []
+    monkeypatch.setitem(guard._LIVE_REDOS, "r9", "r9" + guard.REDO_SUFFIX)
+    plugin._abort_with_redo(lambda manager, rid, *a, **k: aborted.append(rid), None, "r9")
+    assert aborted == ["r9", "r9" + guard.REDO_SUFFIX]
+    aborted.clear()
+    plugin._abort_with_redo(lambda manager, rid, *a, **k: aborted.append(rid), None, "r8")
+    assert aborted == ["r8"]

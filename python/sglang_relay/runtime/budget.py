@@ -103,7 +103,8 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
         return original(kvc, budget_bytes, *args, **kwargs)
     first = original(kvc, budget_bytes, *args, **kwargs)
     compat.check_surface("MemoryPoolConfig", first)
-    page = max(1, int(getattr(server_args, "page_size", 1) or 1))
+    # the page size SGLang resolved (a backend may force one), not the raw field
+    page = max(1, int(compat.resolved_value(server_args, "page_size", 1) or 1))
     reserved = per_slot * (int(first.max_total_num_tokens) + page)  # + the padding slot(s)
     config = original(kvc, max(0, budget_bytes - reserved), *args, **kwargs)
     info: dict[str, Any] = {

@@ -87,7 +87,7 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
     A forward being captured into a decode graph (and a decode before the runtime exists)
     runs the decode capture installed before graph capture: it never reads the runtime, so
     what is captured does not depend on when the runtime was built."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime import compat, faults
 
     fb = forward_batch
     if compat.capturing_graph():
@@ -96,6 +96,8 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
             return original(model, input_ids, positions, fb, *args, **kwargs)
         return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
     rt = compat.runtime_of(model)
+    if rt is not None and faults.bypass_this_forward():  # tests only (runtime/faults.py)
+        return original(model, input_ids, positions, fb, *args, **kwargs)
     if rt is None:
         capture = compat.decode_capture_of(model)
         if capture is not None and compat.forward_mode_name(fb) == "DECODE":
@@ -118,11 +120,13 @@ def _after_runner_forward(result, runner, *args, **kwargs):
     forward: count it there (and drop plans no extend will run)."""
     from sglang_relay.runtime import compat
 
-    if result.can_run_graph:
-        rt = compat.runtime_of(compat.inner_model(runner))
-        fb = kwargs.get("forward_batch", args[0] if args else None)
-        if rt is not None and fb is not None:
-            rt.graph_forward(compat.forward_mode_name(fb))
+    rt = compat.runtime_of(compat.inner_model(runner))
+    fb = kwargs.get("forward_batch", args[0] if args else None)
+    if rt is not None and fb is not None:
+        mode = compat.forward_mode_name(fb)
+        if result.can_run_graph:
+            rt.graph_forward(mode)
+        rt.check_forward(mode, graph=bool(result.can_run_graph))
     return result
 
 

@@ -253,6 +253,12 @@ def build_relay_cache(ctx: Any) -> Any:
     model_runner = ctx.tp_worker.model_runner
     compat.check_startup_surface(ctx, model_runner)
     allocator = ctx.params.token_to_kv_pool_allocator
+    tree_page, pool_page = int(cache.page_size), int(getattr(allocator, "page_size", 1) or 1)
+    if tree_page != pool_page:  # spans' page bounds are the tree's; frees are the pool's
+        raise ValueError(
+            f"sglang-relay: the radix tree's page size ({tree_page}) differs from the KV "
+            f"allocator's ({pool_page}); relay cannot free span pages safely, {modes.OUT}"
+        )
     budget = settings.span_tokens or max(1024, int(allocator.size) // 4)
     runtime = RelayRuntime(
         settings,

@@ -27,7 +27,7 @@ from sglang_relay.core.operating import OperatingPoint
 from sglang_relay.core.selection import context_mass
 from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
-from sglang_relay.runtime import compat
+from sglang_relay.runtime import compat, faults
 from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
 from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
@@ -136,6 +136,11 @@ class RelayRuntime:
         # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
         self.admit_window = compat.chunk_size(model_runner)
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
+        # the runtime invariant: every eager forward of SGLang's runner that writes KV came
+        # through this runtime's hook (which stamps the slots it writes); else relay is off
+        self.hook_forwards = 0
+        self.runner_forwards = 0
+        self.disabled: str | None = None
 
     @property
     def captures(self) -> bool:
@@ -150,7 +155,7 @@ class RelayRuntime:
         """Whether ``req`` may join a prefill batch that already holds ``admitted``: plain
         requests never share a batch with relaying ones, so they run SGLang's own forward
         (its kernels, its numerics) exactly as on a server without relay."""
-        if not admitted or self._relays_in(req) == self._relays_in(admitted[0]):
+        if self.disabled or not admitted or self._relays_in(req) == self._relays_in(admitted[0]):
             return True
         self.counters["batches_split"] += 1
         return False
@@ -212,6 +217,8 @@ class RelayRuntime:
         """Where ``req``'s output is stored as a span (None: it is not): its namespace, if
         it has one and did not opt out of relay without asking to store."""
         option = request_option(req)
+        if self.disabled is not None:
+            return None
         try:
             return self.namespace(req) if stores_spans(option) else None
         except ValueError:
@@ -271,6 +278,8 @@ class RelayRuntime:
         stats = self.requests.get(req.rid)
         if stats is None:
             stats = RequestStats(self.cfg.method, self.num_layers)
+        if self.disabled is not None:
+            return self._publish(req, stats, fallback=f"relay_disabled: {self.disabled}")
         try:
             cfg, point = self._config(req)
         except ValueError as exc:
@@ -335,10 +344,11 @@ class RelayRuntime:
         forward (when the profile stores hidden states: every other extend and decode,
         including the decode rows SGLang mixes into extend batches) or SGLang's own."""
         mode = compat.forward_mode_name(fb)
+        self.hook_forwards += 1
         self.counters[f"forwards_{mode.lower()}"] += 1
         embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
         if mode == "EXTEND" and not embeds:
-            plan, dropped = self.planner.plan_batch(fb)
+            plan, dropped = self._plan_batch(fb)
             for stats, reason in dropped:
                 self._discard(stats, reason)
             if self.tp is not None and not self._tp_agreed(plan):
@@ -350,6 +360,9 @@ class RelayRuntime:
         else:  # plans cannot run in any other mode
             for plan in self.planner.take_pending():
                 self._discard(plan.stats, f"{mode.lower()}_batch")
+        if self.disabled is not None:
+            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
+            return original(model, input_ids, positions, fb, *args, **kwargs)
         if mode == "DECODE" and self.influence_layer is None and not embeds:
             # the same function decode graphs captured: eager and graph decode agree
             return self.decode_capture.forward(
@@ -370,6 +383,43 @@ class RelayRuntime:
             )
         self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
         return original(model, input_ids, positions, fb, *args, **kwargs)
+
+    def _plan_batch(self, fb) -> tuple[BatchPlan | None, list]:
+        """The batch's plan. Never raises: under TP every rank must reach the agreement
+        that follows (a rank that failed sends no plan, so all ranks fall back together)."""
+        if self.disabled is not None:
+            return None, [(p.stats, "relay_disabled") for p in self.planner.take_pending()]
+        try:
+            faults.plan_error(self.tp.rank if self.tp is not None else 0)
+            return self.planner.plan_batch(fb)
+        except Exception as exc:  # noqa: BLE001 - the scheduler must keep serving
+            logger.exception("relay planning of an extend batch failed; standard prefill")
+            reason = f"error: {type(exc).__name__}"
+            return None, [(p.stats, reason) for p in self.planner.take_pending()]
+
+    def check_forward(self, mode: str, graph: bool) -> None:
+        """After every forward of SGLang's runner: an eager forward that writes KV must have
+        come through :meth:`forward`. One that did not wrote KV relay never stamped, so a
+        freed and reused span slot could pass as unchanged: relay turns itself off."""
+        if graph or mode == "IDLE":
+            return
+        self.runner_forwards += 1
+        if self.runner_forwards != self.hook_forwards and self.disabled is None:
+            self.disable(
+                f"a {mode} forward wrote KV without passing relay's hook "
+                f"({self.runner_forwards} runner forwards, {self.hook_forwards} hooked)"
+            )
+
+    def disable(self, reason: str) -> None:
+        """Relay off for the rest of this server's life: every request runs standard
+        prefill and says why; no span is stored or reused."""
+        self.disabled = reason
+        self.counters["relay_disabled"] = 1
+        for plan in self.planner.take_pending():
+            self._discard(plan.stats, "relay_disabled")
+        logger.error(
+            "sglang-relay turned itself off: %s; every request runs standard prefill", reason
+        )
 
     def graph_forward(self, mode: str) -> None:
         """A ``mode`` forward replayed a captured graph (the decode capture ran inside it)."""
@@ -455,6 +505,7 @@ class RelayRuntime:
             if self.default_point is None
             else {**self.default_point.to_dict(), "config": self.default_point.config.to_dict()},
             "capture_layer": self.capture_layer,
+            "disabled": self.disabled,
             "extend_attention": self.attention_name,
             "cuda_graphs": self.graphs,
             "capture_in_graph": self.capture_in_graph,

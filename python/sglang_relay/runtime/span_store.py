@@ -135,7 +135,11 @@ class SpanStore:
         self.owned_tokens += held
         if self.listener is not None:
             self.listener.added(span_id, tokens, namespace)
-        while self.num_tokens > self.max_tokens and len(self.spans) > 1:
+        # the budget bounds the tokens indexed and the pool slots held (a span's whole
+        # pages: at page 128 a short span holds far more slots than tokens)
+        while (self.num_tokens > self.max_tokens or self.owned_tokens > self.max_tokens) and len(
+            self.spans
+        ) > 1:
             self.drop(next(iter(self.spans)))
         return span_id
 

@@ -1,0 +1,73 @@
+"""Relay's safety nets under injected faults (runtime/faults.py), on real servers.
+
+* A model forward that skips relay's hook (as an option that replaced SGLang's forward
+  would) writes KV relay never stamped: the runtime invariant turns relay off for the rest
+  of the server's life; every later request runs standard prefill and says why.
+* Under ``--tp-size 2``, planning fails on rank 1 only: every rank falls back together
+  (no rank left waiting in a collective) and the answer equals standard prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from relay_helpers import chat, generate, generate_ids, relay_info, running_server
+
+from sglang_relay.client import healthy
+from sglang_relay.runtime.faults import ENV_FAULTS
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_forward_past_the_hook_turns_relay_off(model_dir, tok):
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
+    with running_server(args, env={ENV_FAULTS: "bypass_forward@300"}) as server:
+        url = server.url
+        up = generate(url, chat(tok, "Writer.", "Describe a harbour in detail."), n=120)
+        relayed = generate(url, chat(tok, "Reviewer.", f"Draft:\n\n{up['text']}\n\nJudge it."))
+        assert relayed["meta_info"]["relay"]["reused_tokens"] > 0  # on before the fault
+        assert relay_info(url)["disabled"] is None
+        for i in range(200):  # forwards until the bypassed one
+            generate(url, chat(tok, "Helper.", f"Count to {i}."), n=4, relay="standard")
+            info = relay_info(url)
+            if info["disabled"] is not None:
+                break
+        assert "without passing relay's hook" in info["disabled"], info["disabled"]
+        assert info["relay_disabled"] == 1
+        spans = info["recorded_spans"]
+        prompt = chat(tok, "Editor.", f"Draft:\n\n{up['text']}\n\nShorten it.")
+        out = generate(url, prompt, n=24)
+        assert out["meta_info"]["relay"]["fallback"].startswith("relay_disabled")
+        assert out["meta_info"]["relay"]["reused_tokens"] == 0
+        std = generate(url, prompt, n=24, relay="standard")
+        assert out["output_ids"] == std["output_ids"]
+        generate(url, chat(tok, "Writer.", "Describe a market in detail."), n=120)
+        assert relay_info(url)["recorded_spans"] == spans  # nothing stored any more
+        assert healthy(url)
+
+
+@pytest.fixture(scope="module")
+def tp_model(model_dir, tmp_path_factory) -> Path:
+    from sglang_relay.bench.models import random_llama
+
+    return random_llama(tmp_path_factory.mktemp("faults") / "RandomLlama-tp", model_dir)
+
+
+@pytest.mark.model
+def test_a_planning_failure_on_one_tp_rank_falls_back_on_all(tp_model):
+    args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]
+    with running_server(args, env={ENV_FAULTS: "plan_error@rank1"}) as server:
+        url = server.url
+        head = list(range(1000, 1040))
+        up = generate_ids(url, head, 96)
+        span = up["output_ids"]
+        prompt = [*range(2000, 2030), *span, *range(3000, 3020)]
+        out = generate_ids(url, prompt, 16)  # would hang if rank 0 waited in a collective
+        relay = out["meta_info"]["relay"]
+        assert relay["reused_tokens"] == 0 and relay["fallback"] is not None, relay
+        std = generate_ids(url, prompt, 16, relay="standard")
+        assert out["output_ids"] == std["output_ids"]
+        info = relay_info(url)
+        assert info.get("relay_extends", 0) == 0
+        assert info.get("fallback_tp_mismatch", 0) >= 1, info
+        assert healthy(url)
