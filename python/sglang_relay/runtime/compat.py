@@ -391,7 +391,8 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "server_args", "params", "model_config", "tp_worker", "is_hybrid_swa", "is_hybrid_ssm",
     ),
     # the early-stop guard (runtime/guard.py), in the tokenizer manager
-    "TokenizerManager": ("generate_request", "server_args"),
+    "TokenizerManager": ("generate_request", "abort_request", "server_args", "model_config"),
+    "TokenizerModelConfig": ("num_hidden_layers", "vocab_size"),
     "GenerateReqInput": ("rid", "sampling_params", "session_params", "stream"),
     "ReqState": ("time_stats",),
     "ReqTimeStats": ("created_time", "first_token_time"),

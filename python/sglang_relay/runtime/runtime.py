@@ -266,9 +266,12 @@ class RelayRuntime:
 
     def plan(self, req: Any) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
-        if not self._req_checked:
-            compat.check_surface("Req", req)  # raises: counted, logged, standard prefill
+        if not self._req_checked:  # the first request is the first Req there is to check
             self._req_checked = True
+            try:
+                compat.check_surface("Req", req)
+            except Exception as exc:  # noqa: BLE001 - loud and for good, not per request
+                self.disable(f"SGLang's Req does not match what relay reads ({exc})")
         route = compat.dp_route(req)
         if route is not None and req.rid not in self._routes_counted:
             self._routes_counted[req.rid] = True

@@ -163,6 +163,10 @@ def gate_for(manager: Any) -> RequestGate | None:
     args = getattr(manager, "server_args", None)
     gate = None
     if getattr(args, "radix_cache_backend", None) == BACKEND_NAME:
+        from sglang_relay.runtime import compat
+
+        compat.check_surface("TokenizerManager", manager)
+        compat.check_surface("TokenizerModelConfig", manager.model_config)
         settings = settings_from_env(str(args.model_path))
         config = manager.model_config
         gate = RequestGate(settings, int(config.num_hidden_layers), int(config.vocab_size))
