@@ -139,8 +139,11 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
         try:
             rt.plan(req)
         except Exception:  # planning must never break scheduling
-            logger.exception("relay planning failed for %s; standard prefill", req.rid)
-            rt.plan_failed(req)
+            logger.exception("relay planning failed; standard prefill")
+            try:
+                rt.plan_failed(req)
+            except Exception:  # noqa: BLE001 - a scheduler exception ends the server
+                logger.exception("relay could not record the fallback")
     return result
 
 

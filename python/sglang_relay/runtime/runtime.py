@@ -155,7 +155,13 @@ class RelayRuntime:
         """Whether ``req`` may join a prefill batch that already holds ``admitted``: plain
         requests never share a batch with relaying ones, so they run SGLang's own forward
         (its kernels, its numerics) exactly as on a server without relay."""
-        if self.disabled or not admitted or self._relays_in(req) == self._relays_in(admitted[0]):
+        if self.disabled or not admitted:
+            return True
+        try:
+            if self._relays_in(req) == self._relays_in(admitted[0]):
+                return True
+        except Exception as exc:  # noqa: BLE001 - admission must never raise
+            self.disable(f"admission check failed ({type(exc).__name__}: {exc})")
             return True
         self.counters["batches_split"] += 1
         return False
@@ -272,6 +278,9 @@ class RelayRuntime:
                 compat.check_surface("Req", req)
             except Exception as exc:  # noqa: BLE001 - loud and for good, not per request
                 self.disable(f"SGLang's Req does not match what relay reads ({exc})")
+                return  # nothing of req may be read or written
+        if self.disabled is not None and self._req_surface_failed():
+            return
         route = compat.dp_route(req)
         if route is not None and req.rid not in self._routes_counted:
             self._routes_counted[req.rid] = True
@@ -347,7 +356,7 @@ class RelayRuntime:
         forward (when the profile stores hidden states: every other extend and decode,
         including the decode rows SGLang mixes into extend batches) or SGLang's own."""
         mode = compat.forward_mode_name(fb)
-        self.hook_forwards += 1
+        self.hook_forwards += mode != "IDLE"
         self.counters[f"forwards_{mode.lower()}"] += 1
         embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
         if mode == "EXTEND" and not embeds:
@@ -392,19 +401,24 @@ class RelayRuntime:
         that follows (a rank that failed sends no plan, so all ranks fall back together)."""
         if self.disabled is not None:
             return None, [(p.stats, "relay_disabled") for p in self.planner.take_pending()]
+        pending = list(self.planner.pending.values())  # plan_batch takes them first
         try:
             faults.plan_error(self.tp.rank if self.tp is not None else 0)
             return self.planner.plan_batch(fb)
         except Exception as exc:  # noqa: BLE001 - the scheduler must keep serving
             logger.exception("relay planning of an extend batch failed; standard prefill")
+            self.planner.pending.clear()
             reason = f"error: {type(exc).__name__}"
-            return None, [(p.stats, reason) for p in self.planner.take_pending()]
+            return None, [(p.stats, reason) for p in pending]
+
+    def _req_surface_failed(self) -> bool:
+        return bool(self.disabled and self.disabled.startswith("SGLang's Req"))
 
     def check_forward(self, mode: str, graph: bool) -> None:
         """After every forward of SGLang's runner: an eager forward that writes KV must have
         come through :meth:`forward`. One that did not wrote KV relay never stamped, so a
         freed and reused span slot could pass as unchanged: relay turns itself off."""
-        if graph or mode == "IDLE":
+        if graph or mode == "IDLE":  # IDLE is not counted on the hook side either
             return
         self.runner_forwards += 1
         if self.runner_forwards != self.hook_forwards and self.disabled is None:

@@ -21,6 +21,7 @@ raised on.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,11 @@ class RequestGate:
         rows = ids if ids and isinstance(ids[0], list | tuple) else [ids]
         for row in rows:
             for i in row:
-                if type(i) is not int or not 0 <= i < self.vocab_size:
+                try:  # ints and integer scalars (numpy, from SGLang's Engine API)
+                    ok = not isinstance(i, bool) and 0 <= operator.index(i) < self.vocab_size
+                except TypeError:
+                    ok = False
+                if not ok:
                     raise ValueError(
                         f"input_ids: token id {i!r} is outside the vocabulary "
                         f"[0, {self.vocab_size})"
