@@ -70,9 +70,11 @@ def load_table() -> OptionTable:
 
 @functools.cache
 def sglang_options() -> tuple[tuple[str, str, Any], ...]:
-    """``(dest, flag, default)`` of every option of SGLang's server parser."""
+    """``(dest, flag, default)`` of every option of SGLang's server parser and every other
+    ``ServerArgs`` field (Python API only)."""
     import argparse
 
+    from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -83,7 +85,20 @@ def sglang_options() -> tuple[tuple[str, str, Any], ...]:
             own = "--" + action.dest.replace("_", "-")
             flag = own if own in action.option_strings else max(action.option_strings, key=len)
             seen[action.dest] = (action.dest, flag, action.default)
+    # fields with no flag, settable through the Python API (sglang.Engine(**kwargs))
+    for field in record_fields(ServerArgs):
+        if field.name not in seen:
+            seen[field.name] = (field.name, f"ServerArgs.{field.name}", _field_default(field))
     return tuple(seen.values())
+
+
+def _field_default(field: Any) -> Any:
+    import dataclasses
+
+    if getattr(field, "default", dataclasses.MISSING) is not dataclasses.MISSING:
+        return field.default
+    factory = getattr(field, "default_factory", dataclasses.MISSING)
+    return None if factory is dataclasses.MISSING else factory()
 
 
 def _differs(value: Any, default: Any) -> bool:
