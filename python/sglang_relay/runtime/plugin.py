@@ -187,7 +187,14 @@ async def _admitted_request(original, manager, obj, *args, **kwargs):
 
     gate = trust.gate_for(manager)
     if gate is not None and hasattr(obj, "sampling_params"):
-        gate.admit(obj)
+        try:
+            gate.admit(obj)
+        except ValueError:
+            # refused before SGLang normalized it: what SGLang's clean-up of a refused
+            # stream reads (create_abort_task: obj.is_single; nothing to abort yet)
+            if getattr(obj, "is_single", None) is None:
+                obj.is_single = not isinstance(getattr(obj, "rid", None), list)
+            raise
     async for out in original(manager, obj, *args, **kwargs):
         yield out
 
