@@ -280,7 +280,8 @@ def check_server_mode(argv: list[str]) -> None:
     from sglang_relay.runtime import compat, modes, server_options
 
     typed = compat.parse_server_args(argv)
-    message = server_options.refusal(vars(typed)) or modes.refusal(parse_server_view(argv))
+    # the mode matrix's messages first (they say more about the options they know)
+    message = modes.refusal(parse_server_view(argv)) or server_options.refusal(vars(typed))
     if message is None:
         try:
             resolved = compat.resolved_server_args(argv)

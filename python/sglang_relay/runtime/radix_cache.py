@@ -238,8 +238,8 @@ def build_relay_cache(ctx: Any) -> Any:
     correctly (:mod:`sglang_relay.runtime.modes`)."""
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
-    refusal = server_options.refusal(server_options.typed_values(ctx.server_args))
-    refusal = refusal or modes.refusal(compat.server_view(ctx), architecture=arch)
+    refusal = modes.refusal(compat.server_view(ctx), architecture=arch)
+    refusal = refusal or server_options.refusal(server_options.typed_values(ctx.server_args))
     refusal = refusal or modes.kv_layout_refusal(*compat.live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)

@@ -131,10 +131,11 @@ def refusal(values: dict[str, Any], table: OptionTable | None = None) -> str | N
                 f"those, {OUT}"
             )
         refused = table.refused.get(dest)
+        shown = flag if isinstance(value, bool) else f"{flag} {value}"
         if refused is not None:
-            return f"sglang-relay cannot serve {flag} ({refused.reason}); {refused.way_out}, {OUT}"
+            return f"sglang-relay cannot serve {shown} ({refused.reason}); {refused.way_out}, {OUT}"
         return (
-            f"sglang-relay has not classified {flag} (an SGLang option it was never checked "
+            f"sglang-relay has not classified {shown} (an SGLang option it was never checked "
             f"against, runtime/server_options.toml), so it refuses it; drop {flag}, {OUT}"
         )
     return None

@@ -5,7 +5,11 @@ A seeded generator sends hundreds of requests (3,000 in the full tier) (random a
 ``custom_params``, private relay keys, ``n``, logprobs, constrained decoding, streams closed
 mid-way, aborts, empty, oversized and out-of-vocabulary prompts) with eight clients at once;
 the server must answer each with 200 or a 4xx that carries a message, stay up, keep its
-counters and metric labels bounded, and afterwards still relay a chain exactly."""
+counters and metric labels bounded, and afterwards still relay a chain exactly.
+
+The server runs with every scheduling option the allow-list serves as "checked together"
+(runtime/server_options.toml) set to a non-default value: concurrent chains there must
+relay, and relay with every span token recomputed must equal standard prefill."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
 from sglang_relay.client import healthy
-from sglang_relay.runtime import compat
+from sglang_relay.runtime import compat, server_options
 from sglang_relay.runtime.metrics import MAX_EVENTS
 
 pytestmark = pytest.mark.e2e
@@ -32,9 +36,29 @@ VOCAB = 49152
 KILLER = {"__sglang_relay_guard": {"reused_tokens": "x"}}  # issue 44: it ended the server
 
 
+SCHEDULING = [
+    "--max-running-requests", "8", "--max-queued-requests", "64",
+    "--max-prefill-tokens", "512", "--prefill-max-requests", "2",
+    "--schedule-policy", "lpm", "--schedule-conservativeness", "1.5",
+    "--prefill-decode-interval", "2", "--scheduler-recv-interval", "2",
+    "--stream-interval", "4", "--disable-overlap-schedule",
+]  # fmt: skip
+TEST = "test/e2e/test_trust_server.py"
+
+
+def test_the_group_is_what_the_table_says_this_file_checks():
+    table = server_options.load_table()
+    group = {d for d, s in table.served.items() if s.test == TEST}
+    typed = vars(compat.parse_server_args(["--model-path", "m", *SCHEDULING]))
+    defaults = vars(compat.parse_server_args(["--model-path", "m"]))
+    changed = {d for d in typed if typed[d] != defaults[d]} - {"model_path"}
+    assert changed == group
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(model_dir):
     args = ["--model-path", str(model_dir), "--max-total-tokens", "8192", "--enable-metrics"]
+    args += SCHEDULING
     with running_server(args) as proc:
         yield proc
 
@@ -198,13 +222,20 @@ def test_fuzzed_requests_never_break_the_server(fuzz_server, tok, request):
     assert rss[1] - rss[0] < 256, rss  # 2/3 of the requests after the first third
 
 
-def test_a_chain_still_relays_after_the_fuzz(fuzz_server, tok):
-    url = fuzz_server.url
-    up = generate(url, chat(tok, "Writer 44.", "Describe a lighthouse in detail."), n=120)
-    relayed = generate(url, chat(tok, "Reviewer.", f"Draft:\n\n{up['text']}\n\nList its points."))
-    assert relayed["meta_info"]["relay"]["reused_tokens"] > 0
+def _chain(url, tok, k):
+    up = generate(url, chat(tok, f"Writer {k}.", f"Describe machine {k} in detail."), n=120)
+    relayed = generate(url, chat(tok, "Reviewer.", f"Draft:\n\n{up['text']}\n\nList points."))
     prompt = chat(tok, "Editor.", f"Draft:\n\n{up['text']}\n\nShorten it.")
     exact = generate(url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
-    assert exact["meta_info"]["relay"]["spans_matched"] >= 1
     std = generate(url, prompt, relay="standard")
-    assert exact["output_ids"] == std["output_ids"]
+    return relayed, exact, std
+
+
+def test_chains_still_relay_after_the_fuzz(fuzz_server, tok):
+    url = fuzz_server.url
+    with cf.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda k: _chain(url, tok, k), range(3)))
+    for relayed, exact, std in results:
+        assert relayed["meta_info"]["relay"]["reused_tokens"] > 0
+        assert exact["meta_info"]["relay"]["spans_matched"] >= 1
+        assert exact["output_ids"] == std["output_ids"]
