@@ -82,6 +82,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
     env = dict(os.environ)
     if cpu.activate():
         env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.environ["PYTHONPATH"])
+        env[cpu.CPU_STANDIN_ENV] = "1"
     args = ["--model-path", str(model_dir), "--radix-cache-backend", "relay"]
     args += ["--enable-attn-tp-input-scattered", "--port", str(free_port()), "--host", "127.0.0.1"]
     if not cpu.cuda_available():

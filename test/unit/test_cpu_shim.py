@@ -76,3 +76,38 @@ def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
     assert on.returncode == 0, on.stderr[-2000:]
     last = on.stdout.strip().splitlines()[-1]
     assert last == "[5, 4] [0, 1] [0, 5, 9] [8, 4] [2.0, 0.5]", on.stdout
+
+
+_REGISTER = """
+import os
+from sglang_relay.runtime import compat, cpu, plugin
+for standin in ("0", "1"):  # one process: SGLang's imports are the cost
+    os.environ[cpu.CPU_STANDIN_ENV] = standin
+    plugin._registered = False
+    compat._REGISTERED.clear()
+    plugin.register()
+    print(sorted({t for t, _ in compat._REGISTERED}))
+"""
+
+
+def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stand_in():
+    """SGLang's own ``SGLANG_USE_CPU_ENGINE=1`` does not turn on relay's CPU hooks (a plain
+    SGLang server on a CPU host with the package installed stays SGLang's); the stand-in's
+    marker, set by ``cpu.activate`` (``sglang-relay serve``), does."""
+    import os
+
+    from sglang_relay.runtime import compat
+
+    cpu_only = {compat.MODEL_PARALLEL_GROUP_TARGET, compat.CPU_GRAPH_FAKE_TARGET}
+    cpu_only.add(compat.DP_EVENT_LOOP_TARGET)
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    # SGLang imports sgl_kernel: the stand-in package here (a CPU build of it elsewhere)
+    env["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _REGISTER], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, standin = (set(eval(line)) for line in proc.stdout.strip().splitlines()[-2:])  # noqa: S307
+    for targets in (plain, standin):
+        assert compat.GENERATE_REQUEST_TARGET in targets  # the plug-in did register
+    assert not (cpu_only & plain), plain
+    assert cpu_only <= standin, standin

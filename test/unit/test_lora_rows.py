@@ -20,6 +20,7 @@ os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from types import SimpleNamespace
 from sglang_relay.runtime import cpu
 os.environ[cpu.CPU_LORA_ENV] = "1"
+os.environ[cpu.CPU_STANDIN_ENV] = "1"
 cpu.pinning_off()
 import torch
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend

@@ -14,7 +14,7 @@ import torch
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.attention import build
 from sglang_relay.runtime.extend import detect_and_select
-from sglang_relay.runtime.planner import Planner, valid_runs
+from sglang_relay.runtime.planner import Planner, PlanningFailed, valid_runs
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
@@ -386,6 +386,25 @@ def test_stale_and_unbatched_plans_fall_back_with_a_reason():
     assert planner.pending == {}
 
 
+def test_a_planning_failure_hands_back_every_plan_it_took():
+    store, _ = _store()
+    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
+    span_tokens = list(range(700, 740))
+    _recorded(store, ledger, span_tokens, torch.arange(10, 50))
+    planner = _planner(store, ledger)
+    prompt = [9, *span_tokens, 8]
+    s1, s2 = RequestStats("relay", L), RequestStats("relay", L)
+    planner.plan_request("a", RELAY, s1, prompt[:-1], 0, "ns")
+    planner.plan_request("b", RELAY, s2, prompt[:-1], 0, "ns")
+    fb = _fb(["a", "b"], [0, 0], [len(prompt)] * 2, torch.arange(600, 684))
+    del fb.extend_prefix_lens_cpu  # a batch planning cannot read
+    with pytest.raises(PlanningFailed) as info:
+        planner.plan_batch(fb)
+    assert {id(s) for s in info.value.stats} == {id(s1), id(s2)}
+    assert isinstance(info.value.__cause__, AttributeError)
+    assert planner.pending == {}
+
+
 def test_request_stats_keep_earlier_chunks_when_a_later_chunk_falls_back():
     stats = RequestStats("relay", L)
     c = stats.begin_chunk()
@@ -500,3 +519,54 @@ def test_budget_reserves_what_the_ledger_allocates():
     with pytest.raises(ValueError, match="one layer"):
         side_layers(mixed, 12)
     assert context_layer(mixed, 12) == 7 and context_layer(two, 12) is None
+
+
+def test_a_requests_own_reasoning_end_marker_counts_as_sglang_counts_it():
+    from sglang_relay.runtime import compat
+
+    config = SimpleNamespace(think_end_ids=[7], request_selectable_think_end_id_sequences=[[5, 6]])
+
+    def req(ids):
+        custom = None if ids is None else {"__sglang_reasoning_end_token_ids": ids}
+        return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=custom))
+
+    assert compat.reasoning_end_ids(config, req([5, 6])) == (5, 6)
+    assert compat.reasoning_end_ids(config, req([9])) == (7,)  # not selectable: the model's
+    assert compat.reasoning_end_ids(config, req("x")) == (7,)  # malformed: the model's
+    assert compat.reasoning_end_ids(config, req(None)) == (7,)
+    assert compat.reasoning_end_ids(config) == (7,)
+    assert compat.reasoning_end_ids(SimpleNamespace(), req(None)) is None
+
+
+def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(monkeypatch):
+    """One rank: the batch runs SGLang's forward and its requests say why. Under TP the
+    failing rank may have left the others inside a collective it never joins, so relay
+    turns off and the error goes to SGLang (which fails as on any forward error) instead
+    of pairing SGLang's collectives with relay's."""
+    from sglang_relay.runtime import runtime as rt_mod
+    from sglang_relay.runtime.runtime import RelayRuntime
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rt_mod, "relay_extend", broken)
+    ledger = SlotLedger(64, "cpu", hidden_size=4, dtype=torch.float32)
+    fb = SimpleNamespace(out_cache_loc=torch.arange(4))
+    for tp in (None, SimpleNamespace(rank=1)):
+        owner = RequestStats("relay", L)
+        plan = SimpleNamespace(owners=[owner], lora=None)
+        me = SimpleNamespace(tp=tp, lora=None, ledger=ledger, capture_layer=None, disabled=None)
+        me.discarded = []
+        me._discard = lambda stats, reason, me=me: me.discarded.append(reason)
+        me.disable = lambda reason, me=me: setattr(me, "disabled", reason)
+        ran = []
+        standard = lambda *a, ran=ran, **k: ran.append("standard") or "out"  # noqa: E731
+        call = (standard, "model", "ids", "pos", fb, plan, (), {})
+        if tp is None:
+            assert RelayRuntime._relay(me, *call) == "out"
+            assert ran == ["standard"] and me.discarded == ["error: RuntimeError"]
+            assert me.disabled is None
+        else:
+            with pytest.raises(RuntimeError, match="boom"):
+                RelayRuntime._relay(me, *call)
+            assert ran == [] and "TP rank 1" in me.disabled

@@ -1,6 +1,7 @@
 """Tensor-parallel agreement over a real gloo group of two processes: a rank without a plan
 for an extend batch still takes part in the plan check (before, it skipped the collective
-its neighbour waited in), and a mismatch is seen by both ranks."""
+its neighbour waited in), a mismatch is seen by both ranks, and relay turned off on one
+rank turns off on both."""
 
 from __future__ import annotations
 
@@ -36,15 +37,20 @@ def _worker(rank: int, port: int, cases, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=_timeout())
     tp = TPSync(_Group())
     out = []
-    for has_plan in cases:
+    for has_plan, off in cases:
         discarded: list[str] = []
         plan = None
         if has_plan[rank]:
             owner = SimpleNamespace(name=f"r{rank}")
             plan = SimpleNamespace(owners=[owner], fingerprint=[1, 7, 3, 5, 9, 3, 5, 9])
-        me = SimpleNamespace(tp=tp, _discard=lambda stats, reason, d=discarded: d.append(reason))
+        me = SimpleNamespace(
+            tp=tp,
+            disabled="off here" if off[rank] else None,
+            _discard=lambda stats, reason, d=discarded: d.append(reason),
+        )
+        me.disable = lambda reason, me=me: setattr(me, "disabled", reason)
         agreed = RelayRuntime._tp_agreed(me, plan)
-        out.append((agreed, discarded))
+        out.append((agreed, discarded, me.disabled))
     results[rank] = out
     dist.destroy_process_group()
 
@@ -63,7 +69,10 @@ def test_every_rank_takes_part_in_the_plan_check(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cases = [(False, False), (True, False), (False, True), (True, True)]
+    on = (False, False)
+    cases = [((False, False), on), ((True, False), on), ((False, True), on), ((True, True), on)]
+    # relay off on rank 1 only (it plans nothing): off on both, the plan falls back as such
+    cases.append(((True, False), (False, True)))
     ctx = mp.get_context("fork")
     results = ctx.Manager().dict()
     procs = [ctx.Process(target=_worker, args=(r, port, cases, results)) for r in range(2)]
@@ -74,11 +83,16 @@ def test_every_rank_takes_part_in_the_plan_check(monkeypatch):
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     for rank in range(2):
         got = results[rank]
-        assert got[0] == (True, [])  # neither has a plan: plain forward, no fallback
+        assert got[0] == (True, [], None)  # neither has a plan: plain forward, no fallback
         for case in (1, 2):  # one rank has a plan, the other none: both see the mismatch
-            agreed, discarded = got[case]
-            assert agreed is False
+            agreed, discarded, disabled = got[case]
+            assert agreed is False and disabled is None
             assert discarded == (["tp_mismatch: plans differ across ranks"]
-                                 if cases[case][rank] else [])  # fmt: skip
-        assert got[3] == (True, [])  # the same plan on both
+                                 if cases[case][0][rank] else [])  # fmt: skip
+        assert got[3] == (True, [], None)  # the same plan on both
+        agreed, discarded, disabled = got[4]
+        assert agreed is False
+        assert discarded == (["relay_disabled"] if rank == 0 else [])
+        assert disabled == ("relay turned itself off on another TP rank" if rank == 0
+                            else "off here")  # fmt: skip
     assert NO_PLAN != [1, 7, 3, 5, 9, 3, 5, 9]

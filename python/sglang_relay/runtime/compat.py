@@ -336,11 +336,24 @@ def live_kv_layout(ctx) -> tuple[int, str, str, bool]:
     )
 
 
-def reasoning_end_ids(model_config) -> tuple[int, ...] | None:
-    """The token ids of the served model's reasoning end marker (``</think>``), set on the
-    scheduler's model config by SGLang when the server runs ``--reasoning-parser``; None
-    without one. Read when an output is recorded (the scheduler sets it after the cache
-    is built)."""
+def reasoning_end_ids(model_config, req=None) -> tuple[int, ...] | None:
+    """The token ids of the reasoning end marker (``</think>``) of ``req``'s output: the
+    request's own (SGLang's per-request ``__sglang_reasoning_end_token_ids``, set by its
+    chat renderer), counted as SGLang's reasoning accounting counts it (only one of the
+    model's selectable sequences), else the served model's, set on the scheduler's model
+    config when the server runs ``--reasoning-parser``; None without either. Read when an
+    output is recorded (the scheduler sets them after the cache is built)."""
+    if req is not None:
+        from sglang.srt.sampling.sampling_params import get_request_reasoning_end_token_ids
+
+        ids = get_request_reasoning_end_token_ids(
+            getattr(req.sampling_params, "custom_params", None),
+            allowed_sequences=getattr(
+                model_config, "request_selectable_think_end_id_sequences", None
+            ),
+        )
+        if ids:
+            return tuple(int(i) for i in ids)
     ids = getattr(model_config, "think_end_ids", None)
     return tuple(int(i) for i in ids) if ids else None
 
@@ -435,6 +448,9 @@ def check_startup_surface(ctx, model_runner) -> None:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+    from sglang.srt.sampling.sampling_params import (  # noqa: F401 - reasoning_end_ids
+        get_request_reasoning_end_token_ids,
+    )
 
     check_surface("TreeCacheBuildContext", ctx)
     check_surface("ModelRunner", model_runner)

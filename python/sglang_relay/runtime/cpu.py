@@ -4,7 +4,8 @@ Everything CPU-specific lives here and is active only where ``torch.cuda`` is un
 on a GPU machine :func:`activate` does nothing and :func:`apply_server_defaults` leaves the
 arguments alone. What it does on a CPU-only machine:
 
-* sets ``SGLANG_USE_CPU_ENGINE=1`` (without it ``device="cpu"`` still takes GPU paths);
+* sets ``SGLANG_USE_CPU_ENGINE=1`` (without it ``device="cpu"`` still takes GPU paths)
+  and ``SGLANG_RELAY_CPU_STANDIN=1`` (the plug-in's CPU hooks act only where it is set);
 * puts a stand-in ``sgl_kernel`` package first on ``sys.path`` and ``PYTHONPATH`` so that
   the spawned scheduler and detokenizer processes import it too. The PyPI ``sgl_kernel``
   needs libcuda; the stand-in raises a clear error if a kernel is ever called;
@@ -47,6 +48,7 @@ def activate() -> bool:
     if cuda_available():
         return False
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[CPU_STANDIN_ENV] = "1"
     if SHIM_DIR not in sys.path:
         sys.path.insert(0, SHIM_DIR)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -138,10 +140,16 @@ def serve_defaults(
     return flags, env
 
 
+# set by :func:`activate` (``sglang-relay serve``, the tests): the stand-in's hooks are on
+CPU_STANDIN_ENV = "SGLANG_RELAY_CPU_STANDIN"
+
+
 def cpu_engine_active() -> bool:
-    """Whether this process serves on the CPU (set by :func:`activate`, inherited by the
-    processes SGLang spawns)."""
-    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+    """Whether this process serves on the CPU as relay's stand-in set it up (set by
+    :func:`activate`, inherited by the processes SGLang spawns). SGLang's own
+    ``SGLANG_USE_CPU_ENGINE=1`` alone is not enough: a plain SGLang server on a CPU host
+    with the package installed keeps SGLang's behaviour, untouched."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and os.environ.get(CPU_STANDIN_ENV) == "1"
 
 
 # opt-in (tests): let SGLang's CPU KV pool hold --kv-cache-dtype fp8_e5m2

@@ -51,6 +51,15 @@ def valid_runs(ok: torch.Tensor, min_len: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(starts, ends, strict=True) if hi - lo >= min_len]
 
 
+class PlanningFailed(RuntimeError):
+    """Planning an extend batch raised (the cause is chained); ``stats`` are the requests
+    whose plans it had taken, so each can fall back and say so."""
+
+    def __init__(self, stats: list[RequestStats]) -> None:
+        super().__init__("planning an extend batch failed")
+        self.stats = stats
+
+
 class Planner:
     """Owns the per-request plans between ``prepare_for_extend`` and the forward."""
 
@@ -129,8 +138,18 @@ class Planner:
 
     def plan_batch(self, fb: Any) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
         """The plan for this extend batch (None: nothing to relay) and the requests whose
-        plan could not run, with the reason."""
+        plan could not run, with the reason. Takes every pending plan; if planning raises,
+        :class:`PlanningFailed` hands back the requests it took."""
         pending, self.pending = self.pending, {}
+        taken = [p.stats for p in pending.values()]
+        try:
+            return self._plan_batch(fb, pending)
+        except Exception as exc:
+            raise PlanningFailed(taken) from exc
+
+    def _plan_batch(
+        self, fb: Any, pending: dict[str, RequestPlan]
+    ) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
         rids = fb.rids or []
         plans = [pending.pop(rid, None) for rid in rids]
         dropped = [(p.stats, "stale_plan") for p in pending.values()]  # planned, not batched

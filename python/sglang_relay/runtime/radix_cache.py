@@ -132,7 +132,7 @@ class RelayRadixCache(UnifiedRadixCache):
         # a reasoning model's output: what a downstream pastes is the answer after the
         # reasoning end marker (relatedness is judged on it; its context masses count the
         # reasoning as context)
-        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config))
+        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config, req))
         # signal "context": computed now, while the whole row's KV is still the request's,
         # from the streams stored with it (none stored: no masses, relays fall back)
         context = None

@@ -37,7 +37,7 @@ from sglang_relay.runtime.llama import qkv as layer_qkv
 from sglang_relay.runtime.lora_rows import base_only
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
-from sglang_relay.runtime.planner import Planner
+from sglang_relay.runtime.planner import Planner, PlanningFailed
 from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
@@ -129,6 +129,7 @@ class RelayRuntime:
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self._req_checked = False
+        self._req_unreadable = False  # the Req surface check failed: read nothing of a Req
         self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
         self._related_memo: OrderedDict[str, set[int]] = OrderedDict()  # rid -> span ids
         self._routes_counted: OrderedDict[str, bool] = OrderedDict()  # DP decisions counted
@@ -277,10 +278,10 @@ class RelayRuntime:
             try:
                 compat.check_surface("Req", req)
             except Exception as exc:  # noqa: BLE001 - loud and for good, not per request
+                self._req_unreadable = True
                 self.disable(f"SGLang's Req does not match what relay reads ({exc})")
-                return  # nothing of req may be read or written
-        if self.disabled is not None and self._req_surface_failed():
-            return
+        if self._req_unreadable:
+            return  # nothing of a Req may be read or written
         route = compat.dp_route(req)
         if route is not None and req.rid not in self._routes_counted:
             self._routes_counted[req.rid] = True
@@ -401,18 +402,16 @@ class RelayRuntime:
         that follows (a rank that failed sends no plan, so all ranks fall back together)."""
         if self.disabled is not None:
             return None, [(p.stats, "relay_disabled") for p in self.planner.take_pending()]
-        pending = list(self.planner.pending.values())  # plan_batch takes them first
         try:
             faults.plan_error(self.tp.rank if self.tp is not None else 0)
             return self.planner.plan_batch(fb)
         except Exception as exc:  # noqa: BLE001 - the scheduler must keep serving
             logger.exception("relay planning of an extend batch failed; standard prefill")
-            self.planner.pending.clear()
-            reason = f"error: {type(exc).__name__}"
-            return None, [(p.stats, reason) for p in pending]
-
-    def _req_surface_failed(self) -> bool:
-        return bool(self.disabled and self.disabled.startswith("SGLang's Req"))
+            failed = isinstance(exc, PlanningFailed)
+            taken = exc.stats if failed else []
+            taken += [p.stats for p in self.planner.take_pending()]
+            reason = f"error: {type(exc.__cause__ if failed else exc).__name__}"
+            return None, [(stats, reason) for stats in taken]
 
     def check_forward(self, mode: str, graph: bool) -> None:
         """After every forward of SGLang's runner: an eager forward that writes KV must have
@@ -449,11 +448,18 @@ class RelayRuntime:
         plan for this extend batch. Every rank takes part, with or without a plan (a rank
         whose planning found nothing or dropped its requests sends :data:`NO_PLAN`), so
         no rank skips the collective the others wait in. On a mismatch the plan's
-        requests fall back (``tp_mismatch``)."""
-        if self.tp.agree(NO_PLAN if plan is None else plan_fingerprint(plan), "plan"):
+        requests fall back (``tp_mismatch``). The same exchange carries whether relay is
+        off on a rank: then it goes off on every rank (one rank alone would leave the
+        others relaying batches it serves as standard, never agreeing again)."""
+        fp = NO_PLAN if plan is None else plan_fingerprint(plan)
+        lo, hi = self.tp.bounds([int(self.disabled is not None), *fp], "plan")
+        if hi[0] and self.disabled is None:
+            self.disable("relay turned itself off on another TP rank")
+        if lo == hi:
             return True
+        reason = "relay_disabled" if hi[0] else "tp_mismatch: plans differ across ranks"
         for stats in plan.owners if plan is not None else ():
-            self._discard(stats, "tp_mismatch: plans differ across ranks")
+            self._discard(stats, reason)
         return False
 
     def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
@@ -463,6 +469,13 @@ class RelayRuntime:
                 model, input_ids, positions, fb, plan, self.ledger, self.capture_layer
             )
         except Exception as exc:  # the stock forward rewrites every extend row's KV
+            if self.tp is not None and not isinstance(exc, TPMismatch):
+                # raised on this rank alone, maybe between two of the layer loop's
+                # collectives: the other ranks may wait in one this rank never joins, and
+                # SGLang's forward here would pair its collectives with theirs (a hang, or
+                # wrong sums where shapes match). Fail as SGLang fails on any forward error.
+                self.disable(f"relay extend raised on TP rank {self.tp.rank}: {exc!r}")
+                raise
             logger.exception("relay extend failed; standard prefill for this batch")
             reason = "tp_mismatch: selections" if isinstance(exc, TPMismatch) else "error"
             for stats in plan.owners:

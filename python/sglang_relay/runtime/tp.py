@@ -53,6 +53,12 @@ class TPSync:
 
     def agree(self, values: list[int], what: str) -> bool:
         """Whether every rank holds the same ``values`` (collective: call on every rank)."""
+        lo, hi = self.bounds(values, what)
+        return lo == hi
+
+    def bounds(self, values: list[int], what: str) -> tuple[list[int], list[int]]:
+        """The element-wise MIN and MAX of ``values`` over the ranks (collective; every rank
+        passes the same number of values). Equal bounds: every rank holds the same."""
         t = torch.tensor(values, dtype=torch.int64)
         lo, hi = t.clone(), t.clone()
         torch.distributed.all_reduce(
@@ -61,11 +67,10 @@ class TPSync:
         torch.distributed.all_reduce(
             hi, op=torch.distributed.ReduceOp.MAX, group=self.group.cpu_group
         )
-        same = bool(torch.equal(lo, hi))
         self.counters[f"tp_{what}_checks"] += 1
-        if not same:
+        if not torch.equal(lo, hi):
             self.counters[f"tp_{what}_mismatches"] += 1
-        return same
+        return lo.tolist(), hi.tolist()
 
     def stats(self) -> dict[str, int]:
         return {"tp_size": self.size, "tp_rank": self.rank, **dict(self.counters)}
