@@ -95,12 +95,22 @@ def test_the_launchers_own_arguments_pass(model_dir):
         (["--enable-flexkv"], "--enable-flexkv"),
         (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
         (["--lora-backend", "triton"], "--lora-backend triton"),
+        (["--attention-backend", "aiter"], "--attention-backend aiter"),
+        (["--attention-backend", "flashmla"], "--attention-backend flashmla"),
     ],
 )
 def test_refused_options_are_named_before_anything_loads(model_dir, extra, named):
     with pytest.raises(RelayError, match="sglang-relay cannot serve") as exc:
         check_server_mode(_argv(model_dir, *extra))
     assert named in str(exc.value) and "--no-relay" in str(exc.value)
+
+
+def test_the_attention_backends_sglang_picks_by_itself_on_gpus_are_served():
+    # the cache factory checks the resolved backend against the same list (radix_cache.py)
+    for backend in ("torch_native", "flashinfer", "triton", "fa3", "fa4", "trtllm_mha"):
+        assert server_options.refusal({"attention_backend": backend}) is None, backend
+    message = server_options.refusal({"attention_backend": "intel_amx"})
+    assert message is not None and "--attention-backend intel_amx" in message
 
 
 def test_an_option_the_table_does_not_know_is_refused(model_dir):

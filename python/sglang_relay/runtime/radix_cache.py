@@ -252,6 +252,11 @@ def build_relay_cache(ctx: Any) -> Any:
     cache = create_unified(ctx, cache_class=cache_class)
     model_runner = ctx.tp_worker.model_runner
     compat.check_startup_surface(ctx, model_runner)
+    # the backend SGLang resolved when none was typed (fa3 on Hopper, ...): the same list
+    resolved = {"attention_backend": compat.attention_backend_name(model_runner)}
+    refusal = server_options.refusal(resolved)
+    if refusal is not None:
+        raise ValueError(refusal)
     allocator = ctx.params.token_to_kv_pool_allocator
     tree_page, pool_page = int(cache.page_size), int(getattr(allocator, "page_size", 1) or 1)
     if tree_page != pool_page:  # spans' page bounds are the tree's; frees are the pool's
