@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, relay_info, running_server
 
-pytestmark = pytest.mark.e2e
+# Triton under its CPU interpreter (minutes): kernels/tests checks the kernels in CI
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,7 @@ def test_pool_plus_side_data_fit_the_budget(key_server, model_dir):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.full  # namespaces: test_relay.py and test_scope.py serve them in CI; make test-full
 def test_key_scope_fuzz_never_crosses_namespaces(key_server):
     """Scope ``key``: 20 random requests over (cache_salt, relay key, opt-out) choices; a
     request without salt or key neither stores nor reuses; nothing crosses namespaces."""

@@ -144,6 +144,7 @@ def test_spans_over_many_chunks_relay_in_every_chunk_for_every_method(model_dir,
         assert stats.get("fallback_error", 0) == 0, stats
 
 
+@pytest.mark.full  # mixed chunks: test_pages.py's CI case runs --enable-mixed-chunk; make test-full
 def test_mixed_chunk_keeps_decoded_spans_usable(model_dir, tok):
     """With --enable-mixed-chunk SGLang appends running decodes to prefill batches and runs
     them as extends: those decode rows still store their hidden states, so a span decoded

@@ -33,6 +33,7 @@ def _pool_balanced(url: str) -> dict:
     return pool
 
 
+@pytest.mark.full  # chunks across spans: test_modes.py (32-token chunks) in CI
 def test_span_across_chunk_boundaries_matches_standard_when_fully_recomputed(small_server, tok):
     """A 150-token span over 64-token chunks: the all-selected oracle equals standard, and
     EPIC and naive relay it in every chunk."""
@@ -116,6 +117,7 @@ def test_aborted_relay_requests_leak_nothing(small_server, tok):
     assert healthy(small_server.url)
 
 
+@pytest.mark.full  # load with faults: the trust fuzz and the abort test in CI
 def test_soak_ci_variant(small_server, tok):
     """``bench load``'s soak, short: 6 concurrent chains for 30 s (salted, keyed and
     opted-out chains, aborts, disconnects, malformed options) in a pool too small for

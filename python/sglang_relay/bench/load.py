@@ -122,6 +122,7 @@ class LoadStats:
         # one row per downstream request: (seconds since start, could relay, relayed, ttft)
         self.downstream: list[tuple[float, bool, bool, float | None]] = []
         self.samples: list[dict[str, Any]] = []  # server RSS / side memory over time
+        self.outputs: dict[str, dict[str, Any]] = {}  # per good chain: its output ids
 
     def served(self, out: dict[str, Any]) -> dict[str, Any]:
         relay = out["meta_info"].get("relay") or {}
@@ -150,7 +151,7 @@ class LoadStats:
                 self.errors.append(error)
 
 
-def _identity(rng: random.Random, k: int) -> tuple[str | None, dict[str, Any], Any, bool]:
+def _identity(rng: random.Random, k: str) -> tuple[str | None, dict[str, Any], Any, bool]:
     """Who a chain is: (cache_salt, relay option extras, upstream relay option, whether
     its downstream may relay the upstream's output)."""
     roll = rng.random()
@@ -165,7 +166,53 @@ def _identity(rng: random.Random, k: int) -> tuple[str | None, dict[str, Any], A
     return None, {}, None, True
 
 
-def _chain(url: str, tok: Any, rng: random.Random, stats: LoadStats, k: int) -> None:
+FAULTS = ("client_aborts", "client_disconnects", "server_aborts", "bad_requests_refused")
+
+
+def _fault(
+    url: str, prompt: str, relay: Any, salt: str | None, rng: random.Random, stats: LoadStats
+) -> None:
+    """One faulty client in place of a downstream agent (the chain's good request is not
+    sent), of a kind in :data:`FAULTS`."""
+    kind = rng.choice(FAULTS)
+    if kind == "client_aborts":  # give up before the prefill can finish
+        try:
+            _post(url, prompt, 64, relay=relay, timeout=0.05, salt=salt)
+            stats.add("abort_too_late")
+        except requests.exceptions.Timeout:
+            stats.add(kind)
+    elif kind in ("client_disconnects", "server_aborts"):
+        body = _body(prompt, 200, relay, salt, stream=True)
+        body["rid"] = rid = f"load-abort-{rng.getrandbits(64):016x}"
+        with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
+            for line in resp.iter_lines():
+                if line.startswith(b"data:"):
+                    if kind == "server_aborts":  # SGLang's abort, mid-decode (and any redo)
+                        requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
+                        continue  # read the stream to its end: it must end, not hang
+                    break  # disconnect mid-generation
+        stats.add(kind)
+    else:
+        body = _body(prompt, 16, rng.choice(BAD_OPTIONS), salt)
+        resp = requests.post(url + "/generate", json=body, timeout=300)
+        if resp.status_code != 400 or "custom_params.relay" not in resp.text:
+            stats.add("errors", f"malformed options not refused: HTTP {resp.status_code}")
+        else:
+            stats.add(kind)
+
+
+def _chain(
+    url: str,
+    tok: Any,
+    rng: random.Random,
+    stats: LoadStats,
+    k: str,
+    fault_rng: random.Random | None = None,
+    fault_share: float = 0.3,
+) -> None:
+    """One agent chain. ``rng`` draws everything the good requests are, so a run with
+    faults (``fault_rng``: a faulty client replaces the downstream agent of a
+    ``fault_share`` of the chains) sends the same good requests as one without."""
     topic = rng.choice(TOPICS)
     salt, extras, up_relay, could = _identity(rng, k)
     up = _post(
@@ -180,37 +227,22 @@ def _chain(url: str, tok: Any, rng: random.Random, stats: LoadStats, k: int) -> 
     if rng.random() < 0.05:  # the downstream opts out
         down_relay, could = "off", False
     prompt = chat_prompt(tok, f"Editor {k}.", f"Draft:\n\n{up['text']}\n\nImprove the draft.")
-    roll = rng.random()
-    if roll < 0.1:  # abort mid-prefill: give up before the prefill can finish
-        try:
-            _post(url, prompt, 64, relay=down_relay, timeout=0.05, salt=salt)
-            stats.add("abort_too_late")
-        except requests.exceptions.Timeout:
-            stats.add("client_aborts")
-        return
-    if roll < 0.2:  # disconnect from a stream after the first chunk
-        body = _body(prompt, 200, down_relay, salt, stream=True)
-        with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
-            for line in resp.iter_lines():
-                if line.startswith(b"data:"):
-                    break
-        stats.add("client_disconnects")
-        return
-    if roll < 0.3:
-        body = _body(prompt, 16, rng.choice(BAD_OPTIONS), salt)
-        resp = requests.post(url + "/generate", json=body, timeout=300)
-        if resp.status_code != 400 or "custom_params.relay" not in resp.text:
-            stats.add("errors", f"malformed options not refused: HTTP {resp.status_code}")
-        else:
-            stats.add("bad_requests_refused")
-        return
-    down, ttft = _post_stream(url, prompt, rng.choice([16, 48]), relay=down_relay, salt=salt)
+    n_down, third_roll = rng.choice([16, 48]), rng.random()
+    if fault_rng is not None and fault_rng.random() < fault_share:
+        return _fault(url, prompt, down_relay, salt, fault_rng, stats)
+    down, ttft = _post_stream(url, prompt, n_down, relay=down_relay, salt=salt)
     stats.down(down, could, ttft)
-    if roll > 0.7:
+    outputs = [up["output_ids"], down["output_ids"]]
+    if third_roll > 0.7:
         third = chat_prompt(
             tok, f"Reviewer {k}.", f"Draft:\n\n{up['text']}\n\nEdit:\n\n{down['text']}\n\nJudge."
         )
-        stats.served(_post(url, third, 16, relay=down_relay, salt=salt))
+        out = _post(url, third, 16, relay=down_relay, salt=salt)
+        stats.served(out)
+        outputs.append(out["output_ids"])
+    relayed = [bool((down["meta_info"].get("relay") or {}).get("spans_matched"))]
+    with stats.lock:
+        stats.outputs[k] = {"ids": outputs, "down_relayed": relayed[0]}
 
 
 def _sample(url: str, pid: int | None, stats: LoadStats) -> None:
@@ -261,8 +293,12 @@ def windows(stats: LoadStats, window: float, elapsed: float) -> list[dict[str, A
                 "downstream": len(rows),
                 "could_relay": len(could),
                 "hit_rate": round(sum(r[2] for r in could) / len(could), 3) if could else None,
+                "ttft_n": len(ttfts),
                 "ttft_p50_s": _pct(ttfts, 0.5),
-                "ttft_p99_s": _pct(ttfts, 0.99),
+                "ttft_p90_s": _pct(ttfts, 0.9) if len(ttfts) >= 10 else None,
+                # a p99 needs a hundred samples to be more than the maximum
+                "ttft_p99_s": _pct(ttfts, 0.99) if len(ttfts) >= 100 else None,
+                "ttft_max_s": max(ttfts, default=None),
                 "rss_mb_max": max(rss) if rss else None,
                 "side_mb_max": max((s["side_mb"] for s in mem), default=None),
                 "span_tokens_max": max((s["span_tokens"] or 0 for s in mem), default=None),
@@ -281,21 +317,25 @@ def run_load(
     window: float = 300.0,
     pid: int | None = None,
     sample_every: float = 10.0,
+    faults: bool = True,
+    fault_share: float = 0.3,
 ) -> dict[str, Any]:
+    """``chains`` clients send agent chains for ``duration`` seconds. Client ``w``'s
+    ``j``-th chain is the same in every run of a seed; with ``faults`` a faulty client
+    (:data:`FAULTS`) replaces the downstream agent of a ``fault_share`` of them."""
     start = time.monotonic()
     stats = LoadStats(start)
     deadline = start + duration
-    counter = iter(range(10**9))
-    lock = threading.Lock()
     done = threading.Event()
 
     def worker(w: int) -> None:
         rng = random.Random(seed * 1000 + w)
+        fault_rng = random.Random(seed * 1000 + w + 500) if faults else None
+        j = 0
         while time.monotonic() < deadline:
-            with lock:
-                k = next(counter)
+            k, j = f"{w}.{j}", j + 1
             try:
-                _chain(url, tok, rng, stats, k)
+                _chain(url, tok, rng, stats, k, fault_rng, fault_share)
                 stats.add("chains")
             except Exception as exc:  # noqa: BLE001 - every failure is a reported figure
                 stats.add("errors", f"{type(exc).__name__}: {exc}"[:300])
@@ -333,6 +373,7 @@ def run_load(
         "requests_served": stats.counts["served"],
         "requests_relayed": stats.counts["relayed"],
         "reused_tokens": stats.reused_tokens,
+        "faults": {"share": fault_share if faults else 0.0, **{f: stats.counts[f] for f in FAULTS}},
         "client_aborts": stats.counts["client_aborts"],
         "client_disconnects": stats.counts["client_disconnects"],
         "wrong_namespace_relays": stats.counts["wrong_namespace_relays"],
@@ -346,6 +387,7 @@ def run_load(
         "windows": per_window,
         "hit_rate_first_last": [rates[0], rates[-1]] if rates else None,
         "memory_samples": stats.samples,
+        "outputs": stats.outputs,
     }
 
 
@@ -475,6 +517,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--no-faults", action="store_true", help="skip the evicted-span and restart sections"
     )
+    parser.add_argument("--fault-share", type=float, default=0.3, help="faulty clients")
+    parser.add_argument("--seed", type=int, default=0)
     args, server_flags = parser.parse_known_args(argv)
 
     from transformers import AutoTokenizer
@@ -484,15 +528,7 @@ def main(argv: list[str]) -> int:
 
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)
-    server_args = [
-        "--model-path",
-        model_path,
-        "--max-total-tokens",
-        str(args.pool_tokens),
-        "--chunked-prefill-size",
-        "256",
-        *server_flags,
-    ]
+    server_args = load_server_args(model_path, args.pool_tokens, server_flags)
     server = ServerProcess(server_args).start()
     evicted = restart = None
     try:
@@ -502,9 +538,12 @@ def main(argv: list[str]) -> int:
             tok,
             args.chains,
             args.duration,
+            seed=args.seed,
             window=min(args.window, args.duration),
             pid=server.proc.pid,
+            fault_share=args.fault_share,
         )
+        load.pop("outputs")
         if not args.no_faults:
             print("[load] evicted-span relay ...", flush=True)
             evicted = run_evicted(server.url, tok, args.pool_tokens)
@@ -518,7 +557,7 @@ def main(argv: list[str]) -> int:
         "load": load,
         "evicted": evicted,
         "restart": restart,
-        "server_log_errors": [ln for ln in log.splitlines() if "Traceback" in ln or "Error" in ln],
+        "server_log_errors": log_errors(log),
         "run": {"machine": platform.platform(), "pool_tokens": args.pool_tokens},
     }
     print(markdown(result))
@@ -528,3 +567,15 @@ def main(argv: list[str]) -> int:
     for line in bad:
         print(f"[load] FAILED: {line}")
     return 1 if bad else 0
+
+
+def load_server_args(model_path: str, pool_tokens: int, flags: list[str]) -> list[str]:
+    """The server the load runs against: a KV pool of ``pool_tokens``, 256-token chunks."""
+    return [
+        "--model-path", model_path, "--max-total-tokens", str(pool_tokens),
+        "--chunked-prefill-size", "256", *flags,
+    ]  # fmt: skip
+
+
+def log_errors(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if "Traceback" in ln or "Error" in ln]
