@@ -394,7 +394,7 @@ def context_rule(num_layers: int, target: float, l_ctx: int) -> RelayConfig | No
 
 
 # the power of the last-row probe's attention (``cfg.probe``): chosen on the calibration
-# relays (benchmark/selection_study.py --kl-oracle, 8 relays at 0.90: 0.0098 at 0.25,
+# relays (research/studies/selection_study.py --kl-oracle, 8 relays at 0.90: 0.0098 at 0.25,
 # 0.0110 at 0.5, 0.0141 without a probe)
 PROBE_POWER = 0.25
 

@@ -110,7 +110,7 @@ def random_llama(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     return random_model("llama", out, tokenizer_from, seed=seed)
 
 
-# ---- LoRA adapters (test/e2e/test_lora.py, benchmark/lora_shared_cost.py) -----------------
+# ---- LoRA adapters (test/e2e/test_lora.py, research/studies/lora_shared_cost.py) -----------------
 LORA_TARGETS = {  # PEFT target name -> the module under each decoder layer
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",

@@ -53,7 +53,7 @@ ENV_LORA = "SGLANG_RELAY_LORA"
 ENV_MIN_SHARE = "SGLANG_RELAY_MIN_SHARE"
 ENV_REASONING_REUSE = "SGLANG_RELAY_REASONING_REUSE"
 # reasoning answers at reuse 0.60 match plain answers at the default 0.80 on first-token KL
-# (0.015 vs 0.017) and top-1 (0.91 vs 0.81): benchmark/reasoning_fidelity.py, 32 questions
+# (0.015 vs 0.017) and top-1 (0.91 vs 0.81): research/studies/reasoning_fidelity.py, 32 questions
 DEFAULT_REASONING_REUSE = 0.60
 DEFAULT_MIN_SHARE = 0.5  # real relays: every pasted output >= 0.72 (docs/configuration.md)
 SCOPES = ("shared", "key")

@@ -9,7 +9,7 @@
 * ``both``: KL(standard, full precision || relay, FP8): what a user of an FP8 relay server
   sees against a full-precision server without relay.
 
-    python benchmark/fp8_kv_cost.py --kv-cache-dtype fp8_e4m3 [--threads 1]
+    python research/studies/fp8_kv_cost.py --kv-cache-dtype fp8_e4m3 [--threads 1]
 
 ``--splice-study``: is relay's added error the splice's second rounding of the keys (a
 stored FP8 key re-rotated and rounded again)? Upstream KV from the full-precision

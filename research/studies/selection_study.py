@@ -19,14 +19,14 @@ Selections (per span occurrence):
 * ``shipped context rule``: the shipped profile's base rule at the target (one cap per
   request), recomputed as a server would, and its tokens given their exact KV.
 
-    python benchmark/selection_study.py [--n-relays 16] [--targets 0.8,0.9,0.95] [--json OUT]
+    python research/studies/selection_study.py [--n-relays 16] [--targets 0.8,0.9,0.95] [--json OUT]
 
 ``--signals`` instead ranks cheap per-token signals against the true deviation on the
 *calibration* relays (Spearman, mean over relays): position, the value deviation at layer
 4 after a dense layer 3, influence, the context mass at ``--context-layers`` and averaged
 over all layers, and the deviation from the span's KV computed with no context.
 
-    python benchmark/selection_study.py --signals [--n-relays 16] [--context-layers 2,12]
+    python research/studies/selection_study.py --signals [--n-relays 16] [--context-layers 2,12]
 
 ``--variants`` runs variants of the context rule on the *calibration* relays at equal
 reuse (first-token KL): one cap per request (shipped) vs one per span; recomputing the
@@ -37,7 +37,7 @@ through the output's own attention (a token that attended to high-mass output to
 inherits their mass: ``m' = m + A m'``); and counting the upstream prompt text that the
 downstream prompt repeats (shared 4-grams) at half weight.
 
-    python benchmark/selection_study.py --variants [--n-relays 16] [--targets 0.9,0.95]
+    python research/studies/selection_study.py --variants [--n-relays 16] [--targets 0.9,0.95]
 
 ``--kl-oracle`` estimates how low *any* recompute-or-reuse choice per token can go: on
 each evaluation relay it picks the tokens that lower that relay's own first-token KL most
@@ -48,7 +48,7 @@ a strict bound). Reported beside the shipped rule and a downstream-aware rule (t
 mass times the attention the last prompt row gives a token in a cheap probe pass) at the
 same per-request budget.
 
-    python benchmark/selection_study.py --kl-oracle [--n-relays 16] [--targets 0.9,0.95]
+    python research/studies/selection_study.py --kl-oracle [--n-relays 16] [--targets 0.9,0.95]
 """
 
 from __future__ import annotations

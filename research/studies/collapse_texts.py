@@ -6,7 +6,7 @@ this prints, for the chosen relays, the exact reply and each chosen point's repl
 config stored in the frontier JSON, re-run on the reference executor), with its length,
 tail loop and verdict, so a reader can see what a counted collapse looks like.
 
-    python benchmark/collapse_texts.py --workload heldout72_workload.jsonl \\
+    python research/studies/collapse_texts.py --workload heldout72_workload.jsonl \\
         --frontier docs/bench/frontier_low_heldout72.json --points relay@0.60,epic@0.70 \\
         --ids cs-03,cs-11,cook-12,kids-01,kids-10
 

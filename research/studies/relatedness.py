@@ -11,7 +11,7 @@ values. A dropped token is a token standard prefill recomputes: reuse lost.
 
 Usage::
 
-    python benchmark/relatedness.py [--workload calibration_workload.jsonl,...] [--json OUT]
+    python research/studies/relatedness.py [--workload calibration_workload.jsonl,...] [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 try:
     import sglang_relay  # noqa: F401
 except ImportError:  # running from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sglang_relay.bench.fidelity import build_parser, load_bench_model, prepare_usable
 from sglang_relay.bench.frontier import resolve_workloads

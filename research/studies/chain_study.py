@@ -11,7 +11,7 @@ user-visible measure per method and point, and paired intervals of chain minus s
 and of relay minus EPIC on the chains (docs/fidelity.md, "The chain as the server runs
 it").
 
-    python benchmark/chain_study.py [--workload humaneval82_workload.jsonl] [--limit N]
+    python research/studies/chain_study.py [--workload humaneval82_workload.jsonl] [--limit N]
         [--targets 0.8,0.9,0.95] [--threads 2] [--json OUT]
 """
 

@@ -9,7 +9,7 @@ b's decode KV. *Across*: a's reply with a's decode KV (what ``shared`` reuses). 
 against b's exact prefill of the same prompt, under the unprofiled rule at reuse 0.80 (a
 deviation rule: no context masses, which the server computes with the base weights).
 
-    python benchmark/lora_shared_cost.py [--threads 2] [--std 0.03]
+    python research/studies/lora_shared_cost.py [--threads 2] [--std 0.03]
 
 Random adapters (std 0.03 on A and B) are a stand-in: trained adapters of one base may be
 closer to each other or further apart; the figures bound nothing for them.

@@ -19,7 +19,7 @@ lower reuse target. The context rule's masses count everything before the answer
 question and the reasoning) as context that a paste replaces, as the server does for
 spans recorded with a reasoning part.
 
-    python benchmark/reasoning_fidelity.py [--n 32] [--threads 1] [--json out.json]
+    python research/studies/reasoning_fidelity.py [--n 32] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the request's keys at one layer (:func:`sglang_relay.core.selection.context_mass`), the work
 a relay server adds when a request finishes under the context rule.
 
-    python benchmark/bench_context_mass.py [--threads 1]
+    python research/studies/bench_context_mass.py [--threads 1]
 
 Prints the median of 3 timed calls per shape (after one warm-up), on random tensors.
 """

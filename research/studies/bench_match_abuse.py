@@ -25,8 +25,8 @@ clearly labelled as a reference, not a measurement.
 
 Usage::
 
-    python benchmark/bench_match_abuse.py [--prompt-len 100000] [--json out.json]
-    python benchmark/bench_match_abuse.py --unbounded   # without the work bound, to compare
+    python research/studies/bench_match_abuse.py [--prompt-len 100000] [--json out.json]
+    python research/studies/bench_match_abuse.py --unbounded   # without the work bound, to compare
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 try:
     from sglang_relay.core.span_index import SpanIndex
 except ImportError:  # running from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
     from sglang_relay.core.span_index import SpanIndex
 
 VOCAB = 49152

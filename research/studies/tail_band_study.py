@@ -8,10 +8,10 @@ point. To re-run the measurement, apply the reference-executor patch it was meas
 (``RelayConfig.tail_tokens`` / ``tail_layers``, ``selection.tail_band``, the band rows in
 ``relay_prefill``'s layer loop) in a scratch checkout::
 
-    git apply benchmark/data/tail_band_reference.patch
-    python benchmark/tail_band_study.py            # the demo's Reviewer, ~3 min at 2 threads
+    git apply research/studies/data/tail_band_reference.patch
+    python research/studies/tail_band_study.py            # the demo's Reviewer, ~3 min at 2 threads
     # the calibration relays: profiles with the band added to every operating point
-    python benchmark/tail_band_study.py --write-profiles /tmp/tail
+    python research/studies/tail_band_study.py --write-profiles /tmp/tail
     sglang-relay bench fidelity --frontier --workload calibration_workload.jsonl \\
         --reuse-targets 0.80,0.90,0.95 --methods relay --threads 1 \\
         --profile /tmp/tail/profile_t16x6.json
@@ -69,7 +69,7 @@ def main() -> None:
     from sglang_relay.core.reference import exact_prefill, greedy_continue, relay_prefill
 
     if "tail_tokens" not in RelayConfig.__dataclass_fields__:
-        sys.exit("apply benchmark/data/tail_band_reference.patch first (see the docstring)")
+        sys.exit("apply research/studies/data/tail_band_reference.patch first (see the docstring)")
     model, tok, ref = embedded()
     eos = tok.eos_token_id
     prompt, spans, _ = reviewer_relay(ref, tok)

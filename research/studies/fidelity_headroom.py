@@ -12,7 +12,7 @@ rule (its ``chosen`` search result; layers 3, 4, 29 on the embedded model):
   layer instead of recomputed KV: the best any recomputation of those tokens could give;
 * ``true worst, exact KV``: both (METHOD.md's "exact KV for the true worst" oracle).
 
-    python benchmark/fidelity_headroom.py [--n-relays 32] [--json OUT]
+    python research/studies/fidelity_headroom.py [--n-relays 32] [--json OUT]
 
 Prints mean / median first-token KL, teacher-forced top-1 (64) and, for the selections,
 the share of the true-worst tokens they pick, per variant.

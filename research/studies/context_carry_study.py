@@ -14,7 +14,8 @@ output. Offline, reference executor, the shipped points (0.80 / 0.90 / 0.95):
 2. a workload (default: the calibration relays), every user-visible measure per point
    and signal, with the paired bootstrap interval of (carried - direct).
 
-    python benchmark/context_carry_study.py [--gammas 0.5,1] [--workload heldout72_workload.jsonl]
+    python research/studies/context_carry_study.py [--gammas 0.5,1] \
+        [--workload heldout72_workload.jsonl]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmark/selection_study.py's KL oracle: its differentiable forward must be the exact-KV
+"""research/studies/selection_study.py's KL oracle: its differentiable forward must be the exact-KV
 oracle of the reference executor (and the full prefill with every token exact), and its
 greedy choice must spend exactly its budget and pick a token that brute force ranks among
 the best. Its probe-variant table's baseline row must be the probe rule the reference
@@ -26,7 +26,7 @@ from sglang_relay.core.reference import (
     relay_prefill,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
 import selection_study as study  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -3,9 +3,9 @@ to A then B (B then A on odd rounds), one active at a time, so machine drift (th
 speed moves by 10-60 % between runs) hits both alike.
 
     # this checkout against an older one (its python/ and kernels/ on PYTHONPATH)
-    OMP_WAIT_POLICY=PASSIVE python benchmark/ab_servers.py --before /path/to/old/checkout
+    OMP_WAIT_POLICY=PASSIVE python research/studies/ab_servers.py --before /path/to/old/checkout
     # a --no-relay server against a relay server, plain requests only
-    OMP_WAIT_POLICY=PASSIVE python benchmark/ab_servers.py --plain
+    OMP_WAIT_POLICY=PASSIVE python research/studies/ab_servers.py --plain
 
 Both servers get the same OpenMP wait policy (``OMP_WAIT_POLICY`` from the environment,
 else PASSIVE, set explicitly for both: an older checkout may not set it for one rank, and

@@ -10,7 +10,7 @@ turn (tail tokens recomputed in a band of layers only); then the same with the
 Developer's decode KV as a relay server's chain leaves it (its own prompt relayed at the
 same point).
 
-    python benchmark/demo_collapse_study.py [--threads 2]
+    python research/studies/demo_collapse_study.py [--threads 2]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-DATA = Path(__file__).with_name("data") / "demo_relay_chain.json"
+DATA = Path(__file__).resolve().parents[2] / "benchmark" / "data" / "demo_relay_chain.json"
 
 
 def reviewer_relay(ref, tok, chain_cfg=None) -> tuple[list[int], list, list]:
