@@ -58,7 +58,7 @@ CALIBRATION = "calibration_workload.jsonl,calibration_loops_workload.jsonl"
 TOP_SHARE = 0.15
 FIRST = 16
 KL_TIE = 0.02  # candidates within 2 % of the best KL count as tied
-# The measures a user sees beside KL (issue 29): a candidate whose first-token top-1 or
+# The measures a user sees beside KL: a candidate whose first-token top-1 or
 # greedy prefix is worse than the best eligible candidate's beyond the paired 95 %
 # bootstrap interval over the calibration relays (the evaluation's verdict rule) is not
 # chosen, whatever its KL. Candidates logged without per-relay values (older profiles)
@@ -240,7 +240,7 @@ def user_measure_bar(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def choose(search: list[dict[str, Any]], min_reuse: float) -> dict[str, Any] | None:
     """The candidate a profile keeps: reuse >= ``min_reuse`` on every relay, first-token top-1
     and then greedy prefix no worse than the best such candidate's beyond the paired
-    interval (:func:`user_measure_bar`, the constraint form of issue 29's multi-measure
+    interval (:func:`user_measure_bar`, the constraint form of a multi-measure
     objective),
     then the lowest mean first-token KL (:func:`rank_key`: near-ties by teacher-forced top-1,
     then reuse)."""

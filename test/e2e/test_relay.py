@@ -283,7 +283,7 @@ def test_guard_redoes_a_relayed_reply_that_stops_at_once(server, upstream):
     after = relay_info(server.url)
     assert after["guard_reprefills"] == before["guard_reprefills"] + 1
     assert after["guard_relayed_tokens_redone"] > before["guard_relayed_tokens_redone"]
-    # n > 1: each sample is guarded on its own and its redo is one sample (issue 44)
+    # n > 1: each sample is guarded on its own and its redo is one sample
     both = run(n=2)
     assert isinstance(both, list) and len(both) == 2, both
     for sample in both:

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 # the CI tier sends 600 (about 100 s on an idle 2-core VM); `make test-full` 3000
 FUZZ_REQUESTS = {False: 600, True: 3000}
 VOCAB = 49152
-KILLER = {"__sglang_relay_guard": {"reused_tokens": "x"}}  # issue 44: it ended the server
+KILLER = {"__sglang_relay_guard": {"reused_tokens": "x"}}  # it used to end the server
 
 
 SCHEDULING = [

@@ -1,4 +1,4 @@
-"""LoRA batch info for a subset of a batch's token rows (issue 31 item 4, in progress).
+"""LoRA batch info for a subset of a batch's token rows.
 
 SGLang prepares its LoRA batch info once per forward, for every token row of the batch:
 segments of consecutive rows under one adapter slot (``seg_lens`` / ``seg_indptr``, the
