@@ -7,10 +7,12 @@ Bounded in time; every figure comes from the server's own counters or from the c
    ``--duration`` seconds, in a KV pool small enough that spans are evicted mid-chain.
    Chains differ in who they are: unsalted, salted (``cache_salt``, 4 tenants), with a
    relay key, with an opted-out upstream (``"standard"``: stores nothing, so its
-   downstream must not relay) or an opted-out downstream (``"off"``). Mixed in: clients
-   that abort mid-prefill (a read timeout shorter than the prefill, then a closed
-   connection), clients that disconnect from a stream after the first chunk, and requests
-   with malformed relay options. Downstream agents stream, so the client measures TTFT.
+   downstream must not relay) or an opted-out downstream (``"off"``). In place of
+   ``--fault-share`` of the downstream agents, a faulty client (``bench/traffic.py``):
+   one that aborts mid-prefill (a read timeout shorter than the prefill, then a closed
+   connection), disconnects from a stream after the first chunk, has SGLang abort its
+   request mid-decode (``/abort_request``) or sends malformed relay options. Downstream
+   agents stream, so the client measures TTFT.
    Reported: requests served, client aborts, errors that were not the client's doing
    (must be 0), fallbacks by reason, relays into the wrong namespace (must be 0), the pool
    balance once idle (leaked slots = total - available - evictable - protected, must
@@ -27,7 +29,6 @@ Bounded in time; every figure comes from the server's own counters or from the c
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures as cf
 import json
 import platform
@@ -37,212 +38,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
+from sglang_relay.bench.traffic import (
+    COUNTERS,
+    FAULTS,
+    LoadStats,
+    agent_chain,
+    leaked_slots,
+    post,
+    relay_state,
+)
 from sglang_relay.client import healthy
 from sglang_relay.demo import chat_prompt
-
-BAD_OPTIONS = [7, {"method": "warp"}, {"config": {"l_start": 10**6}}, {"config": {"tau_dev": -3}}]
-COUNTERS = {"finished_requests", "recorded_spans", "spans_matched", "relay_extends",
-            "relayed_tokens", "fallbacks"}  # fmt: skip
-TOPICS = ["queues", "hash maps", "B-trees", "TCP", "garbage collection", "ray tracing"]
-
-
-def _body(text: str, n: int, relay: Any, salt: str | None, stream: bool = False) -> dict:
-    params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0, "ignore_eos": n >= 64}
-    if relay is not None:
-        params["custom_params"] = {"relay": relay}
-    body: dict[str, Any] = {"text": text, "sampling_params": params, "stream": stream}
-    if salt is not None:
-        body["cache_salt"] = salt
-    return body
-
-
-def _post(
-    url: str,
-    text: str,
-    n: int,
-    relay: Any = None,
-    timeout: float = 300.0,
-    salt: str | None = None,
-) -> dict:
-    resp = requests.post(url + "/generate", json=_body(text, n, relay, salt), timeout=timeout)
-    if resp.status_code != 200:
-        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-    return resp.json()
-
-
-def _post_stream(
-    url: str, text: str, n: int, relay: Any = None, salt: str | None = None
-) -> tuple[dict, float]:
-    """The final streamed response and the time to its first chunk (TTFT, client side)."""
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    body = _body(text, n, relay, salt, stream=True)
-    with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        for line in resp.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[len(b"data:") :])
-    if last is None or ttft is None:
-        raise RuntimeError("stream ended without a chunk")
-    return last, ttft
-
-
-def relay_state(url: str) -> dict[str, Any]:
-    info = requests.get(url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["relay"]
-
-
-def leaked_slots(url: str, settle_s: float = 30.0) -> tuple[int, dict[str, int]]:
-    """Slots neither free, evictable nor protected once the server is idle. Aborted
-    requests are noticed by SGLang only every few seconds, so poll until the balance holds
-    (or ``settle_s`` passes, and report what is still missing)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        time.sleep(1.0)
-        pool = relay_state(url)["pool"]
-        leaked = pool["total"] - pool["available"] - pool["evictable"] - pool["protected"]
-        if leaked == 0 or time.monotonic() > deadline:
-            return leaked, pool
-
-
-class LoadStats:
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.lock = threading.Lock()
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.fallbacks: collections.Counter[str] = collections.Counter()
-        self.errors: list[str] = []
-        self.reused_tokens = 0
-        # one row per downstream request: (seconds since start, could relay, relayed, ttft)
-        self.downstream: list[tuple[float, bool, bool, float | None]] = []
-        self.samples: list[dict[str, Any]] = []  # server RSS / side memory over time
-        self.outputs: dict[str, dict[str, Any]] = {}  # per good chain: its output ids
-
-    def served(self, out: dict[str, Any]) -> dict[str, Any]:
-        relay = out["meta_info"].get("relay") or {}
-        with self.lock:
-            self.counts["served"] += 1
-            self.reused_tokens += int(relay.get("reused_tokens", 0))
-            if relay.get("spans_matched"):
-                self.counts["relayed"] += 1
-            if relay.get("fallback"):
-                self.fallbacks[str(relay["fallback"]).split(":")[0]] += 1
-        return relay
-
-    def down(self, out: dict[str, Any], could: bool, ttft: float | None) -> None:
-        relay = self.served(out)
-        relayed = bool(relay.get("spans_matched"))
-        with self.lock:
-            self.downstream.append((time.monotonic() - self.start, could, relayed, ttft))
-            if relayed and not could:
-                self.counts["wrong_namespace_relays"] += 1
-                self.errors.append(f"relayed a span it may not see: {relay}")
-
-    def add(self, key: str, error: str | None = None) -> None:
-        with self.lock:
-            self.counts[key] += 1
-            if error is not None:
-                self.errors.append(error)
-
-
-def _identity(rng: random.Random, k: str) -> tuple[str | None, dict[str, Any], Any, bool]:
-    """Who a chain is: (cache_salt, relay option extras, upstream relay option, whether
-    its downstream may relay the upstream's output)."""
-    roll = rng.random()
-    if roll < 0.3:  # a tenant with a cache_salt: spans shared among that tenant only
-        return f"tenant-{rng.randrange(4)}", {}, None, True
-    if roll < 0.4:  # a chain key
-        return None, {"key": f"chain-{k}"}, {"key": f"chain-{k}"}, True
-    if roll < 0.5:  # the upstream opted out, in a namespace of its own: it stores nothing,
-        # so its downstream has nothing to relay (a relay there would be a leak)
-        key = f"solo-{k}"
-        return None, {"key": key}, {"method": "standard", "key": key}, False
-    return None, {}, None, True
-
-
-FAULTS = ("client_aborts", "client_disconnects", "server_aborts", "bad_requests_refused")
-
-
-def _fault(
-    url: str, prompt: str, relay: Any, salt: str | None, rng: random.Random, stats: LoadStats
-) -> None:
-    """One faulty client in place of a downstream agent (the chain's good request is not
-    sent), of a kind in :data:`FAULTS`."""
-    kind = rng.choice(FAULTS)
-    if kind == "client_aborts":  # give up before the prefill can finish
-        try:
-            _post(url, prompt, 64, relay=relay, timeout=0.05, salt=salt)
-            stats.add("abort_too_late")
-        except requests.exceptions.Timeout:
-            stats.add(kind)
-    elif kind in ("client_disconnects", "server_aborts"):
-        body = _body(prompt, 200, relay, salt, stream=True)
-        body["rid"] = rid = f"load-abort-{rng.getrandbits(64):016x}"
-        with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
-            for line in resp.iter_lines():
-                if line.startswith(b"data:"):
-                    if kind == "server_aborts":  # SGLang's abort, mid-decode (and any redo)
-                        requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
-                        continue  # read the stream to its end: it must end, not hang
-                    break  # disconnect mid-generation
-        stats.add(kind)
-    else:
-        body = _body(prompt, 16, rng.choice(BAD_OPTIONS), salt)
-        resp = requests.post(url + "/generate", json=body, timeout=300)
-        if resp.status_code != 400 or "custom_params.relay" not in resp.text:
-            stats.add("errors", f"malformed options not refused: HTTP {resp.status_code}")
-        else:
-            stats.add(kind)
-
-
-def _chain(
-    url: str,
-    tok: Any,
-    rng: random.Random,
-    stats: LoadStats,
-    k: str,
-    fault_rng: random.Random | None = None,
-    fault_share: float = 0.3,
-) -> None:
-    """One agent chain. ``rng`` draws everything the good requests are, so a run with
-    faults (``fault_rng``: a faulty client replaces the downstream agent of a
-    ``fault_share`` of the chains) sends the same good requests as one without."""
-    topic = rng.choice(TOPICS)
-    salt, extras, up_relay, could = _identity(rng, k)
-    up = _post(
-        url,
-        chat_prompt(tok, f"Writer {k}.", f"Explain {topic}."),
-        rng.randint(96, 200),
-        relay=up_relay,
-        salt=salt,
-    )
-    stats.served(up)
-    down_relay = dict(extras) if extras else None
-    if rng.random() < 0.05:  # the downstream opts out
-        down_relay, could = "off", False
-    prompt = chat_prompt(tok, f"Editor {k}.", f"Draft:\n\n{up['text']}\n\nImprove the draft.")
-    n_down, third_roll = rng.choice([16, 48]), rng.random()
-    if fault_rng is not None and fault_rng.random() < fault_share:
-        return _fault(url, prompt, down_relay, salt, fault_rng, stats)
-    down, ttft = _post_stream(url, prompt, n_down, relay=down_relay, salt=salt)
-    stats.down(down, could, ttft)
-    outputs = [up["output_ids"], down["output_ids"]]
-    if third_roll > 0.7:
-        third = chat_prompt(
-            tok, f"Reviewer {k}.", f"Draft:\n\n{up['text']}\n\nEdit:\n\n{down['text']}\n\nJudge."
-        )
-        out = _post(url, third, 16, relay=down_relay, salt=salt)
-        stats.served(out)
-        outputs.append(out["output_ids"])
-    relayed = [bool((down["meta_info"].get("relay") or {}).get("spans_matched"))]
-    with stats.lock:
-        stats.outputs[k] = {"ids": outputs, "down_relayed": relayed[0]}
 
 
 def _sample(url: str, pid: int | None, stats: LoadStats) -> None:
@@ -335,7 +141,7 @@ def run_load(
         while time.monotonic() < deadline:
             k, j = f"{w}.{j}", j + 1
             try:
-                _chain(url, tok, rng, stats, k, fault_rng, fault_share)
+                agent_chain(url, tok, rng, stats, k, fault_rng, fault_share)
                 stats.add("chains")
             except Exception as exc:  # noqa: BLE001 - every failure is a reported figure
                 stats.add("errors", f"{type(exc).__name__}: {exc}"[:300])
@@ -392,7 +198,7 @@ def run_load(
 
 
 def run_evicted(url: str, tok: Any, pool_tokens: int) -> dict[str, Any]:
-    up = _post(url, chat_prompt(tok, "Writer E.", "Explain heaps."), 160)
+    up = post(url, chat_prompt(tok, "Writer E.", "Explain heaps."), 160)
     prompt = chat_prompt(tok, "Editor E.", f"Draft:\n\n{up['text']}\n\nImprove it.")
     flood, batch = 0, 0
     with cf.ThreadPoolExecutor(8) as pool:
@@ -400,11 +206,11 @@ def run_evicted(url: str, tok: Any, pool_tokens: int) -> dict[str, Any]:
             prompts = [
                 chat_prompt(tok, f"Filler {batch}-{i}.", "Count to fifty.") for i in range(8)
             ]
-            for out in pool.map(lambda p: _post(url, p, 200), prompts):
+            for out in pool.map(lambda p: post(url, p, 200), prompts):
                 flood += out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"]
             batch += 1
-    relayed = _post(url, prompt, 32)
-    standard = _post(url, prompt, 32, relay="standard")
+    relayed = post(url, prompt, 32)
+    standard = post(url, prompt, 32, relay="standard")
     relay = relayed["meta_info"]["relay"]
     return {
         "spans_matched": relay["spans_matched"],
@@ -419,14 +225,14 @@ def run_restart(server_args: list[str], tok: Any) -> dict[str, Any]:
 
     server = ServerProcess(server_args).start()
     try:
-        up = _post(server.url, chat_prompt(tok, "Writer R.", "Explain tries."), 160)
+        up = post(server.url, chat_prompt(tok, "Writer R.", "Explain tries."), 160)
     finally:
         server.stop()
     server = ServerProcess(server_args).start()
     try:
         prompt = chat_prompt(tok, "Editor R.", f"Draft:\n\n{up['text']}\n\nImprove it.")
-        down = _post(server.url, prompt, 32)
-        std = _post(server.url, prompt, 32, relay="standard")
+        down = post(server.url, prompt, 32)
+        std = post(server.url, prompt, 32, relay="standard")
         leaked, _ = leaked_slots(server.url)
     finally:
         server.stop()

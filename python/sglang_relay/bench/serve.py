@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_relay.bench.load import relay_state as server_state
+from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.demo import chat_prompt
 
