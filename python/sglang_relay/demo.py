@@ -26,6 +26,7 @@ DEFAULT_WORKLOAD = "demo_chain.json"
 class AgentResult:
     name: str
     generation: Generation
+    prompt: str = ""
 
 
 def load_chain(path: str | None) -> dict[str, Any]:
@@ -55,12 +56,28 @@ def run_chain(
         params["custom_params"] = {"relay": method}
     for agent in chain["agents"]:
         user = agent["template"].format(**outputs)
+        prompt = chat_prompt(tokenizer, agent["system"], user)
         # not streamed, as agent frameworks call: the early-stop guard covers these
         # (runtime/guard.py); TTFT is the server's measure
-        gen = generate(url, chat_prompt(tokenizer, agent["system"], user), params, stream=False)
+        gen = generate(url, prompt, params, stream=False)
         outputs[agent["name"]] = gen.text.strip()
-        results.append(AgentResult(agent["name"], gen))
+        results.append(AgentResult(agent["name"], gen, prompt))
     return results
+
+
+def run_one_step(url: str, chain: dict[str, Any], relayed: list[AgentResult]) -> list[AgentResult]:
+    """Standard prefill on each of the relay pipeline's own prompts: what the agent would
+    have answered to the very prompt relay served, so relay's output against it is what
+    relay does to one step, apart from the drift the upstream agents' outputs carry in."""
+    params = {
+        "max_new_tokens": int(chain.get("max_new_tokens", 128)),
+        "temperature": 0.0,
+        "custom_params": {"relay": "standard"},
+    }
+    return [
+        AgentResult(r.name, generate(url, r.prompt, params, stream=False), r.prompt)
+        for r in relayed
+    ]
 
 
 def agreement(a: str, b: str, encode: Callable[[str], list[int]]) -> dict[str, Any]:
@@ -96,20 +113,29 @@ def format_table(
     relay: list[AgentResult],
     standard: list[AgentResult],
     encode: Callable[[str], list[int]] | None = None,
+    one_step: list[AgentResult] | None = None,
 ) -> str:
-    """Relay on vs off, agent by agent (``encode``: text -> token ids, for the agreement)."""
+    """Relay on vs off, agent by agent (``encode``: text -> token ids, for the agreement).
+    With ``one_step`` (standard prefill on the relay pipeline's own prompts), each row
+    says what relay did to that step (``one step``) before what the whole chain drifted
+    (``chain``: the standard pipeline, whose prompts hold standard's upstream outputs)."""
     header = (
         f"{'agent':<10} {'prompt':>6} {'relayed':>7} {'reuse':>6} "
-        f"{'TTFT relay':>10} {'TTFT std':>9} {'speedup':>7}  output vs standard"
+        f"{'TTFT relay':>10} {'TTFT std':>9} {'speedup':>7}  "
+        + ("one step | chain: output vs standard" if one_step else "output vs standard")
     )
     lines = [header, "-" * len(header)]
-    for on, off in zip(relay, standard, strict=True):
+    steps = one_step if one_step is not None else [None] * len(relay)
+    for on, off, step in zip(relay, standard, steps, strict=True):
         info = on.generation.relay or {}
         guard = info.get("guard")
         if isinstance(guard, dict):  # the early-stop guard redid it: show what was relayed
             info = guard.get("relayed") or {}
         speedup = off.generation.ttft_s / on.generation.ttft_s if on.generation.ttft_s else 0.0
         same = output_agreement(on.generation.text, off.generation.text, encode)
+        if step is not None:
+            one = output_agreement(on.generation.text, step.generation.text, encode)
+            same = f"{one.replace('COLLAPSED', 'collapsed')} | chain: {same}"
         if isinstance(guard, dict):
             same += f"  (guard redid it: {guard.get('reason')})"
         lines.append(
@@ -125,10 +151,14 @@ def result_json(
     relay: list[AgentResult],
     standard: list[AgentResult],
     encode: Callable[[str], list[int]],
+    one_step: list[AgentResult] | None = None,
 ) -> dict[str, Any]:
-    """The demo's outcome, agent by agent, for scripts and tests (``--json``)."""
+    """The demo's outcome, agent by agent, for scripts and tests (``--json``): the
+    agreement with the standard pipeline (the chain) and, with ``one_step``, with standard
+    prefill on the relay pipeline's own prompt (``one_step``)."""
     agents = []
-    for on, off in zip(relay, standard, strict=True):
+    steps = one_step if one_step is not None else [None] * len(relay)
+    for on, off, step in zip(relay, standard, steps, strict=True):
         agents.append(
             {
                 "name": on.name,
@@ -141,6 +171,11 @@ def result_json(
                 **agreement(on.generation.text, off.generation.text, encode),
             }
         )
+        if step is not None:
+            agents[-1]["one_step"] = {
+                "standard_text": step.generation.text,
+                **agreement(on.generation.text, step.generation.text, encode),
+            }
     return {"chain": chain["name"], "agents": agents}
 
 
@@ -186,6 +221,8 @@ def main(argv: list[str]) -> int:
         relayed = run_chain(url, chain, tokenizer, method=args.method)
         flush_cache(url)
         standard = run_chain(url, chain, tokenizer, method="standard")
+        flush_cache(url)
+        one_step = run_one_step(url, chain, relayed)
     finally:
         if server is not None:
             server.stop()
@@ -194,18 +231,20 @@ def main(argv: list[str]) -> int:
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    print(format_table(relayed, standard, encode))
+    print(format_table(relayed, standard, encode, one_step))
     if any("ttft_s" not in (r.generation.relay or {}) for r in [*relayed, *standard]):
         print("[demo] this server reports no time to first token for whole-reply requests "
               "(start it with --enable-metrics):\n       the TTFT columns show each "
               "request's whole latency")  # fmt: skip
     print(
         "[demo] outputs are greedy; relay reuses approximate KV, so a downstream agent's text\n"
-        "       can drift from standard after its first tokens (see docs/fidelity.md)"
+        "       can drift from standard after its first tokens (see docs/fidelity.md).\n"
+        "       one step: relay vs standard prefill of the same prompt (what relay did to\n"
+        "       this agent); chain: vs the standard pipeline (drift carried in from upstream)"
     )
     if args.json:
         Path(args.json).write_text(
-            json.dumps(result_json(chain, relayed, standard, encode), indent=1)
+            json.dumps(result_json(chain, relayed, standard, encode, one_step), indent=1)
         )
     if args.full_output:
         for on, off in zip(relayed, standard, strict=True):

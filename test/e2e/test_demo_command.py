@@ -50,12 +50,18 @@ def test_the_demo_command_runs_and_relays_every_downstream_agent(tmp_path):
             info = guard["relayed"]
         assert info["reused_tokens"] >= SHORT_TOKENS - 2 and info["reuse_rate"] >= 0.7, info
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
+    # one step: relay vs standard prefill of the very prompt relay served (the Architect's
+    # is the same request both times); chain: vs the standard pipeline
+    assert agents["Architect"]["one_step"]["identical"]
     for name, agent in agents.items():  # the table says what the JSON measured
         assert not agent["collapsed"], agent
         assert agent["same_tokens"] >= BF16_SHARED[name], agent
         assert 0.0 <= agent["rouge_l"] <= 1.0 and agent["same_tokens"] <= agent["tokens"]
         row, _, note = rows[name].partition("  (guard redid it: ")
-        assert ("COLLAPSED" in row) == agent["collapsed"], rows[name]
-        assert row.endswith("identical") == agent["identical"], rows[name]
+        step, _, chain_part = row.partition(" | chain: ")
+        assert ("COLLAPSED" in chain_part) == agent["collapsed"], rows[name]
+        assert chain_part.endswith("identical") == agent["identical"], rows[name]
+        assert step.endswith("identical") == agent["one_step"]["identical"], rows[name]
+        assert ("collapsed" in step) == agent["one_step"]["collapsed"], rows[name]
         assert bool(note) == ("guard" in agent["relay"]["relay"]), rows[name]
     assert "Reviewer" in proc.stdout and "TTFT" in proc.stdout  # the table was printed

@@ -32,6 +32,31 @@ def test_table_compares_relay_and_standard():
     assert same.splitlines()[-1].endswith("identical")
 
 
+def test_table_separates_one_step_from_the_chain():
+    """With standard prefill on the relay pipeline's own prompts, a row says what relay did
+    to that step before what the chain drifted; the JSON carries both."""
+    from sglang_relay.demo import result_json
+
+    meta = {"prompt_tokens": 100, "relay": [{"reused_tokens": 80, "reuse_rate": 0.8}]}
+    on = Generation("abcdef", 0.2, 1.0, meta)
+    step = Generation("abcxyz", 0.5, 1.0, {"prompt_tokens": 100})  # same prompt, standard
+    off = Generation("uvwxyz", 0.5, 1.0, {"prompt_tokens": 100})  # the standard pipeline
+    relay, std, one = (
+        [AgentResult("Dev", on)],
+        [AgentResult("Dev", off)],
+        [AgentResult("Dev", step)],
+    )
+    row = format_table(relay, std, str.encode, one).splitlines()[-1]
+    assert row.endswith("same 3/6 tok | chain: same 0/6 tok"), row
+    agent = result_json({"name": "c"}, relay, std, str.encode, one)["agents"][0]
+    assert (agent["same_tokens"], agent["one_step"]["same_tokens"]) == (0, 3)
+    assert agent["one_step"]["standard_text"] == "abcxyz"
+    # a one-step collapse is named apart from the chain's (lower case)
+    short = [AgentResult("Dev", Generation("a", 0.2, 1.0, meta))]
+    row = format_table(short, std, str.encode, one).splitlines()[-1]
+    assert "collapsed | chain: " in row and row.endswith("COLLAPSED"), row
+
+
 def test_packaged_chain_references_earlier_agents():
     chain = load_chain(None)
     names = [a["name"] for a in chain["agents"]]
