@@ -37,7 +37,8 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25 test kernels/tests $(ARGS)
 
-# Every test, the `full` tier too (Qwen3-MoE at tp 1, Mistral, page 16)
+# Every test, the `full` tier too (every architecture, Qwen3-MoE at tp 2, page 16, Triton in a
+# server, the TP fault, the soak and key-scope fuzz, mixed chunks on their own)
 test-full: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25 --full test kernels/tests $(ARGS)
 

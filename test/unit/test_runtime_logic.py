@@ -369,16 +369,23 @@ def test_slots_rewritten_by_this_very_batch_are_not_read():
     assert plan.span_src.tolist() == list(range(13, 50))  # rows 0-1 are too short to keep
 
 
-def test_stale_and_unbatched_plans_fall_back_with_a_reason():
+def _two_planned(first_token: int):
+    """A planner holding plans "a" and "b" for the same recorded span, their stats and the
+    prompt they relay it in."""
     store, _ = _store()
     ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
-    span_tokens = list(range(900, 940))
+    span_tokens = list(range(first_token, first_token + 40))
     _recorded(store, ledger, span_tokens, torch.arange(10, 50))
     planner = _planner(store, ledger)
     prompt = [9, *span_tokens, 8]
     s1, s2 = RequestStats("relay", L), RequestStats("relay", L)
     planner.plan_request("a", RELAY, s1, prompt[:-1], 0, "ns")
     planner.plan_request("b", RELAY, s2, prompt[:-1], 0, "ns")
+    return planner, s1, s2, prompt
+
+
+def test_stale_and_unbatched_plans_fall_back_with_a_reason():
+    planner, _, _, prompt = _two_planned(900)
     # "a" runs with another prefix length than planned; "b" is not in the batch at all
     plan, dropped = planner.plan_batch(_fb(["a"], [3], [len(prompt)], torch.arange(600, 642)))
     assert plan is None
@@ -387,15 +394,7 @@ def test_stale_and_unbatched_plans_fall_back_with_a_reason():
 
 
 def test_a_planning_failure_hands_back_every_plan_it_took():
-    store, _ = _store()
-    ledger = SlotLedger(1024, "cpu", hidden_size=4, dtype=torch.float32)
-    span_tokens = list(range(700, 740))
-    _recorded(store, ledger, span_tokens, torch.arange(10, 50))
-    planner = _planner(store, ledger)
-    prompt = [9, *span_tokens, 8]
-    s1, s2 = RequestStats("relay", L), RequestStats("relay", L)
-    planner.plan_request("a", RELAY, s1, prompt[:-1], 0, "ns")
-    planner.plan_request("b", RELAY, s2, prompt[:-1], 0, "ns")
+    planner, s1, s2, prompt = _two_planned(700)
     fb = _fb(["a", "b"], [0, 0], [len(prompt)] * 2, torch.arange(600, 684))
     del fb.extend_prefix_lens_cpu  # a batch planning cannot read
     with pytest.raises(PlanningFailed) as info:

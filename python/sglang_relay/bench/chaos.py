@@ -49,7 +49,7 @@ def agreement(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 
 def hit_rate(run: dict[str, Any]) -> str:
     could = sum(w["could_relay"] for w in run["windows"])
-    relayed = sum(round((w["hit_rate"] or 0) * w["could_relay"]) for w in run["windows"])
+    relayed = sum(w["relayed"] for w in run["windows"])
     return f"{relayed}/{could} = {relayed / could:.2f}" if could else "-"
 
 

@@ -98,6 +98,7 @@ def windows(stats: LoadStats, window: float, elapsed: float) -> list[dict[str, A
                 "from_s": lo,
                 "downstream": len(rows),
                 "could_relay": len(could),
+                "relayed": sum(r[2] for r in could),
                 "hit_rate": round(sum(r[2] for r in could) / len(could), 3) if could else None,
                 "ttft_n": len(ttfts),
                 "ttft_p50_s": _pct(ttfts, 0.5),
