@@ -188,7 +188,7 @@ def pinning_off() -> None:
     """With ``SGLANG_RELAY_CPU_LORA=1`` on a CPU host: pinned host memory becomes ordinary
     memory. SGLang 0.5.23's LoRA layers and its torch_native LoRA backend pin their
     per-batch index tensors unconditionally (``Tensor.pin_memory()`` and
-    ``pin_memory=True``; ``docs/lora-study.md`` lists the 13 calls), which raises "Found
+    ``pin_memory=True``; ``research/lora-study.md`` lists the 13 calls), which raises "Found
     no NVIDIA driver" without CUDA, so no LoRA server starts here. Pinning only speeds up
     host-to-device copies, and there is no device: every call it changes would have
     raised. Measured 2026-11-26: a ``--no-relay`` server with two adapters and

@@ -7,7 +7,7 @@ slot of each in ``weight_indices``). Every LoRA-wrapped layer reads it from its 
 checking that they add up. Relay recomputes *subsets* of rows through SGLang's layers
 (the selected rows of a phase, the rows at the detection layer, the probe's row, a
 finished request's context pass), so under LoRA each such call needs the info of its own
-rows, or the adapters land on the wrong rows, silently (``docs/lora-study.md``).
+rows, or the adapters land on the wrong rows, silently (``research/lora-study.md``).
 
 :func:`rows_info` derives that info from the full batch's: the slot of each selected row
 is the slot of the full segment holding it, run-length encoded over the selected rows in
