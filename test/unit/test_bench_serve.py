@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_relay.bench import serve
+from sglang_relay.bench import serve, serve_report
 
 
 def test_arrivals_are_a_poisson_process_at_the_rate():
@@ -31,8 +31,8 @@ def test_percentile_matches_numpy():
     rng = np.random.default_rng(0)
     xs = list(rng.exponential(1.0, size=37))
     for q in (0, 50, 90, 99, 100):
-        assert serve.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
-    assert serve.percentile([], 50) is None
+        assert serve_report.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    assert serve_report.percentile([], 50) is None
 
 
 def test_goodput_is_the_highest_rate_before_the_slo_is_first_missed():
@@ -42,10 +42,13 @@ def test_goodput_is_the_highest_rate_before_the_slo_is_first_missed():
         {"rate": 8, "ttft_p99": 3.0},
         {"rate": 16, "ttft_p99": 0.8},  # past saturation a lucky pass does not count
     ]
-    assert serve.goodput(rows, 1.0) == 4
-    assert serve.goodput(rows, 0.5) == 2
-    assert serve.goodput(rows, 0.3) == 0
-    assert serve.goodput([{**r, "incomplete": 1} if r["rate"] == 4 else r for r in rows], 1.0) == 2
+    assert serve_report.goodput(rows, 1.0) == 4
+    assert serve_report.goodput(rows, 0.5) == 2
+    assert serve_report.goodput(rows, 0.3) == 0
+    assert (
+        serve_report.goodput([{**r, "incomplete": 1} if r["rate"] == 4 else r for r in rows], 1.0)
+        == 2
+    )
 
 
 def test_downstream_prompts_quote_earlier_outputs_verbatim():
@@ -104,19 +107,60 @@ def test_tpot_and_per_kind_latency_are_reported():
     chains = [(0.0, 4.0, [a, b]), (1.0, 2.5, [c]), (2.0, 6.0, [a])]
     row = serve.summarize("relay", 4.0, chains, [], arrived=3, incomplete=0, elapsed_s=60.0)
     assert row["tpot_p50"] == pytest.approx(0.1) and row["tpot_p99"] == pytest.approx(0.198)
+    assert row["chain_ttfts"] == [[0.3, 0.2], [0.5], [0.3]]  # in arrival order
     assert row["chain_latency_p50_by_kind"] == {"fanin": pytest.approx(5.0), "plain": 2.5}
 
 
 def test_goodput_curve_is_goodput_at_each_slo(tmp_path):
     rows = [
         {"method": m, "rate": rate, "ttft_p99": p99, "incomplete": 0,
-         "chain_latency_p50": 10.0 * rate, "chain_latency_p99": 20.0 * rate}
+         "chain_latency_p50": 10.0 * rate, "chain_latency_max": 20.0 * rate}
         for m, pts in (("standard", ((2, 1.5), (4, 3.0))), ("relay", ((2, 0.8), (4, 1.2))))
         for rate, p99 in pts
     ]  # fmt: skip
-    curve = serve.goodput_curve(rows, [1.0, 2.0, 4.0])
+    curve = serve_report.goodput_curve(rows, [1.0, 2.0, 4.0])
     assert curve == {"standard": [0, 2, 4], "relay": [2, 4, 4]}
     pytest.importorskip("matplotlib")  # the bench extra
     out = tmp_path / "serve.png"
-    serve.plot(rows, str(out))
+    serve_report.plot(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_tail_has_a_p99_only_from_a_hundred_requests():
+    xs = [float(i) for i in range(99)]
+    t = serve_report.tail(xs)
+    assert t["p99"] is None and t["max"] == 98.0
+    assert t["p90"] == pytest.approx(np.percentile(xs, 90))
+    assert serve_report.tail(xs + [99.0])["p99"] == pytest.approx(np.percentile(xs + [99.0], 99))
+    rows = [{"rate": 2, "ttft_p99": None, "ttft_p90": 1.0}, {"rate": 4, "ttft_p99": 2.0}]
+    assert serve_report.tail_key(rows) == "ttft_p90"
+
+
+def _run(method, rate, seed, chains):
+    p90 = float(np.percentile([t for c in chains for t in c], 90))
+    return {"method": method, "rate": rate, "seed": seed, "chain_ttfts": chains,
+            "arrived_per_min": rate, "errors": 0, "incomplete": 0, "ttft_p90": p90,
+            "ttft_p99": None}  # fmt: skip
+
+
+def test_seeds_pool_into_a_ttft_ratio_whose_interval_resamples_chains():
+    rng = np.random.default_rng(1)
+    rows = []
+    for seed in range(3):  # standard twice as slow as relay, chain for chain
+        slow = [list(rng.uniform(1.5, 2.5, size=5)) for _ in range(12)]
+        rows += [_run("standard", 4, seed, slow),
+                 _run("relay", 4, seed, [[t / 2 for t in c] for c in slow])]  # fmt: skip
+    point = next(p for p in serve_report.seeded(rows, [1.0])["points"] if p["method"] == "relay")
+    assert point["seeds"] == 3 and point["requests"] == 180
+    ratio, lo, hi = point["ttft_p90_ratio"]
+    assert ratio == pytest.approx(2.0)  # pooled p90 of halved values: exactly half
+    assert lo < 2.0 < hi and lo > 1.5  # chains resampled independently per method
+    same = [_run(m, 4, 0, [[1.0, 2.0, 3.0]] * 10) for m in ("standard", "relay")]
+    point = serve_report.seeded(same, [1.0])["points"][0]
+    assert point["ttft_p50_ratio"] == pytest.approx((1.0, 1.0, 1.0))  # nothing to resample
+    summary = serve_report.seeded(rows, [1.0, 3.0])
+    assert summary["goodput_key"] == "ttft_p90"  # no run holds 100 requests
+    # relay's p90 is about 1.2 s, standard's about 2.4 s: goodput 4 at 3 s for both, at 1 s
+    # neither
+    assert summary["goodput_per_seed"]["0"] == {"standard": [0, 4], "relay": [0, 4]}
+    assert "2.00 [" in serve_report.seeded_markdown(summary)

@@ -44,7 +44,30 @@ def agreement(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         group["identical"] += same
         group["upstream_same"] += a[k]["ids"][0] == b[k]["ids"][0]
         out["identical"] += same
+        if not same:
+            out.setdefault("divergences", []).append(first_divergence(k, key, a[k], b[k]))
     return out
+
+
+def first_divergence(k: str, group: str, a: dict[str, Any], b: dict[str, Any]) -> dict:
+    """Where two runs of one chain first part: which output (0 the upstream agent), which
+    token, and in each run the logprob gap between its two likeliest tokens there (a gap
+    near 0 is a near-tie that batch numerics alone can flip)."""
+    for i, (x, y) in enumerate(zip(a["ids"], b["ids"], strict=False)):
+        if x == y:
+            continue
+        t = next(
+            (j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y))
+        )
+        gaps = [_gap(run, i, t) for run in (a, b)]
+        return {"chain": k, "group": group, "output": i, "token": t,
+                "gap_base": gaps[0], "gap_other": gaps[1]}  # fmt: skip
+    return {"chain": k, "group": group, "output": None}
+
+
+def _gap(run: dict[str, Any], output: int, token: int) -> float | None:
+    m = (run.get("margins") or [None] * (output + 1))[output]
+    return m[token] if m is not None and token < len(m) else None
 
 
 def hit_rate(run: dict[str, Any]) -> str:
@@ -98,6 +121,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {label} | {agr['chains_compared']} | {agr['identical']} | "
             f"{frac('relayed_in_both')} | {frac('relayed_in_neither')} | {frac('relayed_in_one')} |"
         )
+    for label, agr in result["agreement"].items():
+        for d in agr.get("divergences", []):
+            lines.append(
+                f"- {label}: chain {d['chain']} ({d['group']}) first parts at output "
+                f"{d['output']}, token {d.get('token')}; top-2 logprob gap there "
+                f"{d.get('gap_base')} (calm) / {d.get('gap_other')}"
+            )
     return "\n".join(lines)
 
 

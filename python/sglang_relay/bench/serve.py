@@ -7,16 +7,19 @@ between runs. Chain kinds (``--mix``): a ``pipeline`` (3 agents, each reads all 
 outputs), a ``fanin`` (3 independent agents, then one that reads the three outputs), a
 ``groupchat`` (4 turns, each reads all earlier turns), a ``fanout`` (a lead writes a brief,
 then four workers with their own roles read it at once: an orchestrator sending subtasks)
-and ``plain`` requests that relay nothing (the control). Outputs have a fixed length
-(``ignore_eos``), so every method does the same decode work and only prefill differs.
+and ``plain`` requests that relay nothing (the control). Outputs end where the model ends
+them (early stops and the early-stop guard's redo count, as in production);
+``--fixed-length`` makes every method do the same decode work instead.
 
-Reported per method and rate: chains completed per minute, TTFT p50/p99 of every request
-and of the requests that could relay, chain latency p50/p99, the share of prompt tokens
-relayed, fallbacks by reason, and the server's relay counters over the run (spans
-recorded / evicted, pool use). **Goodput** at an SLO is the highest rate whose p99 TTFT
-meets it (:func:`goodput`). Each row also has the time per output token (TPOT p50/p99:
-the decode speed requests saw) and chain latency per chain kind. ``--plot`` draws goodput
-against the SLO, the TTFT tail and chain latency per rate; ``--replot`` redraws saved runs.
+Reported per method, rate and seed: the arrival rate achieved, chains completed per
+minute, TTFT p50/p90 (p99 from 100 requests) of every request and of the requests that
+could relay, chain latency, time per output token, the share of prompt tokens relayed,
+fallbacks by reason, and the server's relay counters over the run (spans recorded /
+evicted, pool use). **Goodput** at an SLO is the highest rate whose TTFT tail meets it
+(``serve_report.goodput``). ``--seeds`` runs each rate several times with fresh arrivals;
+the summary pools the seeds and gives each method's TTFT ratio to standard with a 95 %
+interval. ``--plot`` draws goodput against the SLO, the TTFT tail and chain latency per
+rate; ``--replot`` redraws saved runs.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_relay.bench.serve_report import markdown, percentile, plot, tail
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.demo import chat_prompt
@@ -84,30 +88,6 @@ def parse_mix(text: str) -> dict[str, float]:
     return {k: w / total for k, w in mix.items()}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0-100) by linear interpolation; None without values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def goodput(rows: list[dict[str, Any]], slo_s: float, key: str = "ttft_p99") -> float:
-    """The highest arrival rate (chains/min) whose ``key`` meets ``slo_s``, counting only
-    rates below the first one that misses it (a rate past saturation that happens to pass
-    does not count); 0 if the lowest rate misses."""
-    best = 0.0
-    for row in sorted(rows, key=lambda r: r["rate"]):
-        value = row.get(key)
-        if value is None or value > slo_s or row.get("incomplete", 0):
-            break
-        best = row["rate"]
-    return best
-
-
 @dataclass
 class Record:
     """One request of a chain as the client saw it."""
@@ -125,8 +105,7 @@ class Record:
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first (decode speed as this request saw it);
-        ``output_tokens`` is the requested length, exact under ``ignore_eos`` (the bench's
-        requests all set it)."""
+        ``output_tokens`` is what the server generated (an early stop ends it sooner)."""
         if self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
@@ -184,22 +163,24 @@ def output_lengths(kind: str, out_tokens: int, answer_tokens: int | None) -> lis
 
 def run_chain(
     url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int,
-    answer_tokens: int | None = None,
+    answer_tokens: int | None = None, fixed_length: bool = False,
 ) -> list[Record]:  # fmt: skip
     """One chain, agent after agent (a fan-in's first three agents are independent but run
     in order too: the client of a fan-in waits for all of them); a fan-out's workers are
-    sent at once after the lead's brief."""
+    sent at once after the lead's brief. Outputs stop at the model's end of text (and the
+    early-stop guard's redo counts) unless ``fixed_length`` (``ignore_eos``)."""
     lengths = output_lengths(kind, out_tokens, answer_tokens)
 
     def agent(i: int, outs: list[str]) -> tuple[str, Record]:
         system, user, quotes = _chain_prompts(kind, k, topic, outs, i)
         params: dict[str, Any] = {"max_new_tokens": lengths[i], "temperature": 0.0,
-                                  "ignore_eos": True}  # fmt: skip
+                                  "ignore_eos": fixed_length}  # fmt: skip
         if relay is not None:
             params["custom_params"] = {"relay": relay}
         gen = generate(url, chat_prompt(tok, system, user), params)
         rec = Record(k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens,
-                     gen.relay or {}, output_tokens=lengths[i])  # fmt: skip
+                     gen.relay or {},
+                     output_tokens=int(gen.meta.get("completion_tokens", lengths[i])))  # fmt: skip
         return gen.text.strip(), rec
 
     outs: list[str] = []
@@ -233,7 +214,7 @@ def run_rate(
         start = time.monotonic()
         try:
             recs = run_chain(url, tok, kind, k, topic, METHOD_OPTIONS[method], args.out_tokens,
-                             args.answer_tokens)  # fmt: skip
+                             args.answer_tokens, args.fixed_length)  # fmt: skip
             with lock:
                 chains.append((start, time.monotonic() - start, recs))
         except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
@@ -270,6 +251,7 @@ def run_rate(
     elapsed = time.monotonic() - began
     done.set()
     row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
+    row["arrived_per_min"] = 60.0 * len(times) / args.duration
     after = server_state(url)
     row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
     total = int(after.get("pool", {}).get("total", 0))
@@ -288,6 +270,7 @@ def summarize(
     elapsed_s: float,
 ) -> dict[str, Any]:
     """One row of the report from the chains a run completed."""
+    chains = sorted(chains, key=lambda c: c[0])
     records = [r for _, _, recs in chains for r in recs]
     ttft = [r.ttft_s for r in records]
     down = [r.ttft_s for r in records if r.could_relay]
@@ -311,16 +294,14 @@ def summarize(
         "errors": len(errors),
         "error_samples": errors[:3],
         "chains_per_min": 60.0 * len(chains) / elapsed_s if elapsed_s > 0 else 0.0,
-        "ttft_p50": percentile(ttft, 50),
-        "ttft_p99": percentile(ttft, 99),
-        "ttft_relayable_p50": percentile(down, 50),
-        "ttft_relayable_p99": percentile(down, 99),
-        "chain_latency_p50": percentile(latency, 50),
-        "chain_latency_p99": percentile(latency, 99),
+        **{f"ttft_{k}": v for k, v in tail(ttft).items()},
+        **{f"ttft_relayable_{k}": v for k, v in tail(down).items()},
+        **{f"chain_latency_{k}": v for k, v in tail(latency).items()},
         "chain_latency_p50_by_kind": {k: percentile(v, 50) for k, v in sorted(by_kind.items())},
         "tpot_p50": percentile(tpot, 50),
         "tpot_p99": percentile(tpot, 99),
         "requests": len(records),
+        "chain_ttfts": [[round(r.ttft_s, 4) for r in recs] for _, _, recs in chains],
         "relayed_prompt_share": relayed / prompt if prompt else 0.0,
         "fallbacks": dict(fallbacks),
         "reuse_rate_mean": statistics.fmean(
@@ -328,83 +309,6 @@ def summarize(
             or [0.0]
         ),
     }
-
-
-def markdown(rows: list[dict[str, Any]], slos: list[float]) -> str:
-    lines = [
-        "| method | rate (chains/min) | completed/min | TTFT p50 / p99 (s) | relayable TTFT p99 "
-        "| chain latency p50 / p99 (s) | TPOT p50 (ms) | relayed prompt share | fallbacks "
-        "| pool peak | owned spans released for room | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def f(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{1000 * x:.0f}"
-
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['rate']:g} | {r['chains_per_min']:.1f} | "
-            f"{f(r['ttft_p50'])} / {f(r['ttft_p99'])} | {f(r['ttft_relayable_p99'])} | "
-            f"{f(r['chain_latency_p50'])} / {f(r['chain_latency_p99'])} | "
-            f"{ms(r.get('tpot_p50'))} | {r['relayed_prompt_share']:.2f} | "
-            f"{r['fallbacks'] or '-'} | "
-            f"{f(r.get('pool_peak_share'))} | "
-            f"{r.get('server', {}).get('owned_spans_released_for_room', '-')} | {r['errors']} |"
-        )
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines += ["", "| method | " + " | ".join(f"goodput @ p99 TTFT <= {s:g} s" for s in slos) + " |",
-              "|---" * (len(slos) + 1) + "|"]  # fmt: skip
-    for m in methods:
-        mine = [r for r in rows if r["method"] == m]
-        lines.append(f"| {m} | " + " | ".join(f"{goodput(mine, s):g}" for s in slos) + " |")
-    return "\n".join(lines)
-
-
-def goodput_curve(rows: list[dict[str, Any]], slos: list[float]) -> dict[str, list[float]]:
-    """Per method, :func:`goodput` at each SLO of ``slos`` (p99 TTFT)."""
-    methods = dict.fromkeys(r["method"] for r in rows)
-    return {m: [goodput([r for r in rows if r["method"] == m], s) for s in slos] for m in methods}
-
-
-def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """Three panels: goodput vs p99-TTFT SLO per method (a step curve), p99 TTFT vs
-    offered rate, and chain latency p50 (solid) / p99 (dashed) vs offered rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    worst = max((r["ttft_p99"] for r in rows if r.get("ttft_p99") is not None), default=4.0)
-    top = max(8.0, 1.25 * worst)
-    slos = [round(top * i / 100, 3) for i in range(1, 101)]  # up to past the worst p99
-    curves = goodput_curve(rows, slos)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, (method, curve) in enumerate(curves.items()):
-        color = f"C{i}"
-        axes[0].step(slos, curve, where="post", label=method, color=color)
-        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["rate"])
-        rates = [r["rate"] for r in mine]
-        axes[1].plot(rates, [r["ttft_p99"] for r in mine], "o-", label=method, color=color)
-        axes[2].plot(rates, [r["chain_latency_p50"] for r in mine], "o-", color=color,
-                     label=f"{method} p50")  # fmt: skip
-        axes[2].plot(rates, [r["chain_latency_p99"] for r in mine], "s--", color=color,
-                     label=f"{method} p99")  # fmt: skip
-    axes[0].set(xlabel="SLO: p99 TTFT (s)", ylabel="goodput (chains/min offered)",
-                title="Goodput vs SLO")  # fmt: skip
-    axes[1].set(xlabel="offered rate (chains/min)", ylabel="p99 TTFT (s)", title="TTFT tail")
-    axes[2].set(xlabel="offered rate (chains/min)", ylabel="chain latency (s)",
-                title="Chain latency")  # fmt: skip
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
@@ -432,6 +336,19 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--slos", default="0.5,1,2,4", help="TTFT SLOs (s) for the goodput table")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per rate and method, each with its own arrivals and chains (the summary "
+        "pools them and gives each method's TTFT ratio to standard with a 95%% interval)",
+    )
+    p.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="every output exactly its length (ignore_eos): equal decode work per method; "
+        "by default outputs end where the model ends them, as in production",
+    )
     p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write goodput vs SLO, TTFT and chain latency vs rate (PNG)")
@@ -472,11 +389,15 @@ def main(argv: list[str]) -> int:
     with server_at(args.url, ["--model-path", model, *server_flags]) as url:
         generate(url, chat_prompt(tok, "Warm up.", "Hello"), {"max_new_tokens": 8})
         for rate in rates:
-            for method in methods:  # same arrivals (seed) for every method at a rate
-                row = run_rate(url, tok, method, rate, args, seed=args.seed + int(rate * 1000))
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("method", "rate", "completed",
-                      "ttft_p99", "chain_latency_p50", "errors")}), flush=True)  # fmt: skip
+            for s in range(args.seeds):
+                seed = args.seed + int(rate * 1000) + 7919 * s
+                for method in methods:  # same arrivals (seed) for every method at a rate
+                    row = run_rate(url, tok, method, rate, args, seed=seed)
+                    row["seed"] = s
+                    rows.append(row)
+                    print(json.dumps({k: row[k] for k in ("method", "rate", "seed", "completed",
+                          "requests", "ttft_p90", "chain_latency_p50", "errors")}),
+                          flush=True)  # fmt: skip
     print(markdown(rows, slos))
     if args.plot:
         plot(rows, args.plot)

@@ -21,14 +21,32 @@ COUNTERS = {"finished_requests", "recorded_spans", "spans_matched", "relay_exten
 TOPICS = ["queues", "hash maps", "B-trees", "TCP", "garbage collection", "ray tracing"]
 
 
-def request_body(text: str, n: int, relay: Any, salt: str | None, stream: bool = False) -> dict:
+def request_body(
+    text: str, n: int, relay: Any, salt: str | None, stream: bool = False, top2: bool = False
+) -> dict:
     params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0, "ignore_eos": n >= 64}
     if relay is not None:
         params["custom_params"] = {"relay": relay}
     body: dict[str, Any] = {"text": text, "sampling_params": params, "stream": stream}
     if salt is not None:
         body["cache_salt"] = salt
+    if top2:  # the two likeliest tokens at every step: how near a greedy choice was a tie
+        body.update(return_logprob=True, top_logprobs_num=2)
     return body
+
+
+def margins(out: dict[str, Any]) -> list[float] | None:
+    """Per output token, the logprob gap between the two likeliest tokens (a request sent
+    with ``top2``); None where the response does not hold one pair per output token."""
+    top = out["meta_info"].get("output_top_logprobs")
+    if not top or len(top) != len(out["output_ids"]):
+        return None
+    gaps = []
+    for step in top:
+        if len(step) < 2 or step[0][0] is None or step[1][0] is None:
+            return None
+        gaps.append(round(float(step[0][0]) - float(step[1][0]), 6))
+    return gaps
 
 
 def post(
@@ -38,9 +56,10 @@ def post(
     relay: Any = None,
     timeout: float = 300.0,
     salt: str | None = None,
+    top2: bool = False,
 ) -> dict:
     resp = requests.post(
-        url + "/generate", json=request_body(text, n, relay, salt), timeout=timeout
+        url + "/generate", json=request_body(text, n, relay, salt, top2=top2), timeout=timeout
     )
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -48,12 +67,12 @@ def post(
 
 
 def post_stream(
-    url: str, text: str, n: int, relay: Any = None, salt: str | None = None
+    url: str, text: str, n: int, relay: Any = None, salt: str | None = None, top2: bool = False
 ) -> tuple[dict, float]:
     """The final streamed response and the time to its first chunk (TTFT, client side)."""
     t0 = time.perf_counter()
     ttft, last = None, None
-    body = request_body(text, n, relay, salt, stream=True)
+    body = request_body(text, n, relay, salt, stream=True, top2=top2)
     with requests.post(url + "/generate", json=body, stream=True, timeout=300) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -196,6 +215,7 @@ def agent_chain(
         rng.randint(96, 200),
         relay=up_relay,
         salt=salt,
+        top2=True,
     )
     stats.served(up)
     down_relay = dict(extras) if extras else None
@@ -205,16 +225,20 @@ def agent_chain(
     n_down, third_roll = rng.choice([16, 48]), rng.random()
     if fault_rng is not None and fault_rng.random() < fault_share:
         return fault_client(url, prompt, down_relay, salt, fault_rng, stats)
-    down, ttft = post_stream(url, prompt, n_down, relay=down_relay, salt=salt)
+    down, ttft = post_stream(url, prompt, n_down, relay=down_relay, salt=salt, top2=True)
     stats.down(down, could, ttft)
-    outputs = [up["output_ids"], down["output_ids"]]
+    outputs = [up, down]
     if third_roll > 0.7:
         third = chat_prompt(
             tok, f"Reviewer {k}.", f"Draft:\n\n{up['text']}\n\nEdit:\n\n{down['text']}\n\nJudge."
         )
-        out = post(url, third, 16, relay=down_relay, salt=salt)
+        out = post(url, third, 16, relay=down_relay, salt=salt, top2=True)
         stats.served(out)
-        outputs.append(out["output_ids"])
+        outputs.append(out)
     relayed = [bool((down["meta_info"].get("relay") or {}).get("spans_matched"))]
     with stats.lock:
-        stats.outputs[k] = {"ids": outputs, "down_relayed": relayed[0]}
+        stats.outputs[k] = {
+            "ids": [o["output_ids"] for o in outputs],
+            "margins": [margins(o) for o in outputs],
+            "down_relayed": relayed[0],
+        }
