@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-# the frontier's measures shown (sglang_relay.bench.fidelity.MEASURES), with their formats
+# the frontier's measures shown (sglang_relay.bench.evaluation.MEASURES), with their formats
 SHOWN = {
     "first_token_kl": ".4f",
     "first_token_kl_median": ".4f",
@@ -48,7 +48,7 @@ SHOWN = {
 def floor_rows(ref, low, relays, stop_ids) -> list[dict]:
     """Per relay: the fidelity measures of ``low`` (the model in another dtype)'s exact
     prefill and greedy reply against ``ref``'s (fp32), the frontier's per-relay fields."""
-    from sglang_relay.bench.chains import collapsed, rouge_l
+    from sglang_relay.bench.evaluation import collapsed, rouge_l
     from sglang_relay.core.reference import exact_prefill, fidelity, greedy_after_forced
 
     rows = []
@@ -75,7 +75,7 @@ def floor_rows(ref, low, relays, stop_ids) -> list[dict]:
 def compare(floor: list[dict], frontier: dict) -> str:
     """Markdown: the floor's measures, then each frontier point's paired interval of
     (point - floor) per measure with its verdict against the floor."""
-    from sglang_relay.bench.fidelity import MEASURES
+    from sglang_relay.bench.evaluation import MEASURES
     from sglang_relay.bench.intervals import bootstrap_ci, paired_ci, verdict
 
     by_id = {r["id"]: r for r in floor}
@@ -148,9 +148,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from sglang_relay.bench.fidelity import default_cache_dir, model_fingerprint, prepare_usable
+    from sglang_relay.bench.evaluation import default_cache_dir, prepare_usable
     from sglang_relay.bench.frontier import resolve_workloads
-    from sglang_relay.bench.workload import GenSettings, load_relay
+    from sglang_relay.bench.workload import GenSettings, load_relay, model_fingerprint
     from sglang_relay.core.reference import RefModel, load_model
     from sglang_relay.embedded_model import ensure_model
 

@@ -54,7 +54,7 @@ def _cmd_prepare_model(argv: list[str]) -> int:
 
 
 def _cmd_profile(argv: list[str]) -> int:
-    from sglang_relay.profiler import main as profile_main
+    from sglang_relay.profiler.cli import main as profile_main
 
     return profile_main(argv)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_relay.client import Generation, flush_cache, generate
+from sglang_relay.prompts import chat_prompt
 
 DEFAULT_WORKLOAD = "demo_chain.json"
 
@@ -34,11 +35,6 @@ def load_chain(path: str | None) -> dict[str, Any]:
         data = resources.files("sglang_relay.data").joinpath(DEFAULT_WORKLOAD)
         return json.loads(data.read_text())
     return json.loads(Path(path).read_text())
-
-
-def chat_prompt(tokenizer: Any, system: str, user: str) -> str:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def run_chain(
@@ -82,8 +78,8 @@ def run_one_step(url: str, chain: dict[str, Any], relayed: list[AgentResult]) ->
 
 def agreement(a: str, b: str, encode: Callable[[str], list[int]]) -> dict[str, Any]:
     """How output ``a`` compares with standard's ``b``: leading tokens shared, ROUGE-L, and
-    whether ``a`` collapsed (:func:`sglang_relay.bench.chains.collapsed`)."""
-    from sglang_relay.bench.chains import collapsed, first_divergence, rouge_l
+    whether ``a`` collapsed (:func:`sglang_relay.bench.evaluation.collapsed`)."""
+    from sglang_relay.bench.evaluation import collapsed, first_divergence, rouge_l
 
     ta, tb = encode(a), encode(b)
     div = first_divergence(ta, tb)

@@ -29,8 +29,8 @@ import time
 from transformers import AutoTokenizer
 
 from sglang_relay.client import generate
-from sglang_relay.demo import chat_prompt
 from sglang_relay.embedded_model import ensure_model
+from sglang_relay.prompts import chat_prompt
 from sglang_relay.runtime.launch import ServerProcess
 
 

@@ -61,12 +61,8 @@ def main() -> None:
         saved = json.loads(Path(args.report).read_text())
         report({(d["method"], d["target"], d["upstream"]): d["rows"] for d in saved})
         return
-    from sglang_relay.bench.fidelity import (
-        build_parser,
-        evaluate_relay,
-        load_bench_model,
-        prepare_usable,
-    )
+    from sglang_relay.bench.evaluation import evaluate_relay, load_bench_model, prepare_usable
+    from sglang_relay.bench.fidelity import build_parser
     from sglang_relay.bench.frontier import parse_targets, sweep_points
     from sglang_relay.bench.workload import GenSettings, find_spans, load_relay, load_workload
     from sglang_relay.core.config import load_profile

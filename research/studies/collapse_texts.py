@@ -29,8 +29,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
 
-    from sglang_relay.bench.chains import collapsed, tail_loop
-    from sglang_relay.bench.fidelity import build_parser, load_bench_model, prepare_usable
+    from sglang_relay.bench.evaluation import collapsed, load_bench_model, prepare_usable, tail_loop
+    from sglang_relay.bench.fidelity import build_parser
     from sglang_relay.bench.workload import GenSettings, load_relay, load_workload
     from sglang_relay.core.config import RelayConfig
     from sglang_relay.core.reference import relay_prefill

@@ -68,7 +68,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from demo_collapse_study import reviewer_relay
-    from sglang_relay.bench.fidelity import (
+    from sglang_relay.bench.evaluation import (
         default_cache_dir,
         evaluate_relay,
         prepare_usable,

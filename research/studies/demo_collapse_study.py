@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.evaluation import shipped_profile_path
     from sglang_relay.core.config import RelayConfig, load_profile
     from sglang_relay.core.operating import Frontier
     from sglang_relay.core.reference import exact_prefill, greedy_continue, relay_prefill

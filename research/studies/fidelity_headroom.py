@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_relay.bench.fidelity import default_cache_dir, shipped_profile_path
+from sglang_relay.bench.evaluation import default_cache_dir, shipped_profile_path
 from sglang_relay.bench.workload import (
     GenSettings,
     load_relay,

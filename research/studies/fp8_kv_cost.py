@@ -38,7 +38,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--splice-study", action="store_true", help="the second rounding's share")
     args = p.parse_args()
-    from sglang_relay.bench.fidelity import build_parser, load_bench_model
+    from sglang_relay.bench.evaluation import load_bench_model
+    from sglang_relay.bench.fidelity import build_parser
     from sglang_relay.bench.intervals import bootstrap_ci
     from sglang_relay.bench.workload import GenSettings, load_relay, load_workload, prepare_relays
     from sglang_relay.core import reference as R

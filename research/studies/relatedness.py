@@ -28,7 +28,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-from sglang_relay.bench.fidelity import build_parser, load_bench_model, prepare_usable
+from sglang_relay.bench.evaluation import load_bench_model, prepare_usable
+from sglang_relay.bench.fidelity import build_parser
 from sglang_relay.bench.frontier import resolve_workloads
 from sglang_relay.bench.workload import GenSettings, find_spans, load_relay
 from sglang_relay.core.span_index import QUOTE_TOKENS

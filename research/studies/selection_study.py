@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_relay.bench.fidelity import FRONTIER_WORKLOADS, default_cache_dir, prepare_usable
+from sglang_relay.bench.evaluation import FRONTIER_WORKLOADS, default_cache_dir, prepare_usable
 from sglang_relay.bench.workload import GenSettings, load_relay, load_workload, model_fingerprint
 from sglang_relay.core import reference as ref_exec
 from sglang_relay.core.attention import attention_probs, positional_causal_attention

@@ -38,7 +38,7 @@ PROFILE_BANDS = [(16, 6), (16, 10), (8, 10)]
 
 def write_profiles(out: Path) -> None:
     """The shipped profile with each of :data:`PROFILE_BANDS` added to every point."""
-    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.evaluation import shipped_profile_path
     from sglang_relay.embedded_model import ensure_model
 
     data = json.loads(shipped_profile_path(ensure_model()).read_text())
@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent))
     from demo_collapse_study import embedded, logp, reviewer_relay
-    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.evaluation import shipped_profile_path
     from sglang_relay.core.config import RelayConfig, load_profile
     from sglang_relay.core.operating import Frontier
     from sglang_relay.core.reference import exact_prefill, greedy_continue, relay_prefill

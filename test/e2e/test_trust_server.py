@@ -25,8 +25,10 @@ import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
 from sglang_relay.client import healthy
-from sglang_relay.runtime import compat, server_options
+from sglang_relay.runtime import server_options
 from sglang_relay.runtime.metrics import MAX_EVENTS
+from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY
+from sglang_relay.runtime.sglang.server import parse_server_args
 
 pytestmark = pytest.mark.e2e
 
@@ -49,8 +51,8 @@ TEST = "test/e2e/test_trust_server.py"
 def test_the_group_is_what_the_table_says_this_file_checks():
     table = server_options.load_table()
     group = {d for d, s in table.served.items() if s.test == TEST}
-    typed = vars(compat.parse_server_args(["--model-path", "m", *SCHEDULING]))
-    defaults = vars(compat.parse_server_args(["--model-path", "m"]))
+    typed = vars(parse_server_args(["--model-path", "m", *SCHEDULING]))
+    defaults = vars(parse_server_args(["--model-path", "m"]))
     changed = {d for d in typed if typed[d] != defaults[d]} - {"model_path"}
     assert changed == group
 
@@ -82,10 +84,10 @@ def test_the_server_killing_request_and_its_relatives(fuzz_server):
     url = fuzz_server.url
     relatives = [
         KILLER,
-        {compat.GUARD_KEY: {"of": 3, "reused_tokens": 10**30}},
-        {compat.GUARD_KEY: "x"},
-        {compat.DP_ROUTE_KEY: "attacker-label"},
-        {compat.DP_ROUTE_KEY: {"x": 1}},
+        {GUARD_KEY: {"of": 3, "reused_tokens": 10**30}},
+        {GUARD_KEY: "x"},
+        {DP_ROUTE_KEY: "attacker-label"},
+        {DP_ROUTE_KEY: {"x": 1}},
         {"__sglang_relay_anything_new": [1, 2]},
     ]
     before = relay_info(url)
@@ -109,7 +111,7 @@ def _junk(rng, depth=0):
         return rng.choice(leaves)
     if kind in (1, 2):
         keys = ["relay", "method", "config", "reuse", "key", "store", "force", "zzz",
-                compat.GUARD_KEY, compat.DP_ROUTE_KEY, "__sglang_relay_x", "l_start"]  # fmt: skip
+                GUARD_KEY, DP_ROUTE_KEY, "__sglang_relay_x", "l_start"]  # fmt: skip
         return {rng.choice(keys): _junk(rng, depth + 1) for _ in range(rng.randint(0, 4))}
     if kind == 3:
         return [_junk(rng, depth + 1) for _ in range(rng.randint(0, 3))]

@@ -29,7 +29,7 @@ from sglang_relay.runtime.anatomy import (
     mlp_output,
     run_mlp,
 )
-from sglang_relay.runtime.compat import SUPPORTED_ROPE
+from sglang_relay.runtime.sglang.model import SUPPORTED_ROPE
 
 FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
 

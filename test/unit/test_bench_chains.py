@@ -6,20 +6,20 @@ import json
 
 import pytest
 
-from sglang_relay.bench import chains
+from sglang_relay.bench import chains, evaluation
 from sglang_relay.bench.run import load_workload, summarize_chains
 from sglang_relay.errors import RelayError
 
 
 def test_rouge_l_and_divergence_on_known_sequences():
-    assert chains.rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert chains.rouge_l([], []) == 1.0
-    assert chains.rouge_l([1, 2], [3, 4]) == 0.0
+    assert evaluation.rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert evaluation.rouge_l([], []) == 1.0
+    assert evaluation.rouge_l([1, 2], [3, 4]) == 0.0
     # LCS of (1 2 3 4 5) and (1 3 5 7) is (1 3 5): p = 3/5, r = 3/4
-    assert chains.rouge_l([1, 2, 3, 4, 5], [1, 3, 5, 7]) == pytest.approx(2 / (5 / 3 + 4 / 3))
-    assert chains.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert chains.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert chains.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert evaluation.rouge_l([1, 2, 3, 4, 5], [1, 3, 5, 7]) == pytest.approx(2 / (5 / 3 + 4 / 3))
+    assert evaluation.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert evaluation.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert evaluation.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def _tail_loop_brute(ids, min_repeats=3, max_period=32):
@@ -47,19 +47,19 @@ def test_tail_loop_equals_a_brute_force_search():
         block = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
         cases.append(head + block * rng.randrange(1, 6) + block[: rng.randrange(len(block))])
     for ids in cases:
-        assert chains.tail_loop(ids) == _tail_loop_brute(ids), ids
-    assert chains.tail_loop([7] * 10) == 10
-    assert chains.tail_loop([1, 2] + [5, 6, 7] * 4) == 12
+        assert evaluation.tail_loop(ids) == _tail_loop_brute(ids), ids
+    assert evaluation.tail_loop([7] * 10) == 10
+    assert evaluation.tail_loop([1, 2] + [5, 6, 7] * 4) == 12
 
 
 def test_collapse_is_a_short_or_looping_output_where_standard_is_neither():
     ref = list(range(100))
-    assert chains.collapsed(ref[:10], ref)  # stopped early (the demo's Reviewer: 1 token)
-    assert not chains.collapsed(ref[:60], ref)
+    assert evaluation.collapsed(ref[:10], ref)  # stopped early (the demo's Reviewer: 1 token)
+    assert not evaluation.collapsed(ref[:60], ref)
     looping = list(range(40)) + [3, 4] * 30
-    assert chains.collapsed(looping, ref)
-    assert not chains.collapsed(looping, looping)  # standard loops the same way
-    assert not chains.collapsed(list(range(200, 300)), ref)  # different, not degenerate
+    assert evaluation.collapsed(looping, ref)
+    assert not evaluation.collapsed(looping, looping)  # standard loops the same way
+    assert not evaluation.collapsed(list(range(200, 300)), ref)  # different, not degenerate
 
 
 def test_method_order_rotates_relay_methods_and_keeps_standard_last():

@@ -80,13 +80,14 @@ def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
 
 _REGISTER = """
 import os
-from sglang_relay.runtime import compat, cpu, plugin
+from sglang_relay.runtime import cpu, plugin
+from sglang_relay.runtime.sglang.hooks import _REGISTERED
 for standin in ("0", "1"):  # one process: SGLang's imports are the cost
     os.environ[cpu.CPU_STANDIN_ENV] = standin
     plugin._registered = False
-    compat._REGISTERED.clear()
+    _REGISTERED.clear()
     plugin.register()
-    print(sorted({t for t, _ in compat._REGISTERED}))
+    print(sorted({t for t, _ in _REGISTERED}))
 """
 
 
@@ -96,10 +97,15 @@ def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stan
     marker, set by ``cpu.activate`` (``sglang-relay serve``), does."""
     import os
 
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.targets import (
+        CPU_GRAPH_FAKE_TARGET,
+        DP_EVENT_LOOP_TARGET,
+        GENERATE_REQUEST_TARGET,
+        MODEL_PARALLEL_GROUP_TARGET,
+    )
 
-    cpu_only = {compat.MODEL_PARALLEL_GROUP_TARGET, compat.CPU_GRAPH_FAKE_TARGET}
-    cpu_only.add(compat.DP_EVENT_LOOP_TARGET)
+    cpu_only = {MODEL_PARALLEL_GROUP_TARGET, CPU_GRAPH_FAKE_TARGET}
+    cpu_only.add(DP_EVENT_LOOP_TARGET)
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     # SGLang imports sgl_kernel: the stand-in package here (a CPU build of it elsewhere)
     env["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, env.get("PYTHONPATH", "")])
@@ -108,6 +114,6 @@ def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stan
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain, standin = (set(eval(line)) for line in proc.stdout.strip().splitlines()[-2:])  # noqa: S307
     for targets in (plain, standin):
-        assert compat.GENERATE_REQUEST_TARGET in targets  # the plug-in did register
+        assert GENERATE_REQUEST_TARGET in targets  # the plug-in did register
     assert not (cpu_only & plain), plain
     assert cpu_only <= standin, standin

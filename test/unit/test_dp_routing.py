@@ -209,17 +209,17 @@ def test_fingerprint_messages_are_raw_bytes_and_malformed_ones_are_dropped(tmp_p
 def test_the_decision_rides_with_the_request_to_its_rank():
     from types import SimpleNamespace
 
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, dp_route, tag_dp_route
 
     req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None))
-    assert compat.dp_route(req) is None
-    compat.tag_dp_route(req, "matched")
-    assert compat.dp_route(req) == "matched"
+    assert dp_route(req) is None
+    tag_dp_route(req, "matched")
+    assert dp_route(req) == "matched"
     req.sampling_params.custom_params["relay"] = {"reuse": 0.9}  # the user's own options stay
-    compat.tag_dp_route(req, "key")
+    tag_dp_route(req, "key")
     assert req.sampling_params.custom_params == {
         "relay": {"reuse": 0.9},
-        compat.DP_ROUTE_KEY: "key",
+        DP_ROUTE_KEY: "key",
     }
 
 
@@ -282,7 +282,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     push.connect(f"ipc://{tmp_path}/loop")
     got, feeds = [], []
 
-    class _Controller:  # the attributes compat.dp_controller_receiver reads
+    class _Controller:  # the attributes dp_controller_receiver reads
         recv_from_tokenizer = pull
         soft_watchdog = type("W", (), {"feed": lambda self: feeds.append(1)})()
 
@@ -316,7 +316,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
 
 
 class _Controller:
-    """The load snapshot ``compat.dp_loads`` reads of SGLang's DP controller."""
+    """The load snapshot ``scheduling.dp_loads`` reads of SGLang's DP controller."""
 
     def __init__(self, loads):
         self.dp_budget = type("Budget", (), {"total_requests": loads})()

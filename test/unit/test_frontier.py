@@ -231,7 +231,7 @@ def test_packaged_evaluation_workloads_are_disjoint_from_calibration():
 
 
 def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
-    from sglang_relay.bench.fidelity import summarize
+    from sglang_relay.bench.evaluation import summarize
 
     per = [
         {
@@ -283,9 +283,11 @@ def test_profiler_frontier_tries_a_head_floor_under_the_context_rules(tiny):
     from dataclasses import replace
     from types import SimpleNamespace
 
+    from sglang_relay.profiler.rules import context_rule, run_frontier
+    from sglang_relay.profiler.search import Search
+
     from sglang_relay.core.operating import rule_name
     from sglang_relay.core.reference import exact_prefill, relay_prefill
-    from sglang_relay.profiler import Search, context_rule, run_frontier
 
     relays = [_relay(tiny, n, seed) for seed, n in enumerate((41, 57))]
     exacts = [exact_prefill(tiny, r.prompt, forced=r.continuation[:-1]) for r in relays]

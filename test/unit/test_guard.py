@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_relay.runtime import compat
 from sglang_relay.runtime.guard import (
     GuardPolicy,
     eligible,
@@ -18,6 +17,7 @@ from sglang_relay.runtime.guard import (
 )
 from sglang_relay.runtime.launch import check_relay_settings, split_relay_flags
 from sglang_relay.runtime.options import stores_spans
+from sglang_relay.runtime.sglang.scheduling import GUARD_KEY, guard_redo_of
 
 
 def response(n=2, finish="stop", reused=120):
@@ -83,12 +83,10 @@ def test_redo_request_copies_the_request_under_a_new_rid():
     params = redo.sampling_params["custom_params"]
     assert params["relay"] == {"method": "standard", "store": True, "key": "k1"}
     assert params["other"] == 1
-    assert params[compat.GUARD_KEY] == {"of": "r1", "reused_tokens": 120}
+    assert params[GUARD_KEY] == {"of": "r1", "reused_tokens": 120}
     # the original request is untouched
     assert obj.sampling_params["custom_params"]["relay"] == {"method": "relay", "key": "k1"}
-    note = compat.guard_redo_of(
-        SimpleNamespace(sampling_params=SimpleNamespace(custom_params=params))
-    )
+    note = guard_redo_of(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=params)))
     assert note == {"of": "r1", "reused_tokens": 120}
 
 
@@ -106,7 +104,7 @@ def test_policy_from_the_environment_and_serve_flags(model_dir):
 
 
 def test_the_frontier_models_the_guard_as_the_server_runs_it():
-    from sglang_relay.bench.fidelity import guard_outcome
+    from sglang_relay.bench.evaluation import guard_outcome
 
     eos, exact = 2, [10, 11, 12, 13, 14, 2]
     assert guard_outcome([7, eos], exact, [eos]) == (True, exact)  # stopped at once: redone

@@ -171,7 +171,7 @@ def test_settings_that_need_eager_decode_turn_decode_graphs_off_on_a_gpu(model_d
 def test_cuda_graph_config_falls_back_to_the_legacy_flag():
     from types import SimpleNamespace
 
-    from sglang_relay.runtime.compat import cuda_graphs_enabled
+    from sglang_relay.runtime.sglang.server import cuda_graphs_enabled
 
     off = SimpleNamespace(server_args=SimpleNamespace(disable_cuda_graph=True))
     on = SimpleNamespace(server_args=SimpleNamespace(disable_cuda_graph=False))

@@ -10,10 +10,15 @@ from uuid import uuid4
 
 import pytest
 
-from sglang_relay.runtime import compat
 from sglang_relay.runtime.dp_routing import namespace_salt
 from sglang_relay.runtime.options import namespace
 from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.sglang.scheduling import (
+    IsolationError,
+    request_isolation,
+    tokenized_isolation,
+)
+from sglang_relay.runtime.sglang.views import attributes, missing_surface
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -59,11 +64,11 @@ def test_the_users_key_and_the_adapter_come_apart_again(user):
         if lora_id is not None:  # SGLang's own concatenation, which relay undoes
             assert req.extra_key == (user or "") + lora_id
         want = (user or None, lora_id, "s")
-        assert compat.request_isolation(req) == want
-        assert compat.tokenized_isolation(recv) == want  # router and rank agree
+        assert request_isolation(req) == want
+        assert tokenized_isolation(recv) == want  # router and rank agree
         for scope in ("shared", "key"):
-            rank = namespace(scope, compat.request_isolation(req), None)
-            router = namespace(scope, compat.tokenized_isolation(recv), None)
+            rank = namespace(scope, request_isolation(req), None)
+            router = namespace(scope, tokenized_isolation(recv), None)
             assert rank == router == (user or None, lora_id, "s", None)
             assert namespace_salt(rank) == namespace_salt(router)
 
@@ -75,7 +80,7 @@ def test_a_key_ending_in_an_adapter_id_is_not_that_adapter():
     base = _req(_tokenized(extra_key="x" + lora_id))
     adapter = _req(_tokenized(lora_id=lora_id, extra_key="x"))
     assert base.extra_key == adapter.extra_key  # what a concatenated namespace would see
-    a, b = compat.request_isolation(base), compat.request_isolation(adapter)
+    a, b = request_isolation(base), request_isolation(adapter)
     assert a == ("x" + lora_id, None, None) and b == ("x", lora_id, None)
     assert namespace("shared", a, None) != namespace("shared", b, None)
 
@@ -87,30 +92,30 @@ def test_adapters_are_apart_by_default_and_together_when_shared():
         "a": _req(_tokenized(lora_id=a, extra_key="k", cache_salt="s")),
         "b": _req(_tokenized(lora_id=b, extra_key="k", cache_salt="s")),
     }
-    apart = {n: namespace("shared", compat.request_isolation(r), None) for n, r in reqs.items()}
+    apart = {n: namespace("shared", request_isolation(r), None) for n, r in reqs.items()}
     assert len(set(apart.values())) == 3
     together = {
-        n: namespace("shared", compat.request_isolation(r, "shared"), None) for n, r in reqs.items()
+        n: namespace("shared", request_isolation(r, "shared"), None) for n, r in reqs.items()
     }
     assert set(together.values()) == {("k", None, "s", None)}
     # the user's key and the salt still separate under "shared"
     other_salt = _req(_tokenized(lora_id=a, extra_key="k", cache_salt="t"))
     other_key = _req(_tokenized(lora_id=a, extra_key="j", cache_salt="s"))
     for r in (other_salt, other_key):
-        assert namespace("shared", compat.request_isolation(r, "shared"), None) not in set(
+        assert namespace("shared", request_isolation(r, "shared"), None) not in set(
             together.values()
         )
     # the router reads the same mode from the same setting
     recv = _tokenized(lora_id=b, extra_key="k", cache_salt="s")
-    assert compat.tokenized_isolation(recv, "shared") == ("k", None, "s")
+    assert tokenized_isolation(recv, "shared") == ("k", None, "s")
 
 
 def test_scope_key_needs_a_salt_or_relay_key_under_an_adapter_too():
     lora_id = _ids()[1]
     req = _req(_tokenized(lora_id=lora_id))
-    assert namespace("key", compat.request_isolation(req), None) is None
+    assert namespace("key", request_isolation(req), None) is None
     keyed = _req(_tokenized(lora_id=lora_id, relay={"method": "relay", "key": "chain-1"}))
-    got = namespace("key", compat.request_isolation(keyed), {"method": "relay", "key": "chain-1"})
+    got = namespace("key", request_isolation(keyed), {"method": "relay", "key": "chain-1"})
     assert got == (None, lora_id, None, "chain-1")
 
 
@@ -121,9 +126,9 @@ def test_a_key_sglang_changed_after_the_adapter_fails_closed():
     lora_id = _ids()[0]
     req = _req(_tokenized(lora_id=lora_id, extra_key="k"))
     req.extra_key += "|elastic_ep_size=2"
-    with pytest.raises(compat.IsolationError):
-        compat.request_isolation(req)
-    assert isinstance(compat.IsolationError("x"), ValueError)  # callers catching ValueError
+    with pytest.raises(IsolationError):
+        request_isolation(req)
+    assert isinstance(IsolationError("x"), ValueError)  # callers catching ValueError
 
 
 def test_the_setting_is_read_and_checked():
@@ -136,5 +141,5 @@ def test_the_setting_is_read_and_checked():
 def test_sglangs_request_classes_have_what_the_split_reads():
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 
-    assert compat.missing_surface("TokenizedGenerateReqInput", TokenizedGenerateReqInput) == []
-    assert "lora_id" in compat.SURFACE["Req"] and _req(_tokenized()).lora_id is None
+    assert missing_surface("TokenizedGenerateReqInput", TokenizedGenerateReqInput) == []
+    assert "lora_id" in attributes("Req") and _req(_tokenized()).lora_id is None

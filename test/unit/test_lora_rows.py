@@ -128,9 +128,9 @@ def test_segments_of_sorted_unsorted_and_sparse_rows():
 def test_sglangs_lora_batch_info_has_what_rows_info_reads():
     from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABatchInfo
 
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.views import missing_surface
 
-    assert compat.missing_surface("TorchNativeLoRABatchInfo", TorchNativeLoRABatchInfo) == []
+    assert missing_surface("TorchNativeLoRABatchInfo", TorchNativeLoRABatchInfo) == []
 
 
 def test_no_lora_info_leaves_the_backend_alone():

@@ -13,7 +13,14 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang_relay.runtime import compat, modes  # noqa: E402
+from sglang_relay.runtime import modes  # noqa: E402
+from sglang_relay.runtime.sglang.server import (
+    chunk_size,
+    live_kv_layout,
+    parse_server_args,
+    resolved_server_args,
+    server_view,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +48,7 @@ def _record(argv):
     """SGLang's ServerArgs record for ``argv``, unresolved (fields as typed)."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs.from_cli_args(compat.parse_server_args(argv))
+    return ServerArgs.from_cli_args(parse_server_args(argv))
 
 
 def test_a_page_size_trtllm_mha_forces_is_the_one_relay_sees(cpu_args):
@@ -57,10 +64,10 @@ def test_a_page_size_trtllm_mha_forces_is_the_one_relay_sees(cpu_args):
 
     args = _record([*cpu_args, "--attention-backend", "trtllm_mha"])
     assert args.page_size is None  # nothing typed
-    assert modes.refusal(compat.server_view(args)) is None  # so the raw view saw page 1
+    assert modes.refusal(server_view(args)) is None  # so the raw view saw page 1
     run_post_process_pass(args, _mla_backend_page_constraints)
     assert args.page_size is None  # SGLang leaves the field as typed
-    view = compat.server_view(args)
+    view = server_view(args)
     assert view.page_size == 64  # what the allocator will be built with
     assert modes.refusal(view) is None  # pages are served (test_pages.py)
 
@@ -76,39 +83,39 @@ def test_a_page_size_fa4_forces_is_the_one_relay_sees(cpu_args, monkeypatch):
         overrides, "get_platform", lambda: SimpleNamespace(is_sm100=True, is_musa=False)
     )
     args = _record([*cpu_args, "--attention-backend", "fa4"])
-    assert modes.refusal(compat.server_view(args)) is None
+    assert modes.refusal(server_view(args)) is None
     overrides.run_post_process_pass(args, overrides._fa4_page_constraint)
     assert not platform.is_sm100 and args.page_size is None
-    assert compat.server_view(args).page_size == 128
-    assert modes.refusal(compat.server_view(args)) is None
+    assert server_view(args).page_size == 128
+    assert modes.refusal(server_view(args)) is None
 
 
 def test_kv_cache_dtypes_after_resolution(cpu_args):
     """Unscaled FP8 and bf16 KV caches are served; a block-scaled one (mxfp8) is refused
     with one line naming the option."""
     for served in ("fp8_e4m3", "fp8_e5m2", "bf16"):
-        args = compat.resolved_server_args([*cpu_args, "--kv-cache-dtype", served])
+        args = resolved_server_args([*cpu_args, "--kv-cache-dtype", served])
         assert args.resolved_dict()["kv_cache_dtype"] == served
-        assert modes.refusal(compat.server_view(args)) is None, served
+        assert modes.refusal(server_view(args)) is None, served
     # (SGLang itself refuses mxfp8 off a Blackwell GPU while resolving: the view directly)
     message = modes.refusal(modes.ServerView(kv_cache_dtype="mxfp8"))
     assert message is not None and "--kv-cache-dtype mxfp8" in message
     assert "\n" not in message and message.endswith(modes.OUT)
-    plain = compat.resolved_server_args(cpu_args)
-    assert modes.refusal(compat.server_view(plain)) is None
-    assert compat.server_view(plain).page_size == 1
+    plain = resolved_server_args(cpu_args)
+    assert modes.refusal(server_view(plain)) is None
+    assert server_view(plain).page_size == 1
 
 
 def test_the_chunk_size_is_the_one_sglang_resolved(cpu_args):
     """``--chunked-prefill-size`` unset resolves to 4096 on a CPU: relay's admission
     window is SGLang's chunk, not "unchunked"."""
-    args = compat.resolved_server_args(cpu_args)
+    args = resolved_server_args(cpu_args)
     assert args.chunked_prefill_size is None
-    assert compat.chunk_size(SimpleNamespace(server_args=args)) == 4096
-    typed = compat.resolved_server_args([*cpu_args, "--chunked-prefill-size", "96"])
-    assert compat.chunk_size(SimpleNamespace(server_args=typed)) == 96
-    unchunked = compat.resolved_server_args([*cpu_args, "--chunked-prefill-size", "-1"])
-    assert compat.chunk_size(SimpleNamespace(server_args=unchunked)) is None
+    assert chunk_size(SimpleNamespace(server_args=args)) == 4096
+    typed = resolved_server_args([*cpu_args, "--chunked-prefill-size", "96"])
+    assert chunk_size(SimpleNamespace(server_args=typed)) == 96
+    unchunked = resolved_server_args([*cpu_args, "--chunked-prefill-size", "-1"])
+    assert chunk_size(SimpleNamespace(server_args=unchunked)) is None
 
 
 def _ctx(allocator, page_size, model_dtype):
@@ -144,12 +151,12 @@ def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
         return TokenToKVPoolAllocator(64, dtype, "cpu", pool(1, dtype, quant), False)
 
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
-        layout = compat.live_kv_layout(_ctx(allocator(dtype), 1, torch.float32))
+        layout = live_kv_layout(_ctx(allocator(dtype), 1, torch.float32))
         assert layout == (1, str(dtype).removeprefix("torch."), "float32", False)
         assert modes.kv_layout_refusal(*layout) is None
 
     scaled = allocator(torch.float8_e4m3fn, get_kv_cache_quant_method("cpu_fp8_e4m3"))
-    layout = compat.live_kv_layout(_ctx(scaled, 1, torch.float32))
+    layout = live_kv_layout(_ctx(scaled, 1, torch.float32))
     assert layout == (1, "float8_e4m3fn", "float32", True)
     message = modes.kv_layout_refusal(*layout)
     assert message is not None and "scaled float8_e4m3fn KV cache" in message
@@ -161,12 +168,12 @@ def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
     paged = PagedTokenToKVPoolAllocator(
         64, 16, torch.float32, "cpu", pool(16, torch.float32), False
     )
-    layout = compat.live_kv_layout(_ctx(paged, 16, torch.float32))
+    layout = live_kv_layout(_ctx(paged, 16, torch.float32))
     assert layout == (16, "float32", "float32", False)
     assert modes.kv_layout_refusal(*layout) is None  # pages are served (test_pages.py)
 
     plain = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool(1, torch.float32), False)
-    assert modes.kv_layout_refusal(*compat.live_kv_layout(_ctx(plain, 1, torch.float32))) is None
+    assert modes.kv_layout_refusal(*live_kv_layout(_ctx(plain, 1, torch.float32))) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16])
@@ -179,7 +186,7 @@ def test_relays_splice_writes_through_sglangs_kv_pool_views(dtype):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from sglang_relay.core.rope import build_cos_sin_cache, delta_cos_sin
-    from sglang_relay.runtime.compat import kv_write_loc
+    from sglang_relay.runtime.sglang.model import kv_write_loc
     from sglang_relay_kernels import splice_rerotate
 
     heads, dim, layers, n = 2, 64, 2, 9
@@ -223,7 +230,7 @@ def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
     from types import SimpleNamespace
 
     def view(**kw):
-        return compat.server_view(SimpleNamespace(model_path="m", **kw))
+        return server_view(SimpleNamespace(model_path="m", **kw))
 
     assert modes.refusal(view(enable_lora=True, lora_backend="torch_native")) is None
     for backend in ("csgmv", "triton"):  # csgmv: SGLang's default

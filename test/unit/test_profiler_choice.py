@@ -5,7 +5,7 @@ then KL. Hand-built candidates whose winner is known by reading them."""
 
 from __future__ import annotations
 
-from sglang_relay.profiler import choose
+from sglang_relay.profiler.search import choose
 
 
 def cand(name: str, kl: float, top1: float, prefix: float, reuse: float = 0.9, tf: float = 0.97):

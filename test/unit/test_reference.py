@@ -376,7 +376,7 @@ def test_relay_kv_follows_the_schedule(ref, tok, upstream):
 def test_packaged_workloads_and_profile():
     """The bench and profiler inputs: valid cases, disjoint calibration, a loadable profile
     whose cap guarantees the reuse it was chosen for."""
-    from sglang_relay.bench.fidelity import shipped_profile_path
+    from sglang_relay.bench.evaluation import shipped_profile_path
     from sglang_relay.bench.workload import load_workload
     from sglang_relay.core.config import load_profile
     from sglang_relay.core.operating import reuse_cap

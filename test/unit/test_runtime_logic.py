@@ -443,7 +443,7 @@ def test_a_span_cut_by_a_chunk_boundary_continues_its_occurrence():
 
 
 def test_requests_relay_cannot_serve_safely_are_named():
-    from sglang_relay.runtime.compat import request_refusal
+    from sglang_relay.runtime.sglang.scheduling import request_refusal
 
     def req(**kw):
         base = dict(
@@ -521,7 +521,7 @@ def test_budget_reserves_what_the_ledger_allocates():
 
 
 def test_a_requests_own_reasoning_end_marker_counts_as_sglang_counts_it():
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.server import reasoning_end_ids
 
     config = SimpleNamespace(think_end_ids=[7], request_selectable_think_end_id_sequences=[[5, 6]])
 
@@ -529,12 +529,12 @@ def test_a_requests_own_reasoning_end_marker_counts_as_sglang_counts_it():
         custom = None if ids is None else {"__sglang_reasoning_end_token_ids": ids}
         return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=custom))
 
-    assert compat.reasoning_end_ids(config, req([5, 6])) == (5, 6)
-    assert compat.reasoning_end_ids(config, req([9])) == (7,)  # not selectable: the model's
-    assert compat.reasoning_end_ids(config, req("x")) == (7,)  # malformed: the model's
-    assert compat.reasoning_end_ids(config, req(None)) == (7,)
-    assert compat.reasoning_end_ids(config) == (7,)
-    assert compat.reasoning_end_ids(SimpleNamespace(), req(None)) is None
+    assert reasoning_end_ids(config, req([5, 6])) == (5, 6)
+    assert reasoning_end_ids(config, req([9])) == (7,)  # not selectable: the model's
+    assert reasoning_end_ids(config, req("x")) == (7,)  # malformed: the model's
+    assert reasoning_end_ids(config, req(None)) == (7,)
+    assert reasoning_end_ids(config) == (7,)
+    assert reasoning_end_ids(SimpleNamespace(), req(None)) is None
 
 
 def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(monkeypatch):

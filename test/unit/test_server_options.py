@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from sglang_relay.errors import RelayError
-from sglang_relay.runtime import compat, server_options
+from sglang_relay.runtime import server_options
 from sglang_relay.runtime.launch import build_server_argv, check_server_mode
+from sglang_relay.runtime.sglang.server import parse_server_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ def test_the_launchers_own_arguments_pass(model_dir):
             "2",
         ),
     ):
-        assert server_options.refusal(vars(compat.parse_server_args(argv))) is None, argv
+        assert server_options.refusal(vars(parse_server_args(argv))) is None, argv
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_the_attention_backends_sglang_picks_by_itself_on_gpus_are_served():
 def test_an_option_the_table_does_not_know_is_refused(model_dir):
     table = server_options.load_table()
     unknown = replace(table, neutral=table.neutral - {"log_level"})  # as a newer SGLang's
-    typed = vars(compat.parse_server_args(_argv(model_dir, "--log-level", "debug")))
+    typed = vars(parse_server_args(_argv(model_dir, "--log-level", "debug")))
     message = server_options.refusal(typed, unknown)
     assert message is not None and "has not classified --log-level" in message
     assert server_options.refusal(typed, table) is None

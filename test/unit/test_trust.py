@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_relay.runtime import compat, trust
+from sglang_relay.runtime import trust
 from sglang_relay.runtime.guard import redo_request
 from sglang_relay.runtime.metrics import MAX_EVENTS, OVERFLOW_EVENT, RelayCounters
 from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY, dp_route, guard_redo_of
 
 
 class Req:  # a request object as SGLang builds it: fields only
@@ -30,8 +31,8 @@ def test_private_keys_are_removed_from_client_requests(gate):
     params = {
         "max_new_tokens": 4,
         "custom_params": {
-            compat.GUARD_KEY: {"reused_tokens": "x"},
-            compat.DP_ROUTE_KEY: "zzz",
+            GUARD_KEY: {"reused_tokens": "x"},
+            DP_ROUTE_KEY: "zzz",
             "__sglang_relay_anything": 1,
             "mine": 2,
         },
@@ -39,7 +40,7 @@ def test_private_keys_are_removed_from_client_requests(gate):
     obj = Req(params)
     gate.admit(obj)
     assert obj.sampling_params["custom_params"] == {"mine": 2}
-    batch = Req([{"custom_params": {compat.GUARD_KEY: {}}}, {"custom_params": None}])
+    batch = Req([{"custom_params": {GUARD_KEY: {}}}, {"custom_params": None}])
     gate.admit(batch)
     assert batch.sampling_params[0]["custom_params"] == {}
 
@@ -49,7 +50,7 @@ def test_the_guards_own_redo_keeps_its_note(gate):
     out = {"meta_info": {"relay": {"reused_tokens": 7}, "prompt_tokens": 3}}
     redo = redo_request(first, out)
     gate.admit(redo)
-    assert redo.sampling_params["custom_params"][compat.GUARD_KEY] == {
+    assert redo.sampling_params["custom_params"][GUARD_KEY] == {
         "of": "r1",
         "reused_tokens": 7,
     }
@@ -57,7 +58,7 @@ def test_the_guards_own_redo_keeps_its_note(gate):
     fake = Req(dict(redo.sampling_params), rid=redo.rid)
     fake.sampling_params["custom_params"] = dict(redo.sampling_params["custom_params"])
     gate.admit(fake)
-    assert compat.GUARD_KEY not in fake.sampling_params["custom_params"]
+    assert GUARD_KEY not in fake.sampling_params["custom_params"]
 
 
 def test_the_redo_is_one_sample():
@@ -118,15 +119,15 @@ def test_the_scheduler_ignores_private_notes_it_did_not_write():
     bad = [{"reused_tokens": "x"}, {"of": 1, "reused_tokens": 2}, {"of": "a"}, "x", 5]
     bad += [{"of": "a", "reused_tokens": -1}, {"of": "a", "reused_tokens": True}]
     for note in bad:
-        assert compat.guard_redo_of(_req({compat.GUARD_KEY: note})) is None
-    assert compat.guard_redo_of(_req({compat.GUARD_KEY: {"of": "a", "reused_tokens": 3}})) == {
+        assert guard_redo_of(_req({GUARD_KEY: note})) is None
+    assert guard_redo_of(_req({GUARD_KEY: {"of": "a", "reused_tokens": 3}})) == {
         "of": "a",
         "reused_tokens": 3,
     }
     for route in ("zzz", 1, None, ["matched"]):
-        assert compat.dp_route(_req({compat.DP_ROUTE_KEY: route})) is None
-    assert compat.dp_route(_req({compat.DP_ROUTE_KEY: "matched"})) == "matched"
-    assert compat.dp_route(_req(None)) is None
+        assert dp_route(_req({DP_ROUTE_KEY: route})) is None
+    assert dp_route(_req({DP_ROUTE_KEY: "matched"})) == "matched"
+    assert dp_route(_req(None)) is None
 
 
 def test_counters_hold_a_bounded_label_set():

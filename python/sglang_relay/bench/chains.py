@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sglang_relay.bench.evaluation import collapsed, first_divergence, rouge_l
 from sglang_relay.client import generate
-from sglang_relay.demo import chat_prompt as chat
+from sglang_relay.prompts import chat_prompt as chat
 
 CODE_TIMEOUT_S = 10.0
 AGREE_TOKENS = 64
@@ -35,72 +36,6 @@ def method_order(methods: Sequence[str], item: int) -> list[str]:
     relay = [m for m in methods if m != "standard"]
     k = item % max(1, len(relay))
     return relay[k:] + relay[:k] + (["standard"] if "standard" in methods else [])
-
-
-# ----------------------------------------------------------------------------- similarity
-
-
-def _lcs(a: Sequence[int], b: Sequence[int]) -> int:
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
-
-
-def rouge_l(a: Sequence[int], b: Sequence[int]) -> float:
-    """ROUGE-L F1 of two token sequences (1.0 for two empty ones)."""
-    if not a and not b:
-        return 1.0
-    lcs = _lcs(a, b)
-    if lcs == 0:
-        return 0.0
-    p, r = lcs / len(a), lcs / len(b)
-    return 2 * p * r / (p + r)
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token, None when the sequences are equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def tail_loop(ids: Sequence[int], min_repeats: int = 3, max_period: int = 32) -> int:
-    """How many tokens at the end of ``ids`` one block covers, repeated back to back at least
-    ``min_repeats`` times (period <= ``max_period``); 0 when the output does not end in a
-    loop."""
-    best = 0
-    for period in range(1, max_period + 1):
-        i = len(ids) - 1
-        while i - period >= 0 and ids[i] == ids[i - period]:
-            i -= 1
-        covered = len(ids) - 1 - i + period  # the periodic tail, its first block included
-        if covered >= min_repeats * period:
-            best = max(best, covered)
-    return best
-
-
-# an output is short when under this share of the reference's length, looping when a
-# repeated block covers at least this share of it
-COLLAPSE_SHORT = 0.5
-COLLAPSE_LOOP = 0.25
-
-
-def collapsed(out: Sequence[int], reference: Sequence[int]) -> bool:
-    """Whether ``out`` collapsed where ``reference`` (standard's output for the same request)
-    did not: it ended before half of the reference's length, or it ends in a loop covering a
-    quarter of it while the reference does not."""
-
-    def looping(ids: Sequence[int]) -> bool:
-        return bool(ids) and tail_loop(ids) >= COLLAPSE_LOOP * len(ids)
-
-    if len(out) < COLLAPSE_SHORT * len(reference):
-        return True
-    return looping(out) and not looping(reference)
 
 
 def compare(tok: Any, text: str, reference: str) -> dict[str, Any]:

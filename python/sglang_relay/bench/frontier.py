@@ -3,7 +3,7 @@
 One operating point per method hides the trade-off a user makes (EVALUATION.md: "a method
 is better only if its curve is lower at equal reuse"), so this sweeps each method's budget
 knob and measures every point on the same relays with the same offline reference executor
-as ``bench fidelity`` (:func:`~sglang_relay.bench.fidelity.evaluate_relay`: one exact
+as ``bench fidelity`` (:func:`~sglang_relay.bench.evaluation.evaluate_relay`: one exact
 prefill per relay, then one relay prefill per point, 64 teacher-forced tokens).
 
 Knobs (the rest of each method's config is what ``bench fidelity`` runs,
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from sglang_relay.bench.fidelity import (
+from sglang_relay.bench.evaluation import (
     FRONTIER_WORKLOADS,
     QUICK_FRONTIER_RELAYS,
     evaluate_relay,
@@ -153,7 +153,7 @@ def evaluate_points(
     progress: Any = None,
     stop_ids: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Summary rows (:func:`~sglang_relay.bench.fidelity.summarize`) of every point over
+    """Summary rows (:func:`~sglang_relay.bench.evaluation.summarize`) of every point over
     ``relays`` (an iterable of :class:`~sglang_relay.bench.workload.RelayCase`, consumed
     once), each with its ``per_relay`` rows."""
     configs = {p.label: p.config for p in points}
@@ -234,7 +234,7 @@ def measure_verdicts(
     """Per measure: ``(measure, best baseline, paired 95 % interval of mine - it, verdict)``.
     The best baseline is the one with the best value of that measure; the interval
     resamples the relays both ran (:func:`~sglang_relay.bench.intervals.paired_ci`)."""
-    from sglang_relay.bench.fidelity import MEASURES
+    from sglang_relay.bench.evaluation import MEASURES
     from sglang_relay.bench.intervals import paired_ci, verdict
 
     out = []
@@ -408,7 +408,7 @@ def run_frontier(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    from sglang_relay.bench.fidelity import load_bench_model
+    from sglang_relay.bench.evaluation import load_bench_model
 
     started = time.perf_counter()
     model_dir, profile_path, relay_cfg, ref, tok, fingerprint, cache_dir = load_bench_model(args)

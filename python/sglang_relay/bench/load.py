@@ -48,7 +48,7 @@ from sglang_relay.bench.traffic import (
     relay_state,
 )
 from sglang_relay.client import healthy
-from sglang_relay.demo import chat_prompt
+from sglang_relay.prompts import chat_prompt
 
 
 def _sample(url: str, pid: int | None, stats: LoadStats) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from sglang_relay.bench.serve_report import markdown, percentile, plot, tail
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
-from sglang_relay.demo import chat_prompt
+from sglang_relay.prompts import chat_prompt
 
 # server counters (get_server_info) reported as deltas over a run
 SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_tokens",

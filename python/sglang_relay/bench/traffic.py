@@ -13,7 +13,7 @@ from typing import Any
 
 import requests
 
-from sglang_relay.demo import chat_prompt
+from sglang_relay.prompts import chat_prompt
 
 BAD_OPTIONS = [7, {"method": "warp"}, {"config": {"l_start": 10**6}}, {"config": {"tau_dev": -3}}]
 COUNTERS = {"finished_requests", "recorded_spans", "spans_matched", "relay_extends",

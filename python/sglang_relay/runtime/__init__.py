@@ -1,1 +1,2 @@
-"""The only package that touches ``sglang.srt`` internals (version-checked in ``compat``)."""
+"""The only package that touches ``sglang.srt`` internals, all named in ``runtime/sglang/``
+(version-checked there)."""

@@ -12,8 +12,8 @@ attention block therefore comes with SGLang's module, and what the loop would no
 scales) refuses the server at start-up instead of being dropped silently.
 
 Pure data plus checks on live modules; SGLang's dotted names live in
-:mod:`sglang_relay.runtime.compat` and the adapters (their forward targets are re-exported
-by compat).
+:mod:`sglang_relay.runtime.sglang` and the adapters (their forward targets, gathered here
+as ``MODEL_FORWARD_TARGETS``).
 """
 
 from __future__ import annotations
@@ -125,11 +125,19 @@ def qkv(attn_mod, positions, x):
     out, _ = attn_mod.qkv_proj(x)
     q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
     if hasattr(attn_mod, "q_norm"):
-        from sglang_relay.runtime import compat
-
-        q, k = compat.apply_qk_norm(attn_mod, q, k)
+        q, k = apply_qk_norm(attn_mod, q, k)
     q, k = attn_mod.rotary_emb(positions, q, k)
     return q, k, v
+
+
+def apply_qk_norm(attn_mod, q, k):
+    """SGLang's own per-head q/k RMSNorm (``models.utils.apply_qk_norm``), as the
+    non-fused path of a Qwen3-style attention block runs it before RoPE."""
+    from sglang.srt.models.utils import apply_qk_norm as norm
+
+    alt_stream = getattr(attn_mod, "alt_stream", None)
+    return norm(q=q, k=k, q_norm=attn_mod.q_norm, k_norm=attn_mod.k_norm,
+                head_dim=attn_mod.head_dim, alt_stream=alt_stream)  # fmt: skip
 
 
 def mlp_block(layer):

@@ -2,7 +2,7 @@
 
 SGLang turns a byte budget (``--mem-fraction-static`` of the device, or what is left after
 graph capture) into a KV pool token count in ``KVCacheConfigurator.config_from_budget``
-(:data:`compat.KV_BUDGET_TARGET`), for the first pool and for the post-capture resize. The
+(:data:`.sglang.targets.KV_BUDGET_TARGET`), for the first pool and for the post-capture resize. The
 relay runtime keeps side data per pool slot (:class:`~.side_data.SlotLedger`: an 8-byte
 stamp, the hidden state entering ``l_start`` when the profile stores one, a 4-byte
 influence score when ``tau_inf`` is set) and is built after the pool, so left alone it
@@ -23,9 +23,10 @@ import logging
 from typing import Any
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.runtime import compat
-from sglang_relay.runtime.plugin import BACKEND_NAME
+from sglang_relay.runtime.backend import serves_relay
 from sglang_relay.runtime.settings import RelaySettings, settings_from_env
+from sglang_relay.runtime.sglang.server import resolved_value
+from sglang_relay.runtime.sglang.views import check_surface
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,9 @@ def bytes_per_slot(
 def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
     """Around-hook of ``KVCacheConfigurator.config_from_budget`` (see the module doc)."""
     server_args = kvc.server_args
-    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME or getattr(
-        kvc, "is_draft_worker", False
-    ):
+    if not serves_relay(server_args) or getattr(kvc, "is_draft_worker", False):
         return original(kvc, budget_bytes, *args, **kwargs)
-    compat.check_surface("KVCacheConfigurator", kvc)
+    check_surface("KVCacheConfigurator", kvc)
     mc = kvc.model_config
     try:
         settings = settings_from_env(server_args.model_path)
@@ -102,9 +101,9 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
     except ValueError:  # the relay cache factory refuses these settings with the message
         return original(kvc, budget_bytes, *args, **kwargs)
     first = original(kvc, budget_bytes, *args, **kwargs)
-    compat.check_surface("MemoryPoolConfig", first)
+    check_surface("MemoryPoolConfig", first)
     # the page size SGLang resolved (a backend may force one), not the raw field
-    page = max(1, int(compat.resolved_value(server_args, "page_size", 1) or 1))
+    page = max(1, int(resolved_value(server_args, "page_size", 1) or 1))
     reserved = per_slot * (int(first.max_total_num_tokens) + page)  # + the padding slot(s)
     config = original(kvc, max(0, budget_bytes - reserved), *args, **kwargs)
     info: dict[str, Any] = {

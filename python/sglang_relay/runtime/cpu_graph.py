@@ -62,9 +62,10 @@ def _paged_decode_attention_fake(
 
 def graph_backend_class():
     """``TorchNativeAttnBackend`` with the CPU graph runner's interface."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.model import kv_write_loc
+    from sglang_relay.runtime.sglang.server import torch_native_backend_class
 
-    base = compat.torch_native_backend_class()
+    base = torch_native_backend_class()
 
     class TorchNativeGraphAttnBackend(base):
         """``torch_native`` whose decode can be captured by SGLang's CPU graph runner."""
@@ -87,7 +88,7 @@ def graph_backend_class():
                 )
             loc = forward_batch.out_cache_loc
             if save_kv_cache and k is not None and v is not None:
-                self.token_to_kv_pool.set_kv_buffer(layer, compat.kv_write_loc(loc), k, v)
+                self.token_to_kv_pool.set_kv_buffer(layer, kv_write_loc(loc), k, v)
             hq, d = layer.tp_q_head_num, layer.qk_head_dim
             q3 = q.reshape(-1, hq, d)
             out = q3.new_empty((q3.shape[0], hq, layer.v_head_dim))
@@ -134,19 +135,23 @@ def register_graph_backend() -> None:
     """Serve ``--attention-backend torch_native`` with :func:`graph_backend_class` when the
     server compiles its decode forwards (``--enable-torch-compile``); otherwise SGLang's
     own factory runs."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.server import (
+        attention_backend_factory,
+        register_attention_backend,
+        torch_compile_enabled,
+    )
 
-    stock = compat.attention_backend_factory("torch_native")
+    stock = attention_backend_factory("torch_native")
     if getattr(stock, "_sglang_relay_graph", False):
         return
     cls: list = []
 
     def factory(runner):
-        if not compat.torch_compile_enabled(runner):
+        if not torch_compile_enabled(runner):
             return stock(runner)
         if not cls:
             cls.append(graph_backend_class())
         return cls[0](runner)
 
     factory._sglang_relay_graph = True
-    compat.register_attention_backend("torch_native", factory)
+    register_attention_backend("torch_native", factory)

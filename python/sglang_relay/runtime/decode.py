@@ -25,8 +25,8 @@ import logging
 
 import torch
 
-from sglang_relay.runtime import compat
 from sglang_relay.runtime.llama import run_layer, stream
+from sglang_relay.runtime.sglang.model import attach_decode_capture, decode_capture_of, inner_model
 from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
@@ -78,16 +78,14 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
     None when the server is not a relay server, or its settings are refused later anyway
     (the cache factory says why), or influence scores are on (not graph-safe: refused
     with decode graphs)."""
+    from sglang_relay.runtime.backend import serves_relay
     from sglang_relay.runtime.budget import side_layers
-    from sglang_relay.runtime.plugin import BACKEND_NAME
     from sglang_relay.runtime.settings import settings_from_env
 
     args = model_runner.server_args
-    if getattr(args, "radix_cache_backend", None) != BACKEND_NAME or getattr(
-        model_runner, "is_draft_worker", False
-    ):
+    if not serves_relay(args) or getattr(model_runner, "is_draft_worker", False):
         return None
-    model = compat.inner_model(model_runner)
+    model = inner_model(model_runner)
     try:
         settings = settings_from_env(args.model_path)
         capture_layer, influence_layer = side_layers(settings, len(model.layers))
@@ -95,12 +93,12 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
         return None
     if influence_layer is not None:
         return None
-    existing = compat.decode_capture_of(model)
+    existing = decode_capture_of(model)
     if existing is not None:
         return existing
     ledger = new_ledger(model, model_runner.token_to_kv_pool, capture_layer)
     capture = DecodeCapture(ledger, capture_layer)
-    compat.attach_decode_capture(model, capture)
+    attach_decode_capture(model, capture)
     logger.info(
         "sglang-relay: decode capture installed before graph capture (capture_layer=%s)",
         capture_layer,

@@ -271,10 +271,10 @@ class DPRouter:
 
     def namespace(self, req) -> tuple | None:
         """The namespace ``req`` relays from, as its rank will compute it (None: none)."""
-        from sglang_relay.runtime import compat
+        from sglang_relay.runtime.sglang.scheduling import tokenized_isolation
 
         try:
-            isolation = compat.tokenized_isolation(req, self.lora)
+            isolation = tokenized_isolation(req, self.lora)
             return namespace(self.scope, isolation, request_option(req))
         except ValueError:
             return None  # a bad relay key: the rank runs standard prefill
@@ -399,16 +399,16 @@ _ROUTER: list[DPRouter] = []  # the controller process's router (at most one)
 def before_controller_init(controller, server_args, port_args, *args, **kwargs) -> None:
     """Before the DP controller launches its ranks: bind the fingerprint socket and tell the
     ranks where it is (the environment is inherited by the spawned schedulers)."""
-    from sglang_relay.runtime.plugin import BACKEND_NAME
+    from sglang_relay.runtime.backend import serves_relay
 
-    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME or _ROUTER:
+    if not serves_relay(server_args) or _ROUTER:
         return
     if os.environ.get(ROUTING_ENV, "1") == "0":  # SGLang's load-balance method alone
         logger.info("sglang-relay: DP routing by span fingerprints is off (%s=0)", ROUTING_ENV)
         return
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.views import check_router_surface
 
-    compat.check_router_surface()
+    check_router_surface()
     name = f"sglang-relay-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     endpoint = os.path.join(os.environ.get("TMPDIR", "/tmp"), name)
     if len(endpoint.encode()) > 100:  # a Unix socket path holds at most 107 bytes
@@ -433,14 +433,14 @@ def _route(router: DPRouter, controller, req) -> None:
     embedding request has no ``extra_key``) or any other error leaves the request as it
     came, to SGLang's own routing, counted as ``fallback_error`` (the first of each kind
     logged with its traceback)."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.scheduling import dp_loads, tag_dp_route
 
     given = getattr(req, "routed_dp_rank", None)
     try:
         if given is not None:
             decision = "explicit"  # the client chose (routed_dp_rank / X-Data-Parallel-Rank)
         else:
-            loads, active = compat.dp_loads(controller)
+            loads, active = dp_loads(controller)
             namespace = router.namespace(req)
             tokens = req.input_ids if namespace is not None else ()  # None: it cannot relay
             rank = router.route(tokens, getattr(req, "routing_key", None), loads, active, namespace)
@@ -449,7 +449,7 @@ def _route(router: DPRouter, controller, req) -> None:
             decision = router.last_decision
             if sum(router.decisions.values()) % 256 == 1:
                 logger.info("sglang-relay DP routing: %s", router.stats())
-        compat.tag_dp_route(req, decision)  # counted by the rank (get_server_info, metrics)
+        tag_dp_route(req, decision)  # counted by the rank (get_server_info, metrics)
     except Exception as exc:  # noqa: BLE001 - the controller must keep serving
         if getattr(req, "routed_dp_rank", None) != given:
             req.routed_dp_rank = given
@@ -478,9 +478,9 @@ def blocking_event_loop(original, controller, *args, **kwargs):
     messages at least once a second while idle, so they never queue up in the ranks."""
     import zmq
 
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.scheduling import dp_controller_receiver
 
-    sock, recv, dispatch, feed = compat.dp_controller_receiver(controller)
+    sock, recv, dispatch, feed = dp_controller_receiver(controller)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while True:

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_relay.runtime import compat
 from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS
+from sglang_relay.runtime.sglang.scheduling import GUARD_KEY, request_times, submit_request
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def redo_request(obj: Any, out: dict[str, Any]) -> Any:
     params = dict(sp.get("custom_params") or {})
     info = out["meta_info"]["relay"]
     params["relay"] = standard_option(params.get("relay"))
-    params[compat.GUARD_KEY] = {"of": str(obj.rid), "reused_tokens": int(info["reused_tokens"])}
+    params[GUARD_KEY] = {"of": str(obj.rid), "reused_tokens": int(info["reused_tokens"])}
     sp["custom_params"] = params
     redo = copy.copy(obj)
     redo.sampling_params = sp
@@ -172,14 +172,14 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
             yield out
             return
         first = meta["relay"]
-        times = compat.request_times(state)
+        times = request_times(state)
         waited = time.perf_counter() - times[0] if times is not None else 0.0
         redo = redo_request(obj, out)
         first_usage = _first_usage(meta)
         sent = False
         _LIVE_REDOS[str(obj.rid)] = redo.rid
         try:
-            async for redone in compat.submit_request(manager, redo, request):
+            async for redone in submit_request(manager, redo, request):
                 redone_meta = redone.get("meta_info") if isinstance(redone, dict) else None
                 if isinstance(redone_meta, dict):
                     redone_meta["id"] = obj.rid

@@ -123,7 +123,7 @@ def check_model_path(path: str, *, relay: bool) -> None:
     except (OSError, ValueError) as exc:
         raise RelayError(f"--model-path {path}: unreadable config.json ({exc})") from exc
     if relay:
-        from sglang_relay.runtime.compat import SUPPORTED_ARCHITECTURES
+        from sglang_relay.runtime.anatomy import SUPPORTED_ARCHITECTURES
 
         archs = config.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -263,10 +263,10 @@ def eager_decode_flags(argv: list[str], *, cpu: bool) -> list[str]:
 def parse_server_view(argv: list[str]):
     """SGLang's own parse of ``argv``, as the options relay depends on
     (:class:`~sglang_relay.runtime.modes.ServerView`); one error line if SGLang rejects it."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.server import parse_server_args, server_view
 
     try:
-        return compat.server_view(compat.parse_server_args(argv))
+        return server_view(parse_server_args(argv))
     except SystemExit as exc:  # argparse already printed SGLang's own message
         raise RelayError("invalid SGLang arguments (see above)") from exc
 
@@ -277,17 +277,22 @@ def check_server_mode(argv: list[str]) -> None:
     options as typed against the allow-list (:mod:`.server_options`) and the mode matrix
     (:mod:`.modes`), then as SGLang resolves them (a backend may force a page size); an
     error of SGLang's own resolution is reported here, before any weights load."""
-    from sglang_relay.runtime import compat, modes, server_options
+    from sglang_relay.runtime import modes, server_options
+    from sglang_relay.runtime.sglang.server import (
+        parse_server_args,
+        resolved_server_args,
+        server_view,
+    )
 
-    typed = compat.parse_server_args(argv)
+    typed = parse_server_args(argv)
     # the mode matrix's messages first (they say more about the options they know)
     message = modes.refusal(parse_server_view(argv)) or server_options.refusal(vars(typed))
     if message is None:
         try:
-            resolved = compat.resolved_server_args(argv)
+            resolved = resolved_server_args(argv)
         except Exception as exc:  # SGLang refuses the options itself: say so, now
             raise RelayError(f"SGLang refuses these options: {type(exc).__name__}: {exc}") from exc
-        message = modes.refusal(compat.server_view(resolved))
+        message = modes.refusal(server_view(resolved))
     if message is not None:
         raise RelayError(message)
 
@@ -349,9 +354,9 @@ def prepare(argv: list[str]) -> list[str]:
 
 def serve(argv: list[str]) -> None:
     """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.server import run_http_server
 
-    compat.run_http_server(prepare(argv))
+    run_http_server(prepare(argv))
 
 
 # How long a child may take to become ready: SGLang's start-up (imports, model load, pool)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_relay.runtime import compat
 from sglang_relay.runtime.anatomy import mlp_block, mlp_output, qkv, run_mlp
+from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
 
 __all__ = ["qkv", "run_layer", "stream", "write_kv"]
 
@@ -26,7 +26,7 @@ def write_kv(pool, radix_attn, loc: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Write flat ``k``/``v`` rows into the pool slots ``loc`` of ``radix_attn``'s layer."""
     k = k.reshape(-1, radix_attn.tp_k_head_num, radix_attn.qk_head_dim)
     v = v.reshape(-1, radix_attn.tp_v_head_num, radix_attn.v_head_dim)
-    pool.set_kv_buffer(radix_attn, compat.kv_write_loc(loc), k, v)
+    pool.set_kv_buffer(radix_attn, kv_write_loc(loc), k, v)
 
 
 def run_layer(layer, positions, h, r, fb, attend: Attend):
@@ -40,11 +40,11 @@ def run_layer(layer, positions, h, r, fb, attend: Attend):
     q, k, v = qkv(layer.self_attn, positions, x)
     o = attend(q, k, v)
     h, _ = layer.self_attn.o_proj(o)
-    h = compat.finish_row_parallel(layer.self_attn.o_proj, h)
+    h = finish_row_parallel(layer.self_attn.o_proj, h)
     x, r = layer.post_attention_layernorm(h, r)
     block = mlp_block(layer)
     out = run_mlp(block, x, fb)
-    return compat.finish_row_parallel(mlp_output(block), out), r
+    return finish_row_parallel(mlp_output(block), out), r
 
 
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:

@@ -4,7 +4,8 @@ and the way out. docs/limitations.md shows the same matrix; test/e2e/test_modes.
 that every refusal below is real.
 
 Per-request refusals (a request relay cannot serve safely runs standard prefill, with a
-``fallback`` reason, counted) live in :func:`sglang_relay.runtime.compat.request_refusal`.
+``fallback`` reason, counted) live in
+:func:`sglang_relay.runtime.sglang.scheduling.request_refusal`.
 
 Supported and tested end to end (test/e2e): chunked prefill (any chunk size, spans across
 chunks), ``--enable-mixed-chunk`` (decode rows of mixed batches run the capture forward),
@@ -38,7 +39,7 @@ OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay
 @dataclass(frozen=True, slots=True)
 class ServerView:
     """The server options relay depends on, read once from SGLang's ServerArgs as SGLang
-    resolved them (:func:`sglang_relay.runtime.compat.server_view`): e.g. a ``page_size``
+    resolved them (:func:`sglang_relay.runtime.sglang.server.server_view`): e.g. a ``page_size``
     left unset is what the attention backend forced (64 under ``trtllm_mha``)."""
 
     model_path: str = ""

@@ -149,7 +149,7 @@ def stores_spans(option: Any) -> bool:
 
 def namespace(scope: str, isolation: tuple, option: Any) -> tuple | None:
     """Who may reuse whose spans: SGLang's isolation keys (``isolation``: the request's
-    ``extra_key``, LoRA adapter id and ``cache_salt``, :func:`compat.request_isolation`)
+    ``extra_key``, LoRA adapter id and ``cache_salt``, :func:`.sglang.scheduling.request_isolation`)
     plus its relay key. ``None``: the request neither
     stores nor reuses spans (scope ``key`` without ``cache_salt`` or relay key). A bad key
     raises ValueError."""

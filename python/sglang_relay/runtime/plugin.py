@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from sglang_relay.runtime.backend import BACKEND_NAME, serves_relay
+
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "relay"
 RELAY_INFO_KEY = "relay"
 _registered = False
 
@@ -22,50 +23,71 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.anatomy import MODEL_FORWARD_TARGETS
+    from sglang_relay.runtime.sglang.hooks import register_hook
+    from sglang_relay.runtime.sglang.server import radix_cache_api
+    from sglang_relay.runtime.sglang.targets import (
+        ABORT_REQUEST_TARGET,
+        ADD_ONE_REQ_TARGET,
+        CAPTURE_DECODE_GRAPH_TARGET,
+        CPU_GRAPH_FAKE_TARGET,
+        DP_CONTROLLER_INIT_TARGET,
+        DP_EVENT_LOOP_TARGET,
+        DP_ROUTING_TARGET,
+        GENERATE_REQUEST_TARGET,
+        INTERNAL_STATE_TARGET,
+        KV_BUDGET_TARGET,
+        KV_CACHE_DTYPE_TARGET,
+        META_INFO_TARGET,
+        MIX_WITH_RUNNING_TARGET,
+        MODEL_PARALLEL_GROUP_TARGET,
+        MODEL_RUNNER_FORWARD_TARGET,
+        PREPARE_FOR_EXTEND_TARGET,
+        REQUEST_LEVEL_KEY_TARGET,
+        STREAM_RESPONSE_TARGET,
+        TOKENIZER_INIT_TARGET,
+    )
 
-    register_backend, registered_backends, _ = compat.radix_cache_api()
+    register_backend, registered_backends, _ = radix_cache_api()
     if BACKEND_NAME not in registered_backends():
         from sglang_relay.runtime.radix_cache import build_relay_cache
 
         register_backend(BACKEND_NAME, build_relay_cache)
 
-    compat.register_hook(compat.INTERNAL_STATE_TARGET, _add_relay_state, "after")
-    for target in compat.MODEL_FORWARD_TARGETS:
-        compat.register_hook(target, _model_forward, "around")
-    compat.register_hook(compat.CAPTURE_DECODE_GRAPH_TARGET, _before_decode_graphs, "before")
-    compat.register_hook(compat.MODEL_RUNNER_FORWARD_TARGET, _after_runner_forward, "after")
+    register_hook(INTERNAL_STATE_TARGET, _add_relay_state, "after")
+    for target in MODEL_FORWARD_TARGETS:
+        register_hook(target, _model_forward, "around")
+    register_hook(CAPTURE_DECODE_GRAPH_TARGET, _before_decode_graphs, "before")
+    register_hook(MODEL_RUNNER_FORWARD_TARGET, _after_runner_forward, "after")
     from sglang_relay.runtime import dp_routing
 
-    compat.register_hook(
-        compat.DP_CONTROLLER_INIT_TARGET, dp_routing.before_controller_init, "before"
-    )
-    compat.register_hook(compat.DP_ROUTING_TARGET, dp_routing.route_request, "around")
-    compat.register_hook(compat.PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
-    compat.register_hook(compat.MIX_WITH_RUNNING_TARGET, _after_mix, "after")
-    compat.register_hook(compat.ADD_ONE_REQ_TARGET, _add_one_req, "around")
-    compat.register_hook(compat.REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
-    compat.register_hook(compat.META_INFO_TARGET, _unwrap_meta_info, "after")
-    compat.register_hook(compat.STREAM_RESPONSE_TARGET, _unwrapped_responses, "around")
-    compat.register_hook(compat.TOKENIZER_INIT_TARGET, _build_gate, "after")
-    compat.register_hook(compat.GENERATE_REQUEST_TARGET, _admitted_request, "around")
-    compat.register_hook(compat.ABORT_REQUEST_TARGET, _abort_with_redo, "around")
-    compat.register_hook(compat.KV_BUDGET_TARGET, _config_from_budget, "around")
+    register_hook(DP_CONTROLLER_INIT_TARGET, dp_routing.before_controller_init, "before")
+    register_hook(DP_ROUTING_TARGET, dp_routing.route_request, "around")
+    register_hook(PREPARE_FOR_EXTEND_TARGET, _after_prepare_for_extend, "after")
+    register_hook(MIX_WITH_RUNNING_TARGET, _after_mix, "after")
+    register_hook(ADD_ONE_REQ_TARGET, _add_one_req, "around")
+    register_hook(REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
+    register_hook(META_INFO_TARGET, _unwrap_meta_info, "after")
+    register_hook(STREAM_RESPONSE_TARGET, _unwrapped_responses, "around")
+    register_hook(TOKENIZER_INIT_TARGET, _build_gate, "after")
+    register_hook(GENERATE_REQUEST_TARGET, _admitted_request, "around")
+    register_hook(ABORT_REQUEST_TARGET, _abort_with_redo, "around")
+    register_hook(KV_BUDGET_TARGET, _config_from_budget, "around")
     from sglang_relay.runtime import cpu
 
     if cpu.cpu_engine_active():
-        compat.register_hook(
-            compat.MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
+        register_hook(
+            MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
         )
         from sglang_relay.runtime import cpu_graph
 
         cpu_graph.register_graph_backend()
-        fake_target = compat.CPU_GRAPH_FAKE_TARGET
-        compat.register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
+        fake_target = CPU_GRAPH_FAKE_TARGET
+        register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
         # SGLang's DP controller spins on its socket: one of the stand-in's two cores
-        compat.register_hook(compat.DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
+        register_hook(DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
         if cpu.cpu_fp8_kv_opted_in():
-            compat.register_hook(compat.KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
+            register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
         if cpu.cpu_lora_opted_in():
             cpu.pinning_off()
     _registered = True
@@ -87,20 +109,26 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
     A forward being captured into a decode graph (and a decode before the runtime exists)
     runs the decode capture installed before graph capture: it never reads the runtime, so
     what is captured does not depend on when the runtime was built."""
-    from sglang_relay.runtime import compat, faults
+    from sglang_relay.runtime import faults
+    from sglang_relay.runtime.sglang.model import (
+        capturing_graph,
+        decode_capture_of,
+        forward_mode_name,
+        runtime_of,
+    )
 
     fb = forward_batch
-    if compat.capturing_graph():
-        capture = compat.decode_capture_of(model)
+    if capturing_graph():
+        capture = decode_capture_of(model)
         if capture is None:
             return original(model, input_ids, positions, fb, *args, **kwargs)
         return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
-    rt = compat.runtime_of(model)
+    rt = runtime_of(model)
     if rt is not None and faults.bypass_this_forward():  # tests only (runtime/faults.py)
         return original(model, input_ids, positions, fb, *args, **kwargs)
     if rt is None:
-        capture = compat.decode_capture_of(model)
-        if capture is not None and compat.forward_mode_name(fb) == "DECODE":
+        capture = decode_capture_of(model)
+        if capture is not None and forward_mode_name(fb) == "DECODE":
             return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
         return original(model, input_ids, positions, fb, *args, **kwargs)
     return rt.forward(original, model, input_ids, positions, fb, *args, **kwargs)
@@ -118,12 +146,12 @@ def _before_decode_graphs(*args, **kwargs):
 def _after_runner_forward(result, runner, *args, **kwargs):
     """A decode forward that replayed a captured graph did not come through the runtime's
     forward: count it there (and drop plans no extend will run)."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.model import forward_mode_name, inner_model, runtime_of
 
-    rt = compat.runtime_of(compat.inner_model(runner))
+    rt = runtime_of(inner_model(runner))
     fb = kwargs.get("forward_batch", args[0] if args else None)
     if rt is not None and fb is not None:
-        mode = compat.forward_mode_name(fb)
+        mode = forward_mode_name(fb)
         if result.can_run_graph:
             rt.graph_forward(mode)
         rt.check_forward(mode, graph=bool(result.can_run_graph))
@@ -157,11 +185,15 @@ def _after_mix(result, batch, *args, **kwargs):
 
 def _add_one_req(original, adder, req, *args, **kwargs):
     """A prefill batch holds relaying requests or plain ones, never both."""
-    from sglang_relay.runtime import compat
+    from sglang_relay.runtime.sglang.scheduling import (
+        add_req_stop,
+        adder_admitted,
+        adder_tree_cache,
+    )
 
-    rt = getattr(compat.adder_tree_cache(adder), "relay", None)
-    if rt is not None and not rt.admits(req, compat.adder_admitted(adder)):
-        return compat.add_req_stop()
+    rt = getattr(adder_tree_cache(adder), "relay", None)
+    if rt is not None and not rt.admits(req, adder_admitted(adder)):
+        return add_req_stop()
     return original(adder, req, *args, **kwargs)
 
 
@@ -233,7 +265,8 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
     streamed chunks SGLang completes from its accumulated list (chunked prefills). On a
     relay server the final one also carries the server-measured TTFT, and a relayed reply
     that stops within its first tokens is redone exactly (:mod:`.guard`)."""
-    from sglang_relay.runtime import compat, guard
+    from sglang_relay.runtime import guard
+    from sglang_relay.runtime.sglang.scheduling import request_times, scheduler_times_sent
 
     obj = kwargs.get("obj", args[0] if args else None)
     state = kwargs.get("state", args[1] if len(args) > 1 else None)
@@ -241,16 +274,14 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
     policy = _guard_policy(manager, state)
     # SGLang knows a whole-reply request's first-token time only from the scheduler's
     # time stats, which it sends with --enable-metrics; otherwise it is the reply's end
-    timed = policy is not None and (
-        getattr(obj, "stream", False) or compat.scheduler_times_sent(manager)
-    )
+    timed = policy is not None and (getattr(obj, "stream", False) or scheduler_times_sent(manager))
 
     async def unwrapped():
         async for out in original(manager, *args, **kwargs):
             meta = out.get("meta_info") if isinstance(out, dict) else None
             _unwrap(meta)
             if timed and isinstance(meta, dict) and meta.get("finish_reason"):
-                times = compat.request_times(state)
+                times = request_times(state)
                 if times is not None and isinstance(meta.get(RELAY_INFO_KEY), dict):
                     meta[RELAY_INFO_KEY]["ttft_s"] = round(times[1] - times[0], 6)
             yield out
@@ -271,13 +302,13 @@ def _guard_policy(manager, state):
     server that does not serve relay (nothing is added or held back there). A bad value
     was refused at launch; here it only turns the guard off, loudly."""
     if not _GUARD_POLICY:
-        from sglang_relay.runtime import compat
         from sglang_relay.runtime.guard import GuardPolicy, guard_policy
+        from sglang_relay.runtime.sglang.views import check_tokenizer_surface
 
         policy = None
         args = getattr(manager, "server_args", None)
-        if getattr(args, "radix_cache_backend", None) == BACKEND_NAME:
-            compat.check_tokenizer_surface(manager, state)
+        if serves_relay(args):
+            check_tokenizer_surface(manager, state)
             try:
                 policy = guard_policy()
             except ValueError:

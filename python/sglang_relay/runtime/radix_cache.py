@@ -10,14 +10,26 @@ from typing import Any
 import torch
 
 from sglang_relay.core.span_index import answer_offset
-from sglang_relay.runtime import compat, modes, server_options
+from sglang_relay.runtime import modes, server_options
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.sglang.hooks import check_hooks_installed
+from sglang_relay.runtime.sglang.model import attach_runtime
+from sglang_relay.runtime.sglang.scheduling import beam_search, evict_result, guard_redo_of
+from sglang_relay.runtime.sglang.server import (
+    attention_backend_name,
+    live_kv_layout,
+    radix_cache_api,
+    reasoning_end_ids,
+    server_view,
+    unified_radix_cache_class,
+)
+from sglang_relay.runtime.sglang.views import check_startup_surface
 from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
 
-UnifiedRadixCache = compat.unified_radix_cache_class()
+UnifiedRadixCache = unified_radix_cache_class()
 
 
 def page_bounds(lo: int, hi: int, page_size: int) -> tuple[int, int]:
@@ -60,7 +72,7 @@ class RelayRadixCache(UnifiedRadixCache):
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
         self.relay = runtime
-        compat.attach_runtime(runtime.model, runtime)
+        attach_runtime(runtime.model, runtime)
 
     # ---- tree insertion ------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -71,10 +83,10 @@ class RelayRadixCache(UnifiedRadixCache):
         clamp = relayed_from is not None and not rt.settings.allow_approx_prefix
         tree_up_to = min(up_to, relayed_from) if clamp else up_to
         span = namespace = None
-        if req.finished() and req.rid not in self._recorded and not compat.beam_search(req):
+        if req.finished() and req.rid not in self._recorded and not beam_search(req):
             self._recorded.add(req.rid)
             self.relay_counters["finished_requests"] += 1
-            redo = compat.guard_redo_of(req)
+            redo = guard_redo_of(req)
             if redo is not None:
                 self.relay_counters["guard_reprefills"] += 1
                 self.relay_counters["guard_relayed_tokens_redone"] += int(
@@ -132,7 +144,7 @@ class RelayRadixCache(UnifiedRadixCache):
         # a reasoning model's output: what a downstream pastes is the answer after the
         # reasoning end marker (relatedness is judged on it; its context masses count the
         # reasoning as context)
-        answer = answer_offset(tokens, compat.reasoning_end_ids(self.relay_model_config, req))
+        answer = answer_offset(tokens, reasoning_end_ids(self.relay_model_config, req))
         # signal "context": computed now, while the whole row's KV is still the request's,
         # from the streams stored with it (none stored: no masses, relays fall back)
         context = None
@@ -177,7 +189,7 @@ class RelayRadixCache(UnifiedRadixCache):
 
     def evict(self, params: Any) -> Any:
         released, rest = self._release_owned(params)
-        result = super().evict(rest) if rest is not None else compat.evict_result()
+        result = super().evict(rest) if rest is not None else evict_result()
         result.num_tokens_evicted += released
         return result
 
@@ -185,7 +197,7 @@ class RelayRadixCache(UnifiedRadixCache):
         released, rest = self._release_owned(params)
         result = super().evict_for_alloc(rest, **kwargs) if rest is not None else None
         if result is None:
-            result = compat.evict_result()
+            result = evict_result()
         result.num_tokens_evicted += released
         return result
 
@@ -238,22 +250,22 @@ def build_relay_cache(ctx: Any) -> Any:
     correctly (:mod:`sglang_relay.runtime.modes`)."""
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
-    refusal = modes.refusal(compat.server_view(ctx), architecture=arch)
+    refusal = modes.refusal(server_view(ctx), architecture=arch)
     refusal = refusal or server_options.refusal(server_options.typed_values(ctx.server_args))
-    refusal = refusal or modes.kv_layout_refusal(*compat.live_kv_layout(ctx))
+    refusal = refusal or modes.kv_layout_refusal(*live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)
     settings = settings_from_env(ctx.server_args.model_path)
-    _, _, create_unified = compat.radix_cache_api()
+    _, _, create_unified = radix_cache_api()
 
     def cache_class(params: Any) -> RelayRadixCache:
         return RelayRadixCache(params, architecture=arch)
 
     cache = create_unified(ctx, cache_class=cache_class)
     model_runner = ctx.tp_worker.model_runner
-    compat.check_startup_surface(ctx, model_runner)
+    check_startup_surface(ctx, model_runner)
     # the backend SGLang resolved when none was typed (fa3 on Hopper, ...): the same list
-    resolved = {"attention_backend": compat.attention_backend_name(model_runner)}
+    resolved = {"attention_backend": attention_backend_name(model_runner)}
     refusal = server_options.refusal(resolved)
     if refusal is not None:
         raise ValueError(refusal)
@@ -281,7 +293,7 @@ def build_relay_cache(ctx: Any) -> Any:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)
     cache.relay_model_config = ctx.model_config
-    compat.check_hooks_installed()
+    check_hooks_installed()
     if not settings.profiled:
         logger.warning(
             "sglang-relay: no relay profile for %s: running the unprofiled rule (no stored "

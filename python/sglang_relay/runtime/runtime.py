@@ -1,6 +1,6 @@
 """The relay runtime of one scheduler process: built whole in one step by the relay radix
 cache, reachable from it (``cache.relay``) and from the served model (the attribute
-``compat.MODEL_RUNTIME_ATTR``), never from a module global.
+``sglang.model.MODEL_RUNTIME_ATTR``), never from a module global.
 
 It owns the slot ledger (stamps, hidden states, influence), the span store, the planner
 and the per-request stats, and answers the plug-in's hooks:
@@ -27,7 +27,7 @@ from sglang_relay.core.operating import OperatingPoint
 from sglang_relay.core.selection import context_mass
 from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
-from sglang_relay.runtime import compat, faults
+from sglang_relay.runtime import faults
 from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
 from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
@@ -39,6 +39,28 @@ from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner, PlanningFailed
 from sglang_relay.runtime.settings import RelaySettings
+from sglang_relay.runtime.sglang.model import (
+    attach_decode_capture,
+    check_model_anatomy,
+    decode_capture_of,
+    forward_mode_name,
+    graphs_enabled,
+    inner_model,
+    lora_backend,
+    tp_group,
+)
+from sglang_relay.runtime.sglang.scheduling import (
+    IsolationError,
+    dp_rank,
+    dp_route,
+    extend_chunk,
+    remaining_input,
+    request_isolation,
+    request_refusal,
+    set_request_info,
+)
+from sglang_relay.runtime.sglang.server import attention_backend_name, chunk_size
+from sglang_relay.runtime.sglang.views import check_surface
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
 from sglang_relay.runtime.tp import TPMismatch, TPSync
@@ -53,7 +75,7 @@ def dp_publisher() -> FingerprintPublisher | None:
     endpoint = os.environ.get(DP_ENDPOINT_ENV)
     if not endpoint:
         return None
-    dp, tp = compat.dp_rank()
+    dp, tp = dp_rank()
     return FingerprintPublisher(endpoint, dp) if tp == 0 else None
 
 
@@ -71,11 +93,11 @@ class RelayRuntime:
     ) -> None:
         self.settings = settings
         self.cfg = settings.config
-        self.model = compat.inner_model(model_runner)
+        self.model = inner_model(model_runner)
         self.num_layers = len(self.model.layers)
-        compat.check_model_anatomy(model_runner)
+        check_model_anatomy(model_runner)
         self.kv_pool = model_runner.token_to_kv_pool
-        self.lora = compat.lora_backend(model_runner)  # None unless SGLang serves LoRA
+        self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
         self.device = kbuf.device
@@ -91,24 +113,24 @@ class RelayRuntime:
             else None
         )
         self.kv_budget = budget_info(model_runner)  # side data reserved from the KV budget
-        group = compat.tp_group()
+        group = tp_group()
         self.tp = TPSync(group) if group is not None else None
         # decode graphs were captured with the decode capture installed before them: adopt
         # its ledger, so graph replays and this runtime share the same side data
         influence = self.influence_layer is not None
-        self.decode_capture = compat.decode_capture_of(self.model)
+        self.decode_capture = decode_capture_of(self.model)
         self.capture_in_graph = self.decode_capture is not None and self.decode_capture.matches(
             self.capture_layer, influence=influence, slots=kbuf.shape[0]
         )
         if not self.capture_in_graph:  # graphs captured without it are refused below
             ledger = new_ledger(self.model, self.kv_pool, self.capture_layer, influence=influence)
             self.decode_capture = DecodeCapture(ledger, self.capture_layer)
-            compat.attach_decode_capture(self.model, self.decode_capture)
+            attach_decode_capture(self.model, self.decode_capture)
         self.ledger = self.decode_capture.ledger
         # refused (modes.graph_refusal) when a captured graph would skip relay's work
-        self.graphs = compat.graphs_enabled(model_runner)
+        self.graphs = graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
-            compat.attention_backend_name(model_runner), self.device, kbuf.dtype
+            attention_backend_name(model_runner), self.device, kbuf.dtype
         )
         self.publisher = dp_publisher()  # None unless a DP controller routes by fingerprints
         self.store = SpanStore(
@@ -135,7 +157,7 @@ class RelayRuntime:
         self._routes_counted: OrderedDict[str, bool] = OrderedDict()  # DP decisions counted
         # the admission check looks at the next chunk only (what the plan will see), so a
         # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
-        self.admit_window = compat.chunk_size(model_runner)
+        self.admit_window = chunk_size(model_runner)
         self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
         # the runtime invariant: every eager forward of SGLang's runner that writes KV came
         # through this runtime's hook (which stamps the slots it writes); else relay is off
@@ -181,7 +203,7 @@ class RelayRuntime:
     def namespace(self, req: Any) -> tuple | None:
         """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
         a key); ValueError on a bad relay key."""
-        isolation = compat.request_isolation(req, self.settings.lora)
+        isolation = request_isolation(req, self.settings.lora)
         return namespace(self.settings.scope, isolation, request_option(req))
 
     def span_context(
@@ -243,8 +265,8 @@ class RelayRuntime:
             except ValueError:
                 cfg = ns = None
             known = False
-            if cfg is not None and ns is not None and compat.request_refusal(req) is None:
-                window = compat.remaining_input(req, self.admit_window)
+            if cfg is not None and ns is not None and request_refusal(req) is None:
+                window = remaining_input(req, self.admit_window)
                 ids = {m.span_id for m in self.store.matches(window, ns)}
                 if ids and self.settings.min_share > 0:
                     ids &= self._related(req, ns)
@@ -259,7 +281,7 @@ class RelayRuntime:
         once per request, on its whole remaining input, so every chunk agrees."""
         related = self._related_memo.get(req.rid)
         if related is None:
-            matches = self.store.matches(compat.remaining_input(req), ns)
+            matches = self.store.matches(remaining_input(req), ns)
             related = related_spans(
                 matches,
                 self.store.span_length,
@@ -276,13 +298,13 @@ class RelayRuntime:
         if not self._req_checked:  # the first request is the first Req there is to check
             self._req_checked = True
             try:
-                compat.check_surface("Req", req)
+                check_surface("Req", req)
             except Exception as exc:  # noqa: BLE001 - loud and for good, not per request
                 self._req_unreadable = True
                 self.disable(f"SGLang's Req does not match what relay reads ({exc})")
         if self._req_unreadable:
             return  # nothing of a Req may be read or written
-        route = compat.dp_route(req)
+        route = dp_route(req)
         if route is not None and req.rid not in self._routes_counted:
             self._routes_counted[req.rid] = True
             self.counters[f"dp_routed_{route}"] += 1
@@ -301,18 +323,18 @@ class RelayRuntime:
         stats.point = point.to_dict() if point is not None else None
         if cfg is None:
             return self._publish(req, stats)
-        refusal = compat.request_refusal(req)
+        refusal = request_refusal(req)
         if refusal is not None:
             return self._publish(req, stats, fallback=refusal)
         try:
             ns = self.namespace(req)
-        except compat.IsolationError as exc:
+        except IsolationError as exc:
             return self._publish(req, stats, fallback=f"lora_namespace: {exc}")
         except ValueError as exc:
             return self._publish(req, stats, fallback=f"bad_options: {exc}")
         if ns is None:  # scope "key": no cache_salt and no relay key
             return self._publish(req, stats, fallback="no_relay_key")
-        tokens, start, last_chunk = compat.extend_chunk(req)
+        tokens, start, last_chunk = extend_chunk(req)
         if last_chunk:
             tokens = tokens[:-1]  # the last prompt token is always computed normally
         planned, unrelated = self.planner.plan_request(
@@ -343,7 +365,7 @@ class RelayRuntime:
         if fallback is not None:
             stats.discard(fallback)
             self._count_fallback(fallback)
-        compat.set_request_info(req, stats.to_dict())
+        set_request_info(req, stats.to_dict())
         stats.req = req
 
     def _count_fallback(self, reason: str) -> None:
@@ -356,7 +378,7 @@ class RelayRuntime:
         slots it writes: the relay extend (an extend batch with a plan), the capture
         forward (when the profile stores hidden states: every other extend and decode,
         including the decode rows SGLang mixes into extend batches) or SGLang's own."""
-        mode = compat.forward_mode_name(fb)
+        mode = forward_mode_name(fb)
         self.hook_forwards += mode != "IDLE"
         self.counters[f"forwards_{mode.lower()}"] += 1
         embeds = kwargs.get("input_embeds") is not None or bool(args and args[0] is not None)
@@ -500,7 +522,7 @@ class RelayRuntime:
 
     def _republish(self, stats: RequestStats) -> None:
         if stats.req is not None:
-            compat.set_request_info(stats.req, stats.to_dict())
+            set_request_info(stats.req, stats.to_dict())
 
     # ---- cache side ----------------------------------------------------------------------
     def relayed_from(self, rid: str) -> int | None:
@@ -543,7 +565,7 @@ class RelayRuntime:
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,
             **(self.tp.stats() if self.tp is not None else {"tp_size": 1}),
-            "dp_rank": compat.dp_rank()[0],
+            "dp_rank": dp_rank()[0],
             "dp_fingerprints_sent": self.publisher.sent if self.publisher is not None else 0,
             "dp_fingerprints_dropped": self.publisher.dropped if self.publisher else 0,
             "requests_tracked": len(self.requests),

@@ -13,8 +13,8 @@ exception raised in a scheduler process is fatal to the whole server. So on a re
   is a ``ValueError``, which SGLang's HTTP and OpenAI servers answer with 400 and the message
   (the field and what it accepts).
 
-The schedulers still parse what they read defensively (:func:`compat.guard_redo_of`,
-:func:`compat.dp_route`): a value that is not what relay itself writes is ignored, never
+The schedulers still parse what they read defensively (:func:`.sglang.scheduling.guard_redo_of`,
+:func:`.sglang.scheduling.dp_route`): a value that is not what relay itself writes is ignored, never
 raised on.
 """
 
@@ -162,16 +162,16 @@ def gate_for(manager: Any) -> RequestGate | None:
     gate = getattr(manager, "_sglang_relay_gate", False)
     if gate is not False:
         return gate
-    from sglang_relay.runtime.plugin import BACKEND_NAME
+    from sglang_relay.runtime.backend import serves_relay
     from sglang_relay.runtime.settings import settings_from_env
 
     args = getattr(manager, "server_args", None)
     gate = None
-    if getattr(args, "radix_cache_backend", None) == BACKEND_NAME:
-        from sglang_relay.runtime import compat
+    if serves_relay(args):
+        from sglang_relay.runtime.sglang.views import check_surface
 
-        compat.check_surface("TokenizerManager", manager)
-        compat.check_surface("TokenizerModelConfig", manager.model_config)
+        check_surface("TokenizerManager", manager)
+        check_surface("TokenizerModelConfig", manager.model_config)
         settings = settings_from_env(str(args.model_path))
         config = manager.model_config
         gate = RequestGate(settings, int(config.num_hidden_layers), int(config.vocab_size))

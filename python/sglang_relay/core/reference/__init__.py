@@ -39,7 +39,7 @@ Layering (no import cycle): ``model`` <- ``relay`` <- ``generate``, and ``model`
 ``relay`` <- ``measures``.
 """
 
-from sglang_relay.core.reference.generate import UpstreamRecord, generate
+from sglang_relay.core.reference.generate import generate
 from sglang_relay.core.reference.measures import (
     extend,
     fidelity,
@@ -50,6 +50,7 @@ from sglang_relay.core.reference.measures import (
 )
 from sglang_relay.core.reference.model import KVCache, RefModel, load_model
 from sglang_relay.core.reference.model import _run_layer as _run_layer
+from sglang_relay.core.reference.record import UpstreamRecord
 from sglang_relay.core.reference.relay import (
     RelayResult,
     SpanOccurrence,

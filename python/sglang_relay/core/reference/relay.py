@@ -1,7 +1,7 @@
 """The relay prefill of the reference executor (:mod:`sglang_relay.core.reference`).
 
 :func:`relay_prefill` computes a downstream prompt whose span occurrences
-(:class:`SpanOccurrence`) reuse upstream KV (an :class:`~.generate.UpstreamRecord`) under a
+(:class:`SpanOccurrence`) reuse upstream KV (an :class:`~.record.UpstreamRecord`) under a
 :class:`RelayConfig` (any of the five methods; ``standard`` is the exact full prefill,
 also :func:`exact_prefill`) and returns a :class:`RelayResult`. Optional teacher-forced
 tokens after the prompt run as normal rows in the same pass, which equals prefilling and
@@ -46,7 +46,7 @@ from sglang_relay.core.selection import (
 )
 
 if TYPE_CHECKING:  # annotations only: generate.py imports relay_prefill from here
-    from sglang_relay.core.reference.generate import UpstreamRecord
+    from sglang_relay.core.reference.record import UpstreamRecord
 
 __all__ = [
     "RelayResult",

@@ -1,0 +1,57 @@
+"""Registering relay's hooks on SGLang's hook registry, and proving they are in place."""
+
+from __future__ import annotations
+
+
+def hook_registry():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    return HookRegistry, HookType
+
+
+def _resolve(target: str):
+    import importlib
+
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(target)
+
+
+def hook_installed(target: str, hook) -> bool:
+    """Whether ``hook`` wraps ``target`` now (walks the hook registry's wrapper chain)."""
+    fn = _resolve(target)
+    while fn is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        if any(getattr(c, "cell_contents", None) is hook for c in cells):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+_REGISTERED: list[tuple[str, object]] = []
+
+
+def register_hook(target: str, hook, kind: str) -> None:
+    """Register ``hook`` on ``target`` (``before``/``after``/``around``) and remember it for
+    :func:`check_hooks_installed`."""
+    registry, hook_type = hook_registry()
+    registry.register(target, hook, getattr(hook_type, kind.upper()))
+    _REGISTERED.append((target, hook))
+
+
+def check_hooks_installed() -> None:
+    """Raise unless every hook the plug-in registered wraps its target in this process."""
+    missing = [t for t, h in _REGISTERED if not hook_installed(t, h)]
+    if not _REGISTERED or missing:
+        raise RuntimeError(
+            "sglang-relay hooks are not installed"
+            + (f" ({', '.join(missing)})" if missing else " (register() never ran)")
+            + "; is the plug-in loaded (pip show sglang-relay, SGLANG_PLUGINS)?"
+        )

@@ -1,0 +1,131 @@
+"""The served model as relay reaches it: its decoder stack, TP group and graph state, and
+the two attributes relay adds to it (the runtime, the decode capture)."""
+
+from __future__ import annotations
+
+from sglang_relay.runtime.sglang.server import cuda_graphs_enabled
+from sglang_relay.runtime.sglang.views import check_surface
+
+MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
+
+
+MODEL_CAPTURE_ATTR = "_sglang_relay_decode_capture"
+
+
+SUPPORTED_ROPE = frozenset(
+    {
+        "RotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "LinearScalingRotaryEmbedding",
+        "YaRNScalingRotaryEmbedding",
+    }
+)
+
+
+def kv_write_loc(loc):
+    """A KV write target for ``set_kv_buffer`` on SGLang's token-major pools."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    return KVWriteLoc(loc)
+
+
+def lora_backend(model_runner):
+    """SGLang's LoRA backend of a model runner serving LoRA (its layers read
+    ``backend.batch_info``), else None."""
+    manager = getattr(model_runner, "lora_manager", None)
+    return None if manager is None else manager.lora_backend
+
+
+def inner_model(model_runner):
+    """The decoder stack (``LlamaModel`` / ``Qwen2Model``) of the runner's model."""
+    outer = model_runner.model
+    return getattr(outer, "model", outer)
+
+
+def check_model_anatomy(model_runner) -> None:
+    """Fail loudly unless the served decoder stack has exactly the modules its
+    architecture's adapter drives (``runtime/anatomy.py``), in every layer."""
+    from sglang_relay.runtime.anatomy import anatomy_of, anatomy_problems
+
+    architecture = type(model_runner.model).__name__
+    problems = anatomy_problems(anatomy_of(architecture), inner_model(model_runner), SUPPORTED_ROPE)
+    if problems:
+        raise ValueError(
+            f"sglang-relay cannot run the layer loop of this {architecture} model: "
+            + "; ".join(problems[:4])
+            + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+        )
+
+
+_TP_GROUP: list = []  # this process's TP group, looked up once (it is called per layer)
+
+
+def tp_group():
+    """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
+    if _TP_GROUP:
+        return _TP_GROUP[0]
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group is None:  # not initialised yet: ask again next time
+        return None
+    if int(group.world_size) > 1:
+        check_surface("GroupCoordinator", group)
+    _TP_GROUP.append(group if int(group.world_size) > 1 else None)
+    return _TP_GROUP[0]
+
+
+def finish_row_parallel(linear, out):
+    """The TP sum of a row-parallel linear's partial output. SGLang 0.5.23 builds a dense
+    layer's ``o_proj`` / ``down_proj`` with ``reduce_results=False`` and all-reduces in its
+    layer boundaries (``layers/layer_boundary``); the relay loops call the modules
+    themselves, so they reduce here (a no-op under tp 1)."""
+    if getattr(linear, "reduce_results", True):
+        return out
+    group = tp_group()
+    return out if group is None else group.all_reduce(out)
+
+
+def attach_runtime(model, runtime) -> None:
+    setattr(model, MODEL_RUNTIME_ATTR, runtime)
+
+
+def runtime_of(model):
+    """The relay runtime serving ``model`` in this process, if any."""
+    return getattr(model, MODEL_RUNTIME_ATTR, None)
+
+
+def attach_decode_capture(model, capture) -> None:
+    setattr(model, MODEL_CAPTURE_ATTR, capture)
+
+
+def decode_capture_of(model):
+    """The decode capture installed on ``model`` before graph capture, if any."""
+    return getattr(model, MODEL_CAPTURE_ATTR, None)
+
+
+def capturing_graph() -> bool:
+    """Whether this forward is being traced or captured into a graph (torch.compile by the
+    CPU graph runner, or a CUDA graph capture): only tensor ops may run."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def decode_graphs_captured(model_runner) -> bool:
+    """Whether the runner captured decode graphs (CUDA graphs or the CPU graph runner)."""
+    return bool(model_runner.decode_cuda_graph_captured)
+
+
+def forward_mode_name(fb) -> str:
+    """``EXTEND``, ``DECODE``, ``MIXED``, ``TARGET_VERIFY``, ... of a ForwardBatch."""
+    return fb.forward_mode.name
+
+
+def graphs_enabled(model_runner) -> dict[str, bool]:
+    """Whether decode / prefill batches may replay captured graphs (CUDA or CPU runner)."""
+    out = {phase: cuda_graphs_enabled(model_runner, phase) for phase in ("decode", "prefill")}
+    out["decode"] = out["decode"] or decode_graphs_captured(model_runner)
+    return out

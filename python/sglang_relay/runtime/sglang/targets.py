@@ -1,0 +1,100 @@
+"""The SGLang functions relay wraps, as dotted targets for SGLang's hook registry
+(``sglang.srt.plugins.hook_registry``). The model forwards relay may take over are named per
+architecture by the adapters (``runtime/anatomy.py``: ``MODEL_FORWARD_TARGETS``)."""
+
+from __future__ import annotations
+
+INTERNAL_STATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController.get_internal_state"
+)
+
+
+PREPARE_FOR_EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+
+
+MIX_WITH_RUNNING_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.mix_with_running"
+
+
+ADD_ONE_REQ_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+
+
+REQUEST_LEVEL_KEY_TARGET = (
+    "sglang.srt.managers.scheduler_components.output_streamer."
+    "SchedulerOutputStreamer.is_request_level_customized_info_key"
+)
+
+
+META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+
+
+# every generate request enters here (HTTP, OpenAI, the guard's redo): relay's trust
+# boundary (runtime/trust.py); a ValueError raised here is SGLang's 400
+GENERATE_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+
+
+# the tokenizer manager is built: the trust boundary's gate is built with it (a relay
+# server whose settings do not resolve there fails start-up, not each request)
+TOKENIZER_INIT_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
+
+
+# /abort_request: an abort of a request also reaches its guard redo (runtime/guard.py)
+ABORT_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request"
+
+
+# every response a client gets (streamed or not) comes out of this async generator; a
+# streamed chunk that did not carry new relay info gets SGLang's raw accumulated list
+STREAM_RESPONSE_TARGET = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response"
+)
+
+
+# CPU stand-in only (runtime/cpu.py): model-parallel groups without PyNccl
+MODEL_PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+
+
+# decode graphs are captured here, before the relay runtime exists: the decode capture is
+# installed on the model first (runtime/decode.py)
+CAPTURE_DECODE_GRAPH_TARGET = (
+    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph"
+)
+
+
+# every forward of the model runner: counts the decode forwards that replayed a graph
+MODEL_RUNNER_FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+
+
+# data parallel (runtime/dp_routing.py): the controller launches its ranks in __init__, and
+# routes every request through maybe_external_dp_rank_routing first
+DP_CONTROLLER_INIT_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__"
+)
+
+
+DP_ROUTING_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController."
+    "maybe_external_dp_rank_routing"
+)
+
+
+# CPU stand-in only: the controller's event loop, which polls its socket without blocking
+DP_EVENT_LOOP_TARGET = (
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop"
+)
+
+
+# CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
+# sgl_kernel CPU ops, which must exist as torch operators first
+CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
+
+
+# CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
+# a CPU here; the stand-in lets its pool hold FP8 as on a GPU, to test relay on FP8 pools
+KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype"
+
+
+# the KV pool's byte budget -> token count, for the initial pool and the post-capture resize:
+# relay's side memory is taken out of the budget here (:mod:`.budget`)
+KV_BUDGET_TARGET = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget"
+)
