@@ -268,6 +268,18 @@ KV_CACHE_DTYPES = {
 }
 
 
+def add_cache_and_threads(p: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` and ``--threads``, which :func:`load_bench_model` reads."""
+    p.add_argument("--cache-dir", default=None, help="generation cache folder")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
+        "a busy core slow small matmuls down many times)",
+    )
+
+
 class BenchModel(NamedTuple):
     model_dir: Path
     profile_path: Path | None

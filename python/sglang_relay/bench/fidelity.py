@@ -43,6 +43,7 @@ from sglang_relay.bench.evaluation import (
     METHODS,
     QUICK_FRONTIER_RELAYS,
     QUICK_RELAYS,
+    add_cache_and_threads,
     evaluate_relay,
     load_bench_model,
     machine_info,
@@ -117,14 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cacheblend-top-ratio", type=float, default=0.15, help="CacheBlend's selected share"
     )
     p.add_argument("--epic-first-k", type=int, default=16, help="EPIC's first tokens per span")
-    p.add_argument("--cache-dir", default=None, help="generation cache folder")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
-        "a busy core slow small matmuls down many times)",
-    )
+    add_cache_and_threads(p)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",

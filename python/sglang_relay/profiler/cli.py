@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.bench.evaluation import add_cache_and_threads
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.reference import (
     exact_prefill,
@@ -117,14 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "forced, for each K of this comma list (default none: measured in docs/fidelity.md, "
         "a calibration-only gain)",
     )
-    p.add_argument("--cache-dir", default=None, help="generation cache folder")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: on a shared CPU, OpenMP threads that wait for "
-        "a busy core slow small matmuls down many times)",
-    )
+    add_cache_and_threads(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 
