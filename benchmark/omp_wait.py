@@ -16,7 +16,7 @@ import sys
 
 from sglang_relay.bench.decode import _round
 from sglang_relay.embedded_model import ensure_model
-from sglang_relay.runtime.launch import ServerProcess
+from sglang_relay.runtime.process import ServerProcess
 
 
 def env_for(policy: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import psutil
 import requests
 
-from sglang_relay.runtime.launch import ServerProcess
+from sglang_relay.runtime.process import ServerProcess
 
 # extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
 EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))

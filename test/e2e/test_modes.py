@@ -77,7 +77,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
     """``python -m sglang.launch_server --radix-cache-backend relay`` never passes through
     ``sglang-relay serve``: the relay backend factory refuses in the scheduler."""
     from sglang_relay.runtime import cpu
-    from sglang_relay.runtime.launch import free_port
+    from sglang_relay.runtime.process import free_port
 
     env = dict(os.environ)
     if cpu.activate():

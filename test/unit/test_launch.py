@@ -11,12 +11,8 @@ import sys
 import pytest
 
 from sglang_relay.errors import RelayError
-from sglang_relay.runtime.launch import (
-    _get_ok,
-    build_server_argv,
-    check_model_path,
-    flag_value,
-)
+from sglang_relay.runtime.launch import build_server_argv, check_model_path
+from sglang_relay.runtime.process import _get_ok, flag_value
 
 
 def test_defaults_fill_only_what_is_missing():
@@ -199,7 +195,7 @@ finally:
 
 
 def _uvicorn_child(linger: bool, port: int = 0):
-    from sglang_relay.runtime.launch import _ChildProcess
+    from sglang_relay.runtime.process import _ChildProcess
 
     class Child(_ChildProcess):
         name = "uvicorn"
@@ -226,11 +222,11 @@ def taken_port():
 def test_a_picked_port_taken_before_the_child_binds_is_picked_again(
     monkeypatch, taken_port, linger
 ):
-    from sglang_relay.runtime import launch
+    from sglang_relay.runtime import process
 
     picks = iter([taken_port])
-    real = launch.free_port
-    monkeypatch.setattr(launch, "free_port", lambda host: next(picks, None) or real(host))
+    real = process.free_port
+    monkeypatch.setattr(process, "free_port", lambda host: next(picks, None) or real(host))
     child = _uvicorn_child(linger)
     try:
         child.start(timeout=60)
@@ -255,7 +251,7 @@ def test_a_chosen_port_that_is_taken_is_one_error_not_a_wait(taken_port):
 
 
 def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
-    from sglang_relay.runtime.launch import free_port
+    from sglang_relay.runtime.process import free_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
@@ -270,14 +266,14 @@ def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
 def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monkeypatch):
     """A foreign HTTP server already listening on the picked port answers /health before
     our child even tries to bind: start() must not return its URL as ours."""
-    from sglang_relay.runtime import launch
+    from sglang_relay.runtime import process
 
     foreign = _uvicorn_child(linger=False)
     foreign.start(timeout=60)
     try:
         picks = iter([foreign.port])
-        real = launch.free_port
-        monkeypatch.setattr(launch, "free_port", lambda host: next(picks, None) or real(host))
+        real = process.free_port
+        monkeypatch.setattr(process, "free_port", lambda host: next(picks, None) or real(host))
         child = _uvicorn_child(linger=True)
         try:
             child.start(timeout=60)

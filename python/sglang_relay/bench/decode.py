@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     from sglang_relay.bench.models import random_llama
     from sglang_relay.embedded_model import default_model_dir, ensure_model
     from sglang_relay.runtime import cpu
-    from sglang_relay.runtime.launch import ServerProcess
+    from sglang_relay.runtime.process import ServerProcess
 
     model_path = args.model_path or str(ensure_model())
     if args.random_llama:
