@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sglang_relay.bench.frontier import measure_verdicts, workload_markdown
+from sglang_relay.bench.frontier_report import measure_verdicts, workload_markdown
 
 
 def merge(base: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[tuple]]:

@@ -53,12 +53,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_relay.runtime.dp_routing import (
-    DEFAULT_MAX_IMBALANCE,
-    WINDOW,
-    fingerprint_choice,
-    key_worker,
-)
+from sglang_relay.runtime.dp_fingerprints import WINDOW, fingerprint_choice, key_worker
+from sglang_relay.runtime.dp_routing import DEFAULT_MAX_IMBALANCE
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_SPAN = WINDOW  # the span store's min_match: shorter outputs are not recorded
@@ -379,7 +375,7 @@ class Request:
 
 def fingerprint_tokens(span_tokens: int) -> int:
     """Relayable tokens a router credits a worker with for holding a span pasted whole: the
-    tokens its published windows cover (``runtime.dp_routing.span_fingerprints``: every
+    tokens its published windows cover (``runtime.dp_fingerprints.span_fingerprints``: every
     ``STRIDE``-th window and the last), i.e. all of a span of at least ``WINDOW`` tokens."""
     return span_tokens if span_tokens >= WINDOW else 0
 
@@ -422,7 +418,7 @@ class LeastLoad(Policy):
 
 class ChainKey(Policy):
     """sglang-router's ``manual`` policy: a stable hash of the chain's routing key (the
-    runtime's :func:`~sglang_relay.runtime.dp_routing.key_worker`, every worker active)."""
+    runtime's :func:`~sglang_relay.runtime.dp_fingerprints.key_worker`, every worker active)."""
 
     def choose(self, req: Request, sim: Simulation) -> int:
         return self._decided("key", key_worker(req.key, range(self.n)))

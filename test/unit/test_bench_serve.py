@@ -72,7 +72,7 @@ def test_downstream_prompts_quote_earlier_outputs_verbatim():
 
 
 def test_summary_counts_relayed_tokens_and_fallbacks():
-    rec = serve.Record
+    rec = serve_report.Record
     chains = [
         (0.0, 2.0, [rec(0, "pipeline", 0, False, 0.3, 1.0, 100),
                     rec(0, "pipeline", 1, True, 0.1, 1.0, 300,
@@ -80,7 +80,7 @@ def test_summary_counts_relayed_tokens_and_fallbacks():
         (1.0, 4.0, [rec(1, "plain", 0, False, 0.5, 1.0, 100,
                         {"fallback": "span_evicted: x"})]),
     ]  # fmt: skip
-    row = serve.summarize("relay", 4.0, chains, [], arrived=3, incomplete=1, elapsed_s=60.0)
+    row = serve_report.summarize("relay", 4.0, chains, [], arrived=3, incomplete=1, elapsed_s=60.0)
     assert row["completed"] == 2 and row["chains_per_min"] == 2.0 and row["incomplete"] == 1
     assert row["relayed_prompt_share"] == pytest.approx(150 / 500)
     assert row["fallbacks"] == {"span_evicted": 1}
@@ -98,14 +98,14 @@ def test_only_the_last_agent_of_a_chain_answers_short():
 
 
 def test_tpot_and_per_kind_latency_are_reported():
-    rec = serve.Record
+    rec = serve_report.Record
     # 0.3 s to the first token, then 31 more tokens in 3.1 s: 100 ms per output token
     a = rec(0, "fanin", 0, False, 0.3, 3.4, 100, output_tokens=32)
     b = rec(0, "fanin", 1, True, 0.2, 0.2, 300, output_tokens=1)  # one token: no TPOT
     c = rec(1, "plain", 0, False, 0.5, 2.5, 100, output_tokens=11)  # 200 ms per token
     assert a.tpot_s == pytest.approx(0.1) and b.tpot_s is None
     chains = [(0.0, 4.0, [a, b]), (1.0, 2.5, [c]), (2.0, 6.0, [a])]
-    row = serve.summarize("relay", 4.0, chains, [], arrived=3, incomplete=0, elapsed_s=60.0)
+    row = serve_report.summarize("relay", 4.0, chains, [], arrived=3, incomplete=0, elapsed_s=60.0)
     assert row["tpot_p50"] == pytest.approx(0.1) and row["tpot_p99"] == pytest.approx(0.198)
     assert row["chain_ttfts"] == [[0.3, 0.2], [0.5], [0.3]]  # in arrival order
     assert row["chain_latency_p50_by_kind"] == {"fanin": pytest.approx(5.0), "plain": 2.5}

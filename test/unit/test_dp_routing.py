@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 import time
 
-from sglang_relay.runtime.dp_routing import (
+from sglang_relay.runtime.dp_fingerprints import (
     STRIDE,
     WINDOW,
-    DPRouter,
     FingerprintPublisher,
     covered_tokens,
     decode_message,
@@ -20,6 +19,7 @@ from sglang_relay.runtime.dp_routing import (
     span_fingerprints,
     window_hashes,
 )
+from sglang_relay.runtime.dp_routing import DPRouter
 
 BASE = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1

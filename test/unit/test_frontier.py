@@ -257,7 +257,7 @@ def _rows(method: str, kls: list[float], top1: list[int]) -> dict:
 
 
 def test_verdicts_compare_relay_with_the_best_baseline_of_each_measure_paired():
-    from sglang_relay.bench.frontier import measure_verdicts, verdict_table
+    from sglang_relay.bench.frontier_report import measure_verdicts, verdict_table
 
     n = 24
     relay = _rows("relay", [0.01 * (1 + i % 5) for i in range(n)], [1] * (n - 6) + [0] * 6)
@@ -283,11 +283,10 @@ def test_profiler_frontier_tries_a_head_floor_under_the_context_rules(tiny):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from sglang_relay.profiler.rules import context_rule, run_frontier
-    from sglang_relay.profiler.search import Search
-
     from sglang_relay.core.operating import rule_name
     from sglang_relay.core.reference import exact_prefill, relay_prefill
+    from sglang_relay.profiler.rules import context_rule, run_frontier
+    from sglang_relay.profiler.search import Search
 
     relays = [_relay(tiny, n, seed) for seed, n in enumerate((41, 57))]
     exacts = [exact_prefill(tiny, r.prompt, forced=r.continuation[:-1]) for r in relays]

@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import pytest
 
-from sglang_relay.runtime.dp_routing import namespace_salt
+from sglang_relay.runtime.dp_fingerprints import namespace_salt
 from sglang_relay.runtime.options import namespace
 from sglang_relay.runtime.settings import settings_from_env
 from sglang_relay.runtime.sglang.scheduling import (

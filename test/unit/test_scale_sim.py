@@ -159,7 +159,8 @@ class _Unrouted(sim.Policy):
 
 
 def test_fingerprint_policy_agrees_with_the_runtime_dp_router(tmp_path):
-    from sglang_relay.runtime.dp_routing import DPRouter, span_fingerprints
+    from sglang_relay.runtime.dp_fingerprints import span_fingerprints
+    from sglang_relay.runtime.dp_routing import DPRouter
 
     rng = random.Random(11)
     n = 4

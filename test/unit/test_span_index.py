@@ -327,10 +327,10 @@ def test_hash_collisions_never_produce_wrong_matches() -> None:
     """With a hash that maps every gram to one of 2 values, every look-up collides (so
     much work that only the unbounded index gives the exact result)."""
     rng = np.random.default_rng(11)
-    orig = span_index_module._gram_hashes
+    orig = span_index_module.gram_hashes
     spans = [rand_tokens(rng, 40) for _ in range(20)]
     with mock.patch.object(
-        span_index_module, "_gram_hashes", lambda t, g: orig(t, g) % np.uint64(2)
+        span_index_module, "gram_hashes", lambda t, g: orig(t, g) % np.uint64(2)
     ):
         ix = SpanIndex(work_per_token=None)
         for i, s in enumerate(spans):
@@ -580,9 +580,9 @@ def test_find_equals_brute_force(scenario: tuple) -> None:
 @given(scenarios())
 def test_find_equals_brute_force_under_hash_collisions(scenario: tuple) -> None:
     """Same property with a 4-valued hash: almost every look-up is a collision."""
-    orig = span_index_module._gram_hashes
+    orig = span_index_module.gram_hashes
     with mock.patch.object(
-        span_index_module, "_gram_hashes", lambda t, g: orig(t, g) % np.uint64(4)
+        span_index_module, "gram_hashes", lambda t, g: orig(t, g) % np.uint64(4)
     ):
         # Rebuild the index under the bad hash (entries must be hashed consistently).
         ix, stored, prompt, namespace, start, end = scenario
@@ -599,7 +599,7 @@ def test_find_equals_brute_force_under_hash_collisions(scenario: tuple) -> None:
 
 
 def test_related_spans_by_share_and_by_long_quote() -> None:
-    from sglang_relay.core.span_index import related_spans
+    from sglang_relay.core.relatedness import related_spans
 
     lengths = {1: 200, 2: 200, 3: 1000, 4: 100}
     matches = [
@@ -641,7 +641,7 @@ def test_reasoning_spans_relate_by_their_answer() -> None:
     without a reasoning part keep the whole-output rule. Random cases == brute force."""
     import random
 
-    from sglang_relay.core.span_index import related_spans
+    from sglang_relay.core.relatedness import related_spans
 
     lengths = {1: 400, 2: 400, 3: 200}
     starts = {1: 300, 2: 300}
@@ -669,7 +669,7 @@ def test_reasoning_spans_relate_by_their_answer() -> None:
 
 
 def test_answer_offset_is_just_after_the_last_reasoning_end_marker() -> None:
-    from sglang_relay.core.span_index import answer_offset
+    from sglang_relay.core.relatedness import answer_offset
 
     end = [7, 8, 9]
     assert answer_offset([1, 2, 7, 8, 9, 4, 5], end) == 5

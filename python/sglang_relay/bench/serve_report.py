@@ -12,6 +12,8 @@ interval excludes 1.
 from __future__ import annotations
 
 import collections
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,80 @@ def goodput_curve(
     methods = dict.fromkeys(r["method"] for r in rows)
     return {
         m: [goodput([r for r in rows if r["method"] == m], s, key) for s in slos] for m in methods
+    }
+
+
+@dataclass
+class Record:
+    """One request of a chain as the client saw it."""
+
+    chain: int
+    kind: str
+    agent: int
+    could_relay: bool
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    relay: dict[str, Any] = field(default_factory=dict)
+    output_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (decode speed as this request saw it);
+        ``output_tokens`` is what the server generated (an early stop ends it sooner)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def summarize(
+    method: str,
+    rate: float,
+    chains: list[tuple[float, float | None, list[Record]]],
+    errors: list[str],
+    arrived: int,
+    incomplete: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """One row of the report from the chains a run completed."""
+    chains = sorted(chains, key=lambda c: c[0])
+    records = [r for _, _, recs in chains for r in recs]
+    ttft = [r.ttft_s for r in records]
+    down = [r.ttft_s for r in records if r.could_relay]
+    latency = [lat for _, lat, _ in chains if lat is not None]
+    tpot = [t for r in records if (t := r.tpot_s) is not None]
+    by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    for _, lat, recs in chains:
+        if lat is not None and recs:
+            by_kind[recs[0].kind].append(lat)
+    prompt = sum(r.prompt_tokens for r in records)
+    relayed = sum(int(r.relay.get("reused_tokens", 0)) for r in records)
+    fallbacks = collections.Counter(
+        str(r.relay["fallback"]).split(":")[0] for r in records if r.relay.get("fallback")
+    )
+    return {
+        "method": method,
+        "rate": rate,
+        "arrived": arrived,
+        "completed": len(chains),
+        "incomplete": incomplete,
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "chains_per_min": 60.0 * len(chains) / elapsed_s if elapsed_s > 0 else 0.0,
+        **{f"ttft_{k}": v for k, v in tail(ttft).items()},
+        **{f"ttft_relayable_{k}": v for k, v in tail(down).items()},
+        **{f"chain_latency_{k}": v for k, v in tail(latency).items()},
+        "chain_latency_p50_by_kind": {k: percentile(v, 50) for k, v in sorted(by_kind.items())},
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
+        "requests": len(records),
+        "chain_ttfts": [[round(r.ttft_s, 4) for r in recs] for _, _, recs in chains],
+        "relayed_prompt_share": relayed / prompt if prompt else 0.0,
+        "fallbacks": dict(fallbacks),
+        "reuse_rate_mean": statistics.fmean(
+            [float(r.relay.get("reuse_rate", 0.0)) for r in records if r.relay.get("spans_matched")]
+            or [0.0]
+        ),
     }
 
 

@@ -76,22 +76,20 @@ The index is not thread-safe; callers serialise ``add``/``remove``/``find``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["QUOTE_TOKENS", "SpanIndex", "SpanMatch", "answer_offset", "related_spans"]
+from sglang_relay.core.grams import as_tokens, equal_run, gram_hashes
 
-# splitmix64 finalizer constants and the polynomial base (odd, so multiplication is a bijection).
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_BASE = np.uint64(0xD6E8FEB86659FD93)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+__all__ = ["SpanIndex", "SpanMatch"]
+
 
 # An index entry packs (span sequence number, anchored offset) into one Python int.
 _OFF_BITS = 32
+
+
 _OFF_MASK = (1 << _OFF_BITS) - 1
 
 
@@ -107,125 +105,6 @@ class SpanMatch(NamedTuple):
     """Offset inside the stored span where the matched run begins."""
     length: int
     """Number of matched tokens."""
-
-
-def _as_tokens(tokens: Sequence[int] | np.ndarray, *, copy: bool) -> np.ndarray:
-    """``tokens`` as a contiguous 1-D int64 array (a private copy if ``copy``)."""
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"token ids must be a 1-D sequence; got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers; got dtype {arr.dtype}")
-    if copy:
-        return np.array(arr, dtype=np.int64, order="C", copy=True)
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def _gram_hashes(tokens: np.ndarray, gram: int) -> np.ndarray:
-    """uint64 hash of ``tokens[i:i + gram]`` for every ``i`` in ``range(len(tokens) - gram + 1)``.
-
-    Deterministic and identical for equal grams; unequal grams may collide (callers verify).
-    """
-    n = len(tokens) - gram + 1
-    if n <= 0:
-        return np.empty(0, dtype=np.uint64)
-    x = tokens.view(np.uint64) + _GOLDEN
-    x = (x ^ (x >> _S30)) * _MIX1
-    x = (x ^ (x >> _S27)) * _MIX2
-    x ^= x >> _S31
-    h = x[:n].copy()
-    for j in range(1, gram):
-        h *= _BASE
-        h += x[j : j + n]
-    return h
-
-
-# A verbatim run this long is a deliberate quote of an output, whatever share of it.
-QUOTE_TOKENS = 256
-
-
-def related_spans(
-    matches: Sequence[SpanMatch],
-    span_length: dict[int, int] | Callable[[int], int],
-    min_share: float,
-    quote_tokens: int = QUOTE_TOKENS,
-    answer_start: Callable[[int], int] | None = None,
-) -> set[int]:
-    """Ids of the spans that ``matches`` (the matches of one whole prompt) relate to.
-
-    Relay's use case is an output pasted into a later prompt: whole, or most of it, or a
-    long quote of it. A short run that merely equals part of a stored output (a license
-    header, a common idiom, boilerplate that two unrelated outputs share) is not. A span
-    is *related* when the prompt holds at least ``min_share`` of its tokens (all its
-    matches together: a paste with an edit in the middle is two matches) or one match of
-    at least ``quote_tokens`` tokens. ``min_share`` 0 relates every match.
-
-    Reasoning outputs (``answer_start``: the offset where a span's answer begins, after
-    the model's reasoning end marker; 0 for a span without one) are judged by what a
-    downstream pastes: the share counts matched tokens of the answer against the answer's
-    length (``span_length`` minus ``answer_start``), so an answer pasted without its longer
-    reasoning relates; a reasoning quote relates only through ``quote_tokens``.
-    """
-    length = span_length.__getitem__ if isinstance(span_length, dict) else span_length
-    total: dict[int, int] = {}
-    longest: dict[int, int] = {}
-    starts: dict[int, int] = {}
-    for m in matches:
-        sid = m.span_id
-        if answer_start is None:
-            start = 0
-        else:
-            start = starts.setdefault(sid, answer_start(sid))
-        inside = max(0, m.span_start + m.length - max(m.span_start, start))
-        total[sid] = total.get(sid, 0) + inside
-        longest[sid] = max(longest.get(sid, 0), m.length)
-    if min_share <= 0:
-        return set(longest)
-    return {
-        sid
-        for sid in longest
-        if (total[sid] > 0 and total[sid] >= min_share * (length(sid) - starts.get(sid, 0)))
-        or longest[sid] >= quote_tokens
-    }
-
-
-def answer_offset(tokens: Sequence[int], marker: Sequence[int] | None) -> int:
-    """Where the answer of an output begins: just after the last occurrence of ``marker``
-    (the model's reasoning end, e.g. the tokens of ``</think>``) in ``tokens``; 0 when
-    there is no marker or it does not occur (the whole output is the answer)."""
-    if not marker:
-        return 0
-    m = len(marker)
-    first = marker[0]
-    marker = list(marker)
-    for i in range(len(tokens) - m, -1, -1):
-        if tokens[i] == first and list(tokens[i : i + m]) == marker:
-            return i + m
-    return 0
-
-
-def _equal_run(
-    a: np.ndarray, i: int, b: np.ndarray, j: int, limit: int, step: int
-) -> tuple[int, int]:
-    """Length of the run ``a[i + step*k] == b[j + step*k]`` for ``k = 0, 1, ...`` (at most
-    ``limit``) and the number of tokens compared. Compares in blocks that grow 4x from 64,
-    so the cost follows the run's length rather than ``limit``."""
-    done, block = 0, 64
-    while done < limit:
-        n = min(block, limit - done)
-        if step > 0:
-            x, y = a[i + done : i + done + n], b[j + done : j + done + n]
-        else:  # backwards: compare a[i-done-n+1 .. i-done] from its end
-            x = a[i - done - n + 1 : i - done + 1][::-1]
-            y = b[j - done - n + 1 : j - done + 1][::-1]
-        bad = np.flatnonzero(x != y)
-        if bad.size:
-            return done + int(bad[0]), done + n
-        done += n
-        block *= 4
-    return limit, limit
 
 
 class SpanIndex:
@@ -374,7 +253,7 @@ class SpanIndex:
         """Hashes of the anchored grams of a stored span (empty if it can never match)."""
         if len(toks) < self._min_match:
             return []
-        return _gram_hashes(toks, self._anchor)[:: self._anchor].tolist()
+        return gram_hashes(toks, self._anchor)[:: self._anchor].tolist()
 
     def add(self, span_id: int, tokens: Sequence[int], namespace: Hashable = None) -> None:
         """Store ``tokens`` under ``span_id`` in ``namespace``.
@@ -391,7 +270,7 @@ class SpanIndex:
         if span_id in self._seq_of:
             raise ValueError(f"span id {span_id!r} is already in the index")
         hash(namespace)  # fail before any mutation
-        toks = _as_tokens(tokens, copy=True)
+        toks = as_tokens(tokens, copy=True)
         if len(toks) > _OFF_MASK:
             raise ValueError(f"spans are limited to {_OFF_MASK} tokens; got {len(toks)}")
         toks.flags.writeable = False
@@ -483,14 +362,14 @@ class SpanIndex:
         table = self._tables.get(namespace)
         if not table:
             return []
-        arr = _as_tokens(prompt, copy=False)
+        arr = as_tokens(prompt, copy=False)
         stop = len(arr) if end is None else min(end, len(arr))
         min_match, a = self._min_match, self._anchor
         if stop - start < min_match:
             return []
 
         # 1) look every a-gram of the window up; extend each new diagonal to its maximal run.
-        hashes = _gram_hashes(arr[start:stop], a).tolist()
+        hashes = gram_hashes(arr[start:stop], a).tolist()
         spans = self._spans
         max_bucket = self._max_bucket
         pace, slack = self._work_per_token, self._work_slack
@@ -522,11 +401,11 @@ class SpanIndex:
                     break
                 checked += 1
                 toks = spans[seq][1]
-                fwd, cost = _equal_run(arr, q, toks, off, min(stop - q, len(toks) - off), 1)
+                fwd, cost = equal_run(arr, q, toks, off, min(stop - q, len(toks) - off), 1)
                 work += 16 + cost // 64
                 if fwd < a:
                     continue  # hash collision: the anchored gram itself differs
-                back, cost = _equal_run(arr, q - 1, toks, off - 1, min(q - start, off), -1)
+                back, cost = equal_run(arr, q - 1, toks, off - 1, min(q - start, off), -1)
                 work += cost // 64
                 covered[key] = q + fwd
                 if fwd + back >= min_match:

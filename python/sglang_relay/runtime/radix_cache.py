@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sglang_relay.core.span_index import answer_offset
+from sglang_relay.core.relatedness import answer_offset
 from sglang_relay.runtime import modes, server_options
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import settings_from_env

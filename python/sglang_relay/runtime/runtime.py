@@ -24,14 +24,14 @@ import torch
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import OperatingPoint
+from sglang_relay.core.relatedness import related_spans
 from sglang_relay.core.selection import context_mass
-from sglang_relay.core.span_index import related_spans
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import faults
 from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
-from sglang_relay.runtime.dp_routing import ENDPOINT_ENV as DP_ENDPOINT_ENV
-from sglang_relay.runtime.dp_routing import FingerprintPublisher
+from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
+from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
 from sglang_relay.runtime.llama import qkv as layer_qkv
 from sglang_relay.runtime.lora_rows import base_only

@@ -22,7 +22,7 @@ set them directly:
   are recomputed under the requesting adapter, the rest keep the other adapter's KV)
 * ``SGLANG_RELAY_MIN_SHARE``: relatedness rule: a stored span relays into a prompt only
   if the prompt holds at least this share of it (default 0.5) or a run of at least 256
-  of its tokens (:func:`sglang_relay.core.span_index.related_spans`); 0 relays any match
+  of its tokens (:func:`sglang_relay.core.relatedness.related_spans`); 0 relays any match
 * ``SGLANG_RELAY_REASONING_REUSE``: the reuse target for the answers of a reasoning model
   (spans stored with reasoning before the answer; needs SGLang's ``--reasoning-parser``):
   their runs are capped for this target apart from the request's other runs when it is

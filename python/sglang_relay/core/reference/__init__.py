@@ -50,26 +50,27 @@ from sglang_relay.core.reference.measures import (
 )
 from sglang_relay.core.reference.model import KVCache, RefModel, load_model
 from sglang_relay.core.reference.model import _run_layer as _run_layer
-from sglang_relay.core.reference.record import UpstreamRecord
-from sglang_relay.core.reference.relay import (
-    RelayResult,
-    SpanOccurrence,
+from sglang_relay.core.reference.oracles import (
     exact_kv_prefill,
     exact_prefill,
+    true_value_deviation,
+)
+from sglang_relay.core.reference.record import UpstreamRecord
+from sglang_relay.core.reference.relay import _detect as _detect
+from sglang_relay.core.reference.relay import (
     last_row_probe,
     record_context_mass,
     record_decode_queries,
     relay_prefill,
     span_context_mass,
-    true_value_deviation,
 )
-from sglang_relay.core.reference.relay import _check_selection as _check_selection
-from sglang_relay.core.reference.relay import _check_spans as _check_spans
-from sglang_relay.core.reference.relay import _detect as _detect
-from sglang_relay.core.reference.relay import _influence as _influence
-from sglang_relay.core.reference.relay import _span_rows as _span_rows
-from sglang_relay.core.reference.relay import _splice as _splice
-from sglang_relay.core.reference.relay import _upstream_kv as _upstream_kv
+from sglang_relay.core.reference.spans import RelayResult, SpanOccurrence
+from sglang_relay.core.reference.spans import _check_selection as _check_selection
+from sglang_relay.core.reference.spans import _check_spans as _check_spans
+from sglang_relay.core.reference.spans import _influence as _influence
+from sglang_relay.core.reference.spans import _span_rows as _span_rows
+from sglang_relay.core.reference.spans import _splice as _splice
+from sglang_relay.core.reference.spans import _upstream_kv as _upstream_kv
 
 __all__ = [
     "KVCache",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_relay.core.reference.model import KVCache, RefModel, _run_layer
-from sglang_relay.core.reference.relay import RelayResult
+from sglang_relay.core.reference.spans import RelayResult
 
 __all__ = [
     "extend",

@@ -3,14 +3,15 @@
 :func:`relay_prefill` computes a downstream prompt whose span occurrences
 (:class:`SpanOccurrence`) reuse upstream KV (an :class:`~.record.UpstreamRecord`) under a
 :class:`RelayConfig` (any of the five methods; ``standard`` is the exact full prefill,
-also :func:`exact_prefill`) and returns a :class:`RelayResult`. Optional teacher-forced
+also :func:`~.oracles.exact_prefill`) and returns a :class:`RelayResult`. Optional teacher-forced
 tokens after the prompt run as normal rows in the same pass, which equals prefilling and
 then extending with them. Beside it: the splice of upstream KV, detection and selection
 at ``l_det``, the selection signals (influence, the context masses of
 :func:`record_context_mass` / :func:`span_context_mass` from the span tokens' decode
-queries, the probe of :func:`last_row_probe`), and the oracles :func:`exact_kv_prefill`
-(exact KV for a chosen selection) and :func:`true_value_deviation` (the deviation a
-detector approximates).
+queries, the probe of :func:`last_row_probe`). The spans and the splice are in
+:mod:`.spans`, the oracles (:func:`~.oracles.exact_kv_prefill`: exact KV for a chosen
+selection, :func:`~.oracles.true_value_deviation`: the deviation a detector approximates)
+in :mod:`.oracles`.
 
 Semantics (identical to the runtime): span rows first get the upstream KV in all layers,
 keys re-rotated by ``new_pos - old_pos``. At ``l_start`` (if ``0 < l_start < L`` and the
@@ -26,16 +27,23 @@ by position. The last prompt token is always a normal row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING
+from itertools import pairwise
 
 import torch
 
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.reference.model import KVCache, RefModel, _run_layer
-from sglang_relay.core.rope import apply_rotation, delta_cos_sin
+from sglang_relay.core.reference.record import UpstreamRecord
+from sglang_relay.core.reference.spans import (
+    RelayResult,
+    SpanOccurrence,
+    _check_selection,
+    _check_spans,
+    _influence,
+    _span_rows,
+    _splice,
+)
 from sglang_relay.core.selection import (
     context_mass,
     kv_deviation,
@@ -45,88 +53,13 @@ from sglang_relay.core.selection import (
     select_runs,
 )
 
-if TYPE_CHECKING:  # annotations only: generate.py imports relay_prefill from here
-    from sglang_relay.core.reference.record import UpstreamRecord
-
 __all__ = [
-    "RelayResult",
-    "SpanOccurrence",
-    "exact_kv_prefill",
-    "exact_prefill",
     "last_row_probe",
     "record_context_mass",
     "record_decode_queries",
     "relay_prefill",
     "span_context_mass",
-    "true_value_deviation",
 ]
-
-
-@dataclass(frozen=True)
-class SpanOccurrence:
-    """``prompt[prompt_start : prompt_start + length]`` reuses
-    ``record.span_tokens[span_start : span_start + length]``. ``answer``: the run is a
-    reasoning model's answer (capped at ``answer_max_ratio``, as the server caps a run
-    of a span stored with reasoning before its answer)."""
-
-    prompt_start: int
-    record: UpstreamRecord
-    span_start: int
-    length: int
-    answer: bool = False
-
-
-@dataclass
-class RelayResult:
-    """Outcome of :func:`relay_prefill`.
-
-    Attributes:
-        logits: ``[1 + m, vocab]`` float32: the last prompt row, then one row per forced token.
-        cache: final KV of the prompt and the forced tokens, ``[L, T + m, H_kv, D]``.
-        prompt_len: ``T``.
-        span_lengths, selected: per span occurrence (prompt order), tokens and selected ones.
-        reuse_rate: METHOD.md's token-layer reuse over all spans (0 for standard).
-        deviation: ``[S]`` detection scores over the span tokens in prompt order,
-            ``S = sum(span_lengths)`` (``None`` if none computed).
-        selected_mask: ``[S]`` bool, the span tokens selected at ``l_det``.
-        hidden: ``[L, T + m, hidden]`` stream entering each layer if captured.
-    """
-
-    logits: torch.Tensor
-    cache: KVCache
-    prompt_len: int
-    span_lengths: list[int] = field(default_factory=list)
-    selected: list[int] = field(default_factory=list)
-    reuse_rate: float = 0.0
-    deviation: torch.Tensor | None = None
-    selected_mask: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-
-    @property
-    def recomputed_fraction(self) -> float:
-        """Recomputed span token-layers over all span token-layers (``1 - reuse``)."""
-        return 1.0 - self.reuse_rate if self.span_lengths else 0.0
-
-    @property
-    def selected_fraction(self) -> float:
-        """Selected span tokens over all span tokens."""
-        total = sum(self.span_lengths)
-        return sum(self.selected) / total if total else 0.0
-
-
-def _check_spans(prompt: Sequence[int], spans: Sequence[SpanOccurrence]) -> None:
-    end = 0
-    for s in spans:
-        if s.length <= 0 or s.prompt_start < end:
-            raise ValueError("span occurrences must be non-empty, sorted and non-overlapping")
-        if s.prompt_start + s.length > len(prompt) - 1:
-            raise ValueError("the last prompt token must not be part of a span")
-        if s.record.k is None or s.span_start + s.length > s.record.k.shape[1]:
-            raise ValueError("span occurrence exceeds the upstream record's KV")
-        want = s.record.span_tokens[s.span_start : s.span_start + s.length]
-        if list(prompt[s.prompt_start : s.prompt_start + s.length]) != list(want):
-            raise ValueError(f"prompt tokens at {s.prompt_start} differ from the span tokens")
-        end = s.prompt_start + s.length
 
 
 @torch.no_grad()
@@ -284,115 +217,6 @@ def last_row_probe(
     return torch.stack(out)
 
 
-def _check_selection(selection: torch.Tensor, n: int) -> None:
-    if selection.dtype != torch.bool or selection.shape != (n,):
-        raise ValueError(f"selection must be a bool tensor of shape [{n}] (the span tokens)")
-
-
-def _span_rows(spans: Sequence[SpanOccurrence], device: torch.device) -> torch.Tensor:
-    return torch.cat(
-        [torch.arange(s.prompt_start, s.prompt_start + s.length, device=device) for s in spans]
-    )
-
-
-def _upstream_kv(spans: Sequence[SpanOccurrence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode-phase ``(K, V)`` ``[L, S, H_kv, D]`` of ``spans``, concatenated in order."""
-    k = torch.cat([s.record.k[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    v = torch.cat([s.record.v[:, s.span_start : s.span_start + s.length] for s in spans], 1)
-    return k, v
-
-
-def _splice(
-    ref: RefModel, cache: KVCache, spans: Sequence[SpanOccurrence], span_rows: torch.Tensor
-) -> None:
-    """Upstream KV of ``spans`` (prompt order) into ``cache`` at ``span_rows`` in every
-    layer, keys re-rotated by new - old position."""
-    src_k, src_v = _upstream_kv(spans)
-    old_pos = torch.cat(
-        [
-            s.record.span_start_pos + torch.arange(s.span_start, s.span_start + s.length)
-            for s in spans
-        ]
-    ).to(span_rows.device)
-    delta = span_rows - old_pos
-    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
-    for lid in range(ref.num_layers):
-        # stored keys rotated in float32, then rounded once more into the engine's pool
-        cache.k[lid, span_rows] = ref.stored(apply_rotation(src_k[lid], cos, sin, is_neox=True))
-        cache.v[lid, span_rows] = src_v[lid]
-
-
-def true_value_deviation(
-    ref: RefModel,
-    spans: Sequence[SpanOccurrence],
-    exact: RelayResult,
-    layers: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """``[S]`` per span token (prompt order): value deviation of the reused upstream KV from
-    the exact prefill's, averaged over ``layers`` (default: all). The ground truth a
-    detector approximates."""
-    spans = sorted(spans, key=lambda s: s.prompt_start)
-    rows = _span_rows(spans, ref.device)
-    _, src_v = _upstream_kv(spans)
-    layers = range(ref.num_layers) if layers is None else layers
-    return torch.stack([kv_deviation(src_v[lid], exact.cache.v[lid, rows]) for lid in layers]).mean(
-        0
-    )
-
-
-def exact_kv_prefill(
-    ref: RefModel,
-    prompt: Sequence[int],
-    spans: Sequence[SpanOccurrence],
-    exact: RelayResult,
-    selection: torch.Tensor,
-    *,
-    forced: Sequence[int] = (),
-) -> RelayResult:
-    """Oracle: the spliced upstream KV, except the ``selection`` (``[S]`` bool, span tokens
-    in prompt order) whose KV is the exact prefill's in every layer; only the non-span rows
-    are computed. ``exact``: :func:`exact_prefill` of the same prompt and ``forced``.
-    Reports the reuse of recomputing the selected tokens in every layer."""
-    spans = sorted(spans, key=lambda s: s.prompt_start)
-    _check_spans(prompt, spans)
-    ids = list(prompt) + list(forced)
-    total = len(ids)
-    if exact.cache.length != total:
-        raise ValueError("exact must be the exact prefill of the same prompt and forced tokens")
-    cache = KVCache.empty(ref, total)
-    hs = ref.embed(torch.tensor(ids, dtype=torch.long, device=ref.device))
-    span_rows = _span_rows(spans, ref.device)
-    _check_selection(selection, span_rows.numel())
-    _splice(ref, cache, spans, span_rows)
-    rows = span_rows[selection.to(span_rows.device)]
-    cache.k[:, rows] = exact.cache.k[:, rows]
-    cache.v[:, rows] = exact.cache.v[:, rows]
-    normal = torch.ones(total, dtype=torch.bool, device=ref.device)
-    normal[span_rows] = False
-    normal_rows = torch.arange(total, device=ref.device)[normal]
-    for lid in range(ref.num_layers):
-        _run_layer(ref, lid, hs, normal_rows, cache, total)
-    result = RelayResult(
-        logits=ref.logits(hs[len(prompt) - 1 :]), cache=cache, prompt_len=len(prompt)
-    )
-    result.span_lengths = [s.length for s in spans]
-    result.selected_mask = selection
-    bounds = [0, *accumulate(result.span_lengths)]
-    result.selected = [int(selection[lo:hi].sum()) for lo, hi in pairwise(bounds)]
-    result.reuse_rate = 1.0 - float(selection.sum()) / span_rows.numel()
-    return result
-
-
-def _influence(spans: Sequence[SpanOccurrence], lid: int) -> torch.Tensor | None:
-    """``[S]`` influence at layer ``lid`` of the span tokens (``None`` if any span has none;
-    then selection ignores influence, as the runtime does without scores)."""
-    if any(s.record.influence is None for s in spans):
-        return None
-    return torch.cat(
-        [s.record.influence[s.span_start : s.span_start + s.length, lid] for s in spans]
-    )
-
-
 def _detect(
     ref: RefModel,
     cfg: RelayConfig,
@@ -428,20 +252,6 @@ def _detect(
     masks = select_runs(cfg, lengths, deviation, influence, reserve=reserve, answers=answers)
     keep = [m.to(span_rows.device) for m in masks]
     return torch.cat(keep), [int(m.sum()) for m in keep], deviation
-
-
-def exact_prefill(
-    ref: RefModel,
-    prompt: Sequence[int],
-    *,
-    forced: Sequence[int] = (),
-    capture_hidden: bool = False,
-) -> RelayResult:
-    """The exact full prefill (every row, every layer); ``forced`` as in :func:`relay_prefill`."""
-    return relay_prefill(ref, prompt, [], None, forced=forced, capture_hidden=capture_hidden)
-
-
-# ----------------------------------------------------------------------------- context masses
 
 
 def record_context_mass(ref: RefModel, rec: UpstreamRecord, layer: int) -> torch.Tensor:
