@@ -34,7 +34,10 @@ from sglang_relay.bench.workload import (
     model_fingerprint,
     prepare_relays,
 )
-from sglang_relay.core.config import RelayConfig, load_profile
+from sglang_relay.core.config import (
+    RelayConfig,
+    load_profile,
+)
 from sglang_relay.core.operating import at_target
 from sglang_relay.core.reference import (
     RefModel,
@@ -46,7 +49,6 @@ from sglang_relay.core.reference import (
 from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS as GUARD_TOKENS
 from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE
 
-METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 QUICK_RELAYS = 32
 QUICK_FRONTIER_RELAYS = 16
 FRONTIER_WORKLOADS = (

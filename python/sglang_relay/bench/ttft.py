@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from sglang_relay.client import generate
+from sglang_relay.core.config import METHODS
 from sglang_relay.prompts import chat_prompt
 
-METHODS = ("standard", "naive", "cacheblend", "epic", "relay")
 DEFAULT_WORKLOAD = "ttft_workload.jsonl"
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.backend import serves_relay
-from sglang_relay.runtime.settings import RelaySettings, settings_from_env
+from sglang_relay.runtime.settings import RelaySettings, server_settings
 from sglang_relay.runtime.sglang.server import resolved_value
 from sglang_relay.runtime.sglang.views import check_surface
 
@@ -94,7 +94,7 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
     check_surface("KVCacheConfigurator", kvc)
     mc = kvc.model_config
     try:
-        settings = settings_from_env(server_args.model_path)
+        settings = server_settings(server_args.model_path)
         per_slot = bytes_per_slot(
             settings, int(mc.num_hidden_layers), int(mc.hidden_size), kvc.model_dtype.itemsize
         )

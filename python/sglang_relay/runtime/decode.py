@@ -80,14 +80,14 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
     with decode graphs)."""
     from sglang_relay.runtime.backend import serves_relay
     from sglang_relay.runtime.budget import side_layers
-    from sglang_relay.runtime.settings import settings_from_env
+    from sglang_relay.runtime.settings import server_settings
 
     args = model_runner.server_args
     if not serves_relay(args) or getattr(model_runner, "is_draft_worker", False):
         return None
     model = inner_model(model_runner)
     try:
-        settings = settings_from_env(args.model_path)
+        settings = server_settings(args.model_path)
         capture_layer, influence_layer = side_layers(settings, len(model.layers))
     except ValueError:
         return None

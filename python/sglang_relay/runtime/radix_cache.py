@@ -12,7 +12,7 @@ import torch
 from sglang_relay.core.relatedness import answer_offset
 from sglang_relay.runtime import modes, server_options
 from sglang_relay.runtime.runtime import RelayRuntime
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
 from sglang_relay.runtime.sglang.model import attach_runtime
 from sglang_relay.runtime.sglang.scheduling import beam_search, evict_result, guard_redo_of
@@ -255,7 +255,7 @@ def build_relay_cache(ctx: Any) -> Any:
     refusal = refusal or modes.kv_layout_refusal(*live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)
-    settings = settings_from_env(ctx.server_args.model_path)
+    settings = server_settings(ctx.server_args.model_path)
     _, _, create_unified = radix_cache_api()
 
     def cache_class(params: Any) -> RelayRadixCache:

@@ -188,3 +188,20 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         min_share=min_share,
         reasoning_reuse=reasoning,
     )
+
+
+_SERVER_SETTINGS: dict[tuple, RelaySettings] = {}
+
+
+def server_settings(model_path: str) -> RelaySettings:
+    """This process's settings for ``model_path``: read from the environment once and shared
+    by every hook that needs them (the tokenizer's trust boundary, the KV budget, the decode
+    capture, the cache factory), so they all see one object. A changed ``SGLANG_RELAY_*``
+    variable (tests) reads them again."""
+    key = (
+        str(model_path),
+        tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SGLANG_RELAY_"))),
+    )
+    if key not in _SERVER_SETTINGS:
+        _SERVER_SETTINGS[key] = settings_from_env(str(model_path))
+    return _SERVER_SETTINGS[key]

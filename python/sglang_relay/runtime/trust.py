@@ -163,7 +163,7 @@ def gate_for(manager: Any) -> RequestGate | None:
     if gate is not False:
         return gate
     from sglang_relay.runtime.backend import serves_relay
-    from sglang_relay.runtime.settings import settings_from_env
+    from sglang_relay.runtime.settings import server_settings
 
     args = getattr(manager, "server_args", None)
     gate = None
@@ -172,7 +172,7 @@ def gate_for(manager: Any) -> RequestGate | None:
 
         check_surface("TokenizerManager", manager)
         check_surface("TokenizerModelConfig", manager.model_config)
-        settings = settings_from_env(str(args.model_path))
+        settings = server_settings(args.model_path)
         config = manager.model_config
         gate = RequestGate(settings, int(config.num_hidden_layers), int(config.vocab_size))
     manager._sglang_relay_gate = gate
