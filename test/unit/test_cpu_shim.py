@@ -81,13 +81,13 @@ def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
 _REGISTER = """
 import os
 from sglang_relay.runtime import cpu, plugin
-from sglang_relay.runtime.sglang.hooks import _REGISTERED
+from sglang_relay.runtime.state import STATE
 for standin in ("0", "1"):  # one process: SGLang's imports are the cost
     os.environ[cpu.CPU_STANDIN_ENV] = standin
-    plugin._registered = False
-    _REGISTERED.clear()
+    STATE.plugin_registered = False
+    STATE.hooks.clear()
     plugin.register()
-    print(sorted({t for t, _ in _REGISTERED}))
+    print(sorted({t for t, _ in STATE.hooks}))
 """
 
 

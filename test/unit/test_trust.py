@@ -12,6 +12,7 @@ from sglang_relay.runtime.guard import redo_request
 from sglang_relay.runtime.metrics import MAX_EVENTS, OVERFLOW_EVENT, RelayCounters
 from sglang_relay.runtime.settings import settings_from_env
 from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY, dp_route, guard_redo_of
+from sglang_relay.runtime.state import STATE
 
 
 class Req:  # a request object as SGLang builds it: fields only
@@ -147,7 +148,7 @@ def test_an_abort_reaches_the_guards_redo(monkeypatch):
     from sglang_relay.runtime import guard, plugin
 
     aborted = []
-    monkeypatch.setitem(guard._LIVE_REDOS, "r9", "r9" + guard.REDO_SUFFIX)
+    monkeypatch.setitem(STATE.live_redos, "r9", "r9" + guard.REDO_SUFFIX)
     plugin._abort_with_redo(lambda manager, rid, *a, **k: aborted.append(rid), None, "r9")
     assert aborted == ["r9", "r9" + guard.REDO_SUFFIX]
     aborted.clear()

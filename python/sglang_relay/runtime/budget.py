@@ -27,12 +27,10 @@ from sglang_relay.runtime.backend import serves_relay
 from sglang_relay.runtime.settings import RelaySettings, server_settings
 from sglang_relay.runtime.sglang.server import resolved_value
 from sglang_relay.runtime.sglang.views import check_surface
+from sglang_relay.runtime.state import STATE
 
 logger = logging.getLogger(__name__)
 
-# what the hook reserved, per KVCacheConfigurator (a slots dataclass: no attribute can be
-# added); the model runner keeps its configurator for the life of the process
-_RESERVED: dict[int, dict[str, Any]] = {}
 STAMP_BYTES = 8
 INFLUENCE_BYTES = 4
 
@@ -113,7 +111,7 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
         "tokens_without_relay": int(first.max_total_num_tokens),
         "tokens": int(config.max_total_num_tokens),
     }
-    _RESERVED[id(kvc)] = info
+    STATE.reserved[id(kvc)] = info
     logger.info(
         "sglang-relay: KV pool %d -> %d tokens to keep %.1f MB of relay side data inside "
         "the %.1f MB budget",
@@ -128,4 +126,4 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
 def budget_info(model_runner) -> dict[str, Any] | None:
     """What the hook reserved for this runner's pool (``None``: it did not run)."""
     kvc = getattr(model_runner, "kv_cache_configurator", None)
-    return None if kvc is None else _RESERVED.get(id(kvc))
+    return None if kvc is None else STATE.reserved.get(id(kvc))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_relay.runtime.state import STATE
+
 
 @torch.library.custom_op("sglang_relay::paged_decode_attention", mutates_args=("output",))
 def paged_decode_attention(
@@ -107,9 +109,6 @@ def graph_backend_class():
     return TorchNativeGraphAttnBackend
 
 
-_PLACEHOLDERS: list = []  # the torch.library fragment that defines the placeholder ops
-
-
 def define_missing_kernel(original, op_name: str):
     """Around-hook of the CPU graph runner's ``register_cpu_compile_fake(op_name)``: it
     registers fake (meta) implementations for ~50 ``sgl_kernel`` CPU ops, which must exist
@@ -117,9 +116,9 @@ def define_missing_kernel(original, op_name: str):
     one is defined here with a kernel that raises the stand-in's error if it is ever called
     (the torch_native paths never call them)."""
     if not hasattr(torch.ops.sgl_kernel, op_name):
-        if not _PLACEHOLDERS:
-            _PLACEHOLDERS.append(torch.library.Library("sgl_kernel", "FRAGMENT"))
-        lib = _PLACEHOLDERS[0]
+        if not STATE.cpu_graph_placeholders:
+            STATE.cpu_graph_placeholders.append(torch.library.Library("sgl_kernel", "FRAGMENT"))
+        lib = STATE.cpu_graph_placeholders[0]
         lib.define(f"{op_name}(Tensor[] args) -> ()")
 
         def unavailable(*args, **kwargs):

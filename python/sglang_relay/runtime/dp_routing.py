@@ -64,6 +64,7 @@ from sglang_relay.runtime.dp_fingerprints import (
 )
 from sglang_relay.runtime.options import namespace, request_option
 from sglang_relay.runtime.settings import ENV_LORA, ENV_SCOPE
+from sglang_relay.runtime.state import STATE
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,6 @@ class DPRouter:
 
 
 # ---- controller process hooks ---------------------------------------------------------------
-_ROUTER: list[DPRouter] = []  # the controller process's router (at most one)
 
 
 def before_controller_init(controller, server_args, port_args, *args, **kwargs) -> None:
@@ -233,7 +233,7 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
     ranks where it is (the environment is inherited by the spawned schedulers)."""
     from sglang_relay.runtime.backend import serves_relay
 
-    if not serves_relay(server_args) or _ROUTER:
+    if not serves_relay(server_args) or STATE.dp_router:
         return
     if os.environ.get(ROUTING_ENV, "1") == "0":  # SGLang's load-balance method alone
         logger.info("sglang-relay: DP routing by span fingerprints is off (%s=0)", ROUTING_ENV)
@@ -246,15 +246,15 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
     if len(endpoint.encode()) > 100:  # a Unix socket path holds at most 107 bytes
         endpoint = os.path.join("/tmp", name)
     imbalance = int(os.environ.get(IMBALANCE_ENV, DEFAULT_MAX_IMBALANCE))
-    _ROUTER.append(DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance))
+    STATE.dp_router.append(DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance))
     os.environ[ENDPOINT_ENV] = endpoint
     logger.info("sglang-relay: routing DP requests by span fingerprints (%s)", endpoint)
 
 
 def route_request(original, controller, req, *args, **kwargs):
     """Around ``maybe_external_dp_rank_routing``: pick the rank holding ``req``'s spans."""
-    if _ROUTER and getattr(req, "input_ids", None):
-        _route(_ROUTER[0], controller, req)
+    if STATE.dp_router and getattr(req, "input_ids", None):
+        _route(STATE.dp_router[0], controller, req)
     return original(controller, req, *args, **kwargs)
 
 
@@ -317,8 +317,8 @@ def blocking_event_loop(original, controller, *args, **kwargs):
     poller.register(sock, zmq.POLLIN)
     while True:
         feed()
-        if _ROUTER:
-            _ROUTER[0].drain()
+        if STATE.dp_router:
+            STATE.dp_router[0].drain()
         if not poller.poll(timeout=1000):
             continue
         while True:

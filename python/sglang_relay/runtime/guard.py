@@ -32,6 +32,7 @@ from typing import Any
 
 from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS
 from sglang_relay.runtime.sglang.scheduling import GUARD_KEY, request_times, submit_request
+from sglang_relay.runtime.state import STATE
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +108,11 @@ def standard_option(option: Any) -> dict[str, Any]:
 
 
 REDO_SUFFIX = "-relay-guard"
-# rid of a request -> rid of its redo in flight (this process), so an abort reaches both
-_LIVE_REDOS: dict[str, str] = {}
 
 
 def live_redo(rid: str) -> str | None:
     """The rid of the guard's redo of request ``rid`` while it runs, else None."""
-    return _LIVE_REDOS.get(rid)
+    return STATE.live_redos.get(rid)
 
 
 def redo_request(obj: Any, out: dict[str, Any]) -> Any:
@@ -177,7 +176,7 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
         redo = redo_request(obj, out)
         first_usage = _first_usage(meta)
         sent = False
-        _LIVE_REDOS[str(obj.rid)] = redo.rid
+        STATE.live_redos[str(obj.rid)] = redo.rid
         try:
             async for redone in submit_request(manager, redo, request):
                 redone_meta = redone.get("meta_info") if isinstance(redone, dict) else None
@@ -210,7 +209,7 @@ async def guarded(responses, manager: Any, obj: Any, request: Any, policy: Guard
                 yield chunk
             yield out
         finally:
-            _LIVE_REDOS.pop(str(obj.rid), None)
+            STATE.live_redos.pop(str(obj.rid), None)
         return
     for chunk in held:
         yield chunk

@@ -11,17 +11,16 @@ from __future__ import annotations
 import logging
 
 from sglang_relay.runtime.backend import BACKEND_NAME, serves_relay
+from sglang_relay.runtime.state import STATE
 
 logger = logging.getLogger(__name__)
 
 RELAY_INFO_KEY = "relay"
-_registered = False
 
 
 def register() -> None:
     """Register the ``relay`` radix-cache backend and the plug-in's hooks. Idempotent."""
-    global _registered
-    if _registered:
+    if STATE.plugin_registered:
         return
     from sglang_relay.runtime.anatomy import MODEL_FORWARD_TARGETS
     from sglang_relay.runtime.sglang.hooks import register_hook
@@ -90,7 +89,7 @@ def register() -> None:
             register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
         if cpu.cpu_lora_opted_in():
             cpu.pinning_off()
-    _registered = True
+    STATE.plugin_registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
 
@@ -294,14 +293,11 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
         yield out
 
 
-_GUARD_POLICY: list = []  # this process's guard policy, read once (None: not a relay server)
-
-
 def _guard_policy(manager, state):
     """The guard's policy in this process (:class:`.guard.GuardPolicy`), or None on a
     server that does not serve relay (nothing is added or held back there). A bad value
     was refused at launch; here it only turns the guard off, loudly."""
-    if not _GUARD_POLICY:
+    if not STATE.guard_policy:
         from sglang_relay.runtime.guard import GuardPolicy, guard_policy
         from sglang_relay.runtime.sglang.views import check_tokenizer_surface
 
@@ -314,5 +310,5 @@ def _guard_policy(manager, state):
             except ValueError:
                 logger.exception("sglang-relay: early-stop guard off")
                 policy = GuardPolicy(tokens=0, streams=False)
-        _GUARD_POLICY.append(policy)
-    return _GUARD_POLICY[0]
+        STATE.guard_policy.append(policy)
+    return STATE.guard_policy[0]

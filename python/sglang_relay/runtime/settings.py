@@ -43,6 +43,7 @@ from pathlib import Path
 
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import Frontier, OperatingPoint, answer_cap, parse_target
+from sglang_relay.runtime.state import STATE
 
 ENV_METHOD = "SGLANG_RELAY_METHOD"
 ENV_PROFILE = "SGLANG_RELAY_PROFILE"
@@ -190,9 +191,6 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     )
 
 
-_SERVER_SETTINGS: dict[tuple, RelaySettings] = {}
-
-
 def server_settings(model_path: str) -> RelaySettings:
     """This process's settings for ``model_path``: read from the environment once and shared
     by every hook that needs them (the tokenizer's trust boundary, the KV budget, the decode
@@ -202,6 +200,6 @@ def server_settings(model_path: str) -> RelaySettings:
         str(model_path),
         tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SGLANG_RELAY_"))),
     )
-    if key not in _SERVER_SETTINGS:
-        _SERVER_SETTINGS[key] = settings_from_env(str(model_path))
-    return _SERVER_SETTINGS[key]
+    if key not in STATE.settings:
+        STATE.settings[key] = settings_from_env(str(model_path))
+    return STATE.settings[key]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_relay.runtime.state import STATE
+
 
 def hook_registry():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -35,21 +37,18 @@ def hook_installed(target: str, hook) -> bool:
     return False
 
 
-_REGISTERED: list[tuple[str, object]] = []
-
-
 def register_hook(target: str, hook, kind: str) -> None:
     """Register ``hook`` on ``target`` (``before``/``after``/``around``) and remember it for
     :func:`check_hooks_installed`."""
     registry, hook_type = hook_registry()
     registry.register(target, hook, getattr(hook_type, kind.upper()))
-    _REGISTERED.append((target, hook))
+    STATE.hooks.append((target, hook))
 
 
 def check_hooks_installed() -> None:
     """Raise unless every hook the plug-in registered wraps its target in this process."""
-    missing = [t for t, h in _REGISTERED if not hook_installed(t, h)]
-    if not _REGISTERED or missing:
+    missing = [t for t, h in STATE.hooks if not hook_installed(t, h)]
+    if not STATE.hooks or missing:
         raise RuntimeError(
             "sglang-relay hooks are not installed"
             + (f" ({', '.join(missing)})" if missing else " (register() never ran)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sglang_relay.runtime.sglang.server import cuda_graphs_enabled
 from sglang_relay.runtime.sglang.views import check_surface
+from sglang_relay.runtime.state import STATE
 
 MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
 
@@ -57,13 +58,10 @@ def check_model_anatomy(model_runner) -> None:
         )
 
 
-_TP_GROUP: list = []  # this process's TP group, looked up once (it is called per layer)
-
-
 def tp_group():
     """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
-    if _TP_GROUP:
-        return _TP_GROUP[0]
+    if STATE.tp_group:
+        return STATE.tp_group[0]
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -71,8 +69,8 @@ def tp_group():
         return None
     if int(group.world_size) > 1:
         check_surface("GroupCoordinator", group)
-    _TP_GROUP.append(group if int(group.world_size) > 1 else None)
-    return _TP_GROUP[0]
+    STATE.tp_group.append(group if int(group.world_size) > 1 else None)
+    return STATE.tp_group[0]
 
 
 def finish_row_parallel(linear, out):
