@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from sglang_relay.runtime.llama import run_layer, stream
+from sglang_relay.runtime.layer_step import run_layer, stream
 from sglang_relay.runtime.sglang.model import attach_decode_capture, decode_capture_of, inner_model
 from sglang_relay.runtime.side_data import SlotLedger
 

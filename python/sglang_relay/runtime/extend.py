@@ -23,7 +23,7 @@ from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.anatomy import rotation_table
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
-from sglang_relay.runtime.llama import qkv, run_layer, stream, write_kv
+from sglang_relay.runtime.layer_step import qkv, run_layer, stream, write_kv
 from sglang_relay.runtime.lora_rows import info_for, installed, rows_swapped
 from sglang_relay.runtime.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.side_data import SlotLedger

@@ -24,7 +24,7 @@ import torch
 
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
-from sglang_relay.runtime.llama import run_layer, stream, write_kv
+from sglang_relay.runtime.layer_step import run_layer, stream, write_kv
 from sglang_relay.runtime.lora_rows import info_for, installed
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay_kernels import gather_rows, scatter_rows

@@ -33,7 +33,7 @@ from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledg
 from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
-from sglang_relay.runtime.llama import qkv as layer_qkv
+from sglang_relay.runtime.layer_step import qkv as layer_qkv
 from sglang_relay.runtime.lora_rows import base_only
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
