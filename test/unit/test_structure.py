@@ -86,3 +86,18 @@ def test_every_module_is_within_its_size_budget():
         if n > OVER_BUDGET.get(rel, MAX_LINES):
             too_long[rel] = n
     assert not too_long, f"split these modules (budget {MAX_LINES} lines): {too_long}"
+
+
+def test_each_adapter_module_imports_first_in_a_fresh_interpreter():
+    """The adapters package is walked at run time (``adapters.discover``), an import the
+    source does not show: an adapter imported before anything else must still load."""
+    import subprocess
+    import sys
+
+    names = sorted(p.stem for p in (PACKAGE / "runtime" / "adapters").glob("[!_]*.py"))
+    assert len(names) >= 8
+    for n in names:
+        module = f"sglang_relay.runtime.adapters.{n}"
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, (module, proc.stderr[-500:])

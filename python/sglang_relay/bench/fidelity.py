@@ -40,7 +40,6 @@ import torch
 from sglang_relay.bench.evaluation import (
     FRONTIER_WORKLOADS,
     KV_CACHE_DTYPES,
-    METHODS,
     QUICK_FRONTIER_RELAYS,
     QUICK_RELAYS,
     add_cache_and_threads,
@@ -52,6 +51,7 @@ from sglang_relay.bench.evaluation import (
     summarize,
 )
 from sglang_relay.bench.workload import GenSettings, load_relay, load_workload
+from sglang_relay.core.config import METHODS
 
 DEFAULT_TARGETS = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95, 0.98)  # --frontier --reuse-targets
 

@@ -82,18 +82,32 @@ def _registry() -> dict[str, Anatomy]:
     return found
 
 
-ANATOMIES: dict[str, Anatomy] = _registry()
-SUPPORTED_ARCHITECTURES = frozenset(ANATOMIES)
-MODEL_FORWARD_TARGETS = tuple(dict.fromkeys(a.model_forward for a in ANATOMIES.values()))
+_REGISTRY: dict[str, object] = {}
+
+
+def __getattr__(name: str):
+    """``ANATOMIES`` (architecture -> adapter), ``SUPPORTED_ARCHITECTURES`` and
+    ``MODEL_FORWARD_TARGETS``, built from the adapters on first use, not at import: an
+    adapter module imports this one, so one imported first must find it whole."""
+    if name not in ("ANATOMIES", "SUPPORTED_ARCHITECTURES", "MODEL_FORWARD_TARGETS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _REGISTRY:
+        found = _registry()
+        _REGISTRY.update(
+            ANATOMIES=found,
+            SUPPORTED_ARCHITECTURES=frozenset(found),
+            MODEL_FORWARD_TARGETS=tuple(dict.fromkeys(a.model_forward for a in found.values())),
+        )
+    return _REGISTRY[name]
 
 
 def anatomy_of(architecture: str) -> Anatomy:
     try:
-        return ANATOMIES[architecture]
+        return __getattr__("ANATOMIES")[architecture]
     except KeyError:
         raise ValueError(
             f"sglang-relay has no adapter for the {architecture} architecture (supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            f"{', '.join(sorted(__getattr__('SUPPORTED_ARCHITECTURES')))})"
         ) from None
 
 
