@@ -22,6 +22,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from sglang_relay.bench.evaluation import first_divergence as first_token_divergence
 from sglang_relay.bench.load import load_server_args, log_errors, run_load, verdict
 
 RUNS = (("calm", False), ("chaos", True), ("calm again", False))
@@ -56,9 +57,7 @@ def first_divergence(k: str, group: str, a: dict[str, Any], b: dict[str, Any]) -
     for i, (x, y) in enumerate(zip(a["ids"], b["ids"], strict=False)):
         if x == y:
             continue
-        t = next(
-            (j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y))
-        )
+        t = first_token_divergence(x, y)
         gaps = [_gap(run, i, t) for run in (a, b)]
         return {"chain": k, "group": group, "output": i, "token": t,
                 "gap_base": gaps[0], "gap_other": gaps[1]}  # fmt: skip
