@@ -13,8 +13,8 @@ import torch
 from sglang_relay.runtime.sglang import SGLANG_VERSION
 
 # One view per SGLang object relay reads: the attributes relay touches, typed as relay uses
-# them (annotations document; the check is by name). Where relay code takes such an object,
-# it is typed with its view.
+# them (the annotations document; the check, :func:`check_surface`, is by name). Relay's
+# code does not annotate its parameters with these views yet.
 
 
 class ModelRunner(Protocol):
