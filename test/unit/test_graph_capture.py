@@ -90,3 +90,91 @@ def test_cpu_graph_decode_attention_equals_brute_force(hq, hkv):
     want2 = _brute_force_decode(q, k_cache, v_cache, req_to_token, rows, lens2, 0.35)
     assert torch.allclose(got.double(), want2, atol=1e-5)
     torch._dynamo.reset()
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, positions, hidden_states, forward_batch):
+        return hidden_states * 0.5
+
+
+class _Stream:  # SGLang's ResidualStream, as far as the hook reads it
+    def __init__(self) -> None:
+        self.residual = None
+
+
+class _Layer(torch.nn.Module):
+    """A layer shaped like SGLang 0.5.23's: its attention boundary writes the residual
+    stream to ``forward_batch.residual_stream`` and hands the attention a normed input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _Attention()
+
+    def forward(self, positions, h, fb):
+        residual = h + 1.0 if fb.residual_stream.residual is None else h + fb.residual_stream.residual
+        fb.residual_stream.residual = residual
+        out = self.self_attn(positions=positions, hidden_states=residual * 2.0, forward_batch=fb)
+        return out + 0.25
+
+
+class _Batch:  # a ForwardBatch, as far as the forward reads it
+    def __init__(self, loc: torch.Tensor) -> None:
+        self.out_cache_loc = loc
+        self.residual_stream = None
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(3)])
+
+    def forward(self, positions, h, fb):
+        fb.residual_stream = _Stream()
+        for layer in self.layers:
+            h = layer(positions, h, fb)
+        return h
+
+
+def test_hidden_state_hook_stores_the_written_residual_inside_a_compiled_forward():
+    """The decode capture's pre-hook on ``layers[l].self_attn`` copies the residual stream
+    SGLang's boundary wrote, at the batch's slots, in eager and in a compiled forward
+    (hooks installed before compiling are traced in), on every call, without recompiling;
+    the eager-only counter never becomes a guard."""
+    from sglang_relay.runtime.decode import DecodeCapture
+
+    model = _Model()
+    ledger = SlotLedger(16, "cpu", hidden_size=4, dtype=torch.float32)
+    capture = DecodeCapture(ledger, capture_layer=2)
+    capture.install(model)
+    capture.install(model)  # idempotent: one hook
+
+    def brute_force(h):  # the residual entering layer 2, by hand
+        r = h + 1.0
+        h1 = r * 2.0 * 0.5 + 0.25
+        r = h1 + r
+        h2 = r * 2.0 * 0.5 + 0.25
+        return h2 + r
+
+    def step(loc, h, fb):
+        ledger.stamp(loc, with_hidden=True)
+        return model(None, h, fb)
+
+    h = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    step(torch.tensor([3, 4]), h, _Batch(torch.tensor([3, 4])))
+    assert capture.stores == 1
+    assert torch.equal(ledger.hidden[torch.tensor([3, 4])], brute_force(h))
+
+    torch._dynamo.reset()
+    # fullgraph: the hook (and the eager-only counter) must not break the graph
+    compiled = torch.compile(step, dynamic=False, backend="inductor", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for g in range(1, 5):
+            loc = torch.tensor([g + 5, 15])
+            h = torch.full((2, 4), float(g))
+            compiled(loc, h, _Batch(loc))
+            assert torch.allclose(ledger.hidden[loc], brute_force(h))
+            assert SlotLedger.has_hidden(ledger.snapshot(loc)).all()
+    assert capture.stores == 1  # traced calls leave the eager counter alone
+    capture.remove()
+    assert not capture.hooked
+    torch._dynamo.reset()

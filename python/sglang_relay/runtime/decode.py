@@ -1,22 +1,25 @@
-"""The capture forward: SGLang's own per-layer calls (its attention backend included) that
-also store, for every token the forward writes, the residual stream entering ``l_start``
-at the token's KV slot, and (with influence scores on, in pure decode batches) the
-attention mass each context token receives.
+"""Plain forwards on SGLang's own model forward, and what relay keeps from them.
 
-It runs for every decode and extend batch without relay work on a server whose profile
-needs hidden states. SGLang runs mixed batches (``--enable-mixed-chunk``: decode rows
-appended to a prefill) as extend batches, and re-prefills a retracted request's outputs as
-extend tokens; both keep their hidden states this way, so every output token, whichever
-batch produced it, is stamped valid (:class:`~sglang_relay.runtime.side_data.SlotLedger`).
+Every decode and every extend without relay work (plain requests, mixed batches, a
+retracted request's re-prefill, fallbacks) runs the served model's own ``forward``,
+untouched: its layers, its layer boundaries (residual adds, TP sums, fused kernels), its
+attention backend. Relay adds three things around and inside it:
+
+* before it, a stamp on every KV slot it writes (:class:`~sglang_relay.runtime.side_data.SlotLedger`);
+* a forward pre-hook on ``layers[capture_layer].self_attn`` that copies the residual stream
+  SGLang's attention boundary has just written (the stream entering ``l_start``) into the
+  ledger at the batch's KV slots: an observer, no numerical effect, no collective (the
+  stream is complete and replicated on every TP rank in the layouts relay serves);
+* with influence scores on (eager decode only), a forward hook on the attention module of
+  ``influence_layer`` that accumulates the attention mass each context token receives.
 
 Decode graphs (CUDA graphs, SGLang's CPU graph runner) capture the decode forward once, at
-model-runner init, before the relay runtime exists. :class:`DecodeCapture` is the part of
-the runtime a decode forward needs (the ledger's static buffers and the capture layer);
-:func:`install_decode_capture` builds it and hangs it on the model just before SGLang
-captures its decode graphs, so the captured forward already stamps and stores exactly as
-eager decode does. Its forward is tensor ops on static buffers indexed by
-``out_cache_loc`` (no host sync, no Python state that a replay would freeze), and eager
-decode runs the same function, so graph and eager decode store the same side data.
+model-runner init, before the relay runtime exists, and torch.compile ignores hooks added
+after it compiled. :func:`install_decode_capture` therefore builds the
+:class:`DecodeCapture` (the ledger and the hidden-state hook) and hangs it on the model
+just before SGLang captures its decode graphs, so captured and eager decode run the same
+stamp and the same hook: tensor ops on static buffers indexed by ``out_cache_loc``, no
+host sync, no Python decision a replay would freeze.
 """
 
 from __future__ import annotations
@@ -25,37 +28,91 @@ import logging
 
 import torch
 
-from sglang_relay.runtime.layer_step import run_layer, stream
-from sglang_relay.runtime.sglang.model import attach_decode_capture, decode_capture_of, inner_model
+from sglang_relay.runtime.sglang.model import (
+    attach_decode_capture,
+    attention_entry_residual,
+    attention_inputs,
+    decode_capture_of,
+    inner_model,
+)
 from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeCapture:
-    """What every decode forward writes besides KV: stamps, and the hidden state entering
-    ``capture_layer`` (None: stamps only). Graph-safe: see the module doc."""
+    """What every plain forward writes besides KV: stamps, and (``capture_layer`` set) the
+    hidden state entering ``capture_layer``, stored by a hook inside SGLang's forward.
+    Graph-safe: see the module doc."""
 
     def __init__(self, ledger: SlotLedger, capture_layer: int | None) -> None:
         self.ledger = ledger
         self.capture_layer = capture_layer
+        self.stores = 0  # eager forwards whose hidden-state hook fired
+        self._handles: list = []
+
+    def install(self, model) -> None:
+        """Register the hidden-state hook on ``model`` (idempotent). Must run before any
+        graph capture: torch.compile ignores hooks added to a module it already compiled."""
+        if self._handles or self.capture_layer is None:
+            return
+        attn = model.layers[self.capture_layer].self_attn
+        self._handles.append(attn.register_forward_pre_hook(self._store, with_kwargs=True))
+
+    @property
+    def hooked(self) -> bool:
+        return self.capture_layer is None or bool(self._handles)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _store(self, module, args, kwargs) -> None:
+        """Pre-hook of ``self_attn`` at ``capture_layer``: SGLang's attention boundary has
+        written the residual stream entering the layer; copy its rows to their KV slots."""
+        _, fb = attention_inputs(args, kwargs)
+        self.ledger.store_hidden(fb.out_cache_loc, attention_entry_residual(fb))
+        if not torch.compiler.is_compiling():  # a traced counter would be a guard
+            self.stores += 1
 
     def matches(self, capture_layer: int | None, *, influence: bool, slots: int) -> bool:
         """Whether this capture keeps what a runtime with these needs needs (a ledger sized
         before a post-capture shrink of the KV pool still covers every slot)."""
         return (
             self.capture_layer == capture_layer
+            and self.hooked
             and (self.ledger.influence is not None) == influence
             and self.ledger.stamps.shape[0] >= slots
         )
 
     def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
-        if self.capture_layer is None:
-            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-            return original(model, input_ids, positions, fb, *args, **kwargs)
-        return capture_forward(
-            model, input_ids, positions, fb, self.ledger, capture_layer=self.capture_layer
-        )
+        """SGLang's forward, its slots stamped first (the hook stores the hidden rows)."""
+        self.ledger.stamp(fb.out_cache_loc, with_hidden=self.capture_layer is not None)
+        return original(model, input_ids, positions, fb, *args, **kwargs)
+
+
+class InfluenceHook:
+    """Eager decode with influence scores (the profile's ``tau_inf``): after SGLang's
+    attention at ``influence_layer`` has written the decode rows' KV, add the attention
+    mass each query puts on each context token to ``ledger.influence``. Armed only around
+    an eager DECODE forward (a host loop per request: refused with decode graphs)."""
+
+    def __init__(self, model, layer: int, ledger: SlotLedger, pool, req_to_token) -> None:
+        self.ledger, self.pool, self.req_to_token = ledger, pool, req_to_token
+        self.armed = False
+        attn = model.layers[layer].self_attn.attn
+        self._handle = attn.register_forward_hook(self._accumulate, with_kwargs=True)
+
+    def _accumulate(self, module, args, kwargs, output) -> None:
+        if not self.armed:
+            return
+        q = args[0] if args else kwargs["q"]
+        fb = args[3] if len(args) > 3 else kwargs["forward_batch"]
+        accumulate_influence(fb, module, q, self.ledger.influence, self.pool, self.req_to_token)
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 def new_ledger(model, pool, capture_layer: int | None, *, influence: bool = False) -> SlotLedger:
@@ -98,41 +155,13 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
         return existing
     ledger = new_ledger(model, model_runner.token_to_kv_pool, capture_layer)
     capture = DecodeCapture(ledger, capture_layer)
+    capture.install(model)
     attach_decode_capture(model, capture)
     logger.info(
         "sglang-relay: decode capture installed before graph capture (capture_layer=%s)",
         capture_layer,
     )
     return capture
-
-
-def capture_forward(model, input_ids, positions, fb, ledger: SlotLedger, *, capture_layer,
-                    influence_layer=None, pool=None, req_to_token=None,
-                    decode: bool = True):  # fmt: skip
-    """Stock-equivalent forward storing hidden states at ``capture_layer`` (None: none) and,
-    when ``decode`` and ``influence_layer`` is set (with ``pool`` and ``req_to_token``),
-    accumulating influence scores."""
-    loc = fb.out_cache_loc
-    ledger.stamp(loc, with_hidden=capture_layer is not None)
-    track_influence = decode and influence_layer is not None and ledger.influence is not None
-    if ledger.influence is not None:
-        ledger.influence[loc] = 0.0  # fresh slots start with no influence
-    h = model.embed_tokens(input_ids)
-    r = None
-    for lid, layer in enumerate(model.layers):
-        if lid == capture_layer:
-            ledger.store_hidden(loc, stream(h, r))
-        track = track_influence and lid == influence_layer
-
-        def attend(q, k, v, radix_attn=layer.self_attn.attn, track=track):
-            out = radix_attn(q, k, v, fb)
-            if track:
-                accumulate_influence(fb, radix_attn, q, ledger.influence, pool, req_to_token)
-            return out
-
-        h, r = run_layer(layer, positions, h, r, fb, attend)
-    out, _ = model.norm(h, r)
-    return out
 
 
 def accumulate_influence(fb, radix_attn, q, influence: torch.Tensor, pool, req_to_token) -> None:

@@ -8,7 +8,8 @@ Per-request refusals (a request relay cannot serve safely runs standard prefill,
 :func:`sglang_relay.runtime.sglang.scheduling.request_refusal`.
 
 Supported and tested end to end (test/e2e): chunked prefill (any chunk size, spans across
-chunks), ``--enable-mixed-chunk`` (decode rows of mixed batches run the capture forward),
+chunks), ``--enable-mixed-chunk`` (mixed batches run SGLang's forward; its hidden-state
+hook keeps their rows' states, :mod:`.decode`),
 the overlap schedule (on by default; the stamps are written inside the forward),
 retraction (re-prefilled outputs carry no hidden state: their runs are trimmed), eviction,
 aborts, input logprobs and hidden states (per request: standard prefill), tensor parallel,

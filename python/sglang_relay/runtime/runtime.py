@@ -29,7 +29,7 @@ from sglang_relay.core.selection import context_mass
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import faults
 from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
-from sglang_relay.runtime.decode import DecodeCapture, capture_forward, new_ledger
+from sglang_relay.runtime.decode import DecodeCapture, InfluenceHook, new_ledger
 from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
@@ -67,6 +67,12 @@ from sglang_relay.runtime.tp import TPMismatch, TPSync
 from sglang_relay_kernels import kernel_family, pick_extend_attention
 
 logger = logging.getLogger(__name__)
+
+# forwards that store the hidden states of the slots they write (when the profile needs
+# them): every output token, whichever batch produced it, keeps its hidden state. (SGLang
+# 0.5.23's eager runner turns a mixed batch into an EXTEND forward; NPU and context
+# parallelism keep MIXED.)
+PLAIN_MODES = frozenset({"EXTEND", "DECODE", "MIXED"})
 
 
 def dp_publisher() -> FingerprintPublisher | None:
@@ -123,10 +129,20 @@ class RelayRuntime:
             self.capture_layer, influence=influence, slots=kbuf.shape[0]
         )
         if not self.capture_in_graph:  # graphs captured without it are refused below
+            if self.decode_capture is not None:
+                self.decode_capture.remove()  # its hook would write a ledger no one reads
             ledger = new_ledger(self.model, self.kv_pool, self.capture_layer, influence=influence)
             self.decode_capture = DecodeCapture(ledger, self.capture_layer)
+            self.decode_capture.install(self.model)
             attach_decode_capture(self.model, self.decode_capture)
         self.ledger = self.decode_capture.ledger
+        self.influence_hook = (
+            InfluenceHook(
+                self.model, self.influence_layer, self.ledger, self.kv_pool, self.req_to_token
+            )
+            if influence
+            else None
+        )
         # refused (modes.graph_refusal) when a captured graph would skip relay's work
         self.graphs = graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
@@ -164,11 +180,6 @@ class RelayRuntime:
         self.hook_forwards = 0
         self.runner_forwards = 0
         self.disabled: str | None = None
-
-    @property
-    def captures(self) -> bool:
-        """Whether decode must run the capture forward (hidden states or influence)."""
-        return self.capture_layer is not None or self.influence_layer is not None
 
     def side_bytes(self) -> int:
         return self.ledger.nbytes()
@@ -374,10 +385,9 @@ class RelayRuntime:
 
     # ---- model side ----------------------------------------------------------------------
     def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
-        """Every forward of the served model comes through here. Each path stamps the KV
-        slots it writes: the relay extend (an extend batch with a plan), the capture
-        forward (when the profile stores hidden states: every other extend and decode,
-        including the decode rows SGLang mixes into extend batches) or SGLang's own."""
+        """Every forward of the served model comes through here. An extend batch with an
+        agreed plan runs the relay extend; every other forward runs SGLang's own, its
+        slots stamped first (:meth:`_plain`)."""
         mode = forward_mode_name(fb)
         self.hook_forwards += mode != "IDLE"
         self.counters[f"forwards_{mode.lower()}"] += 1
@@ -388,36 +398,41 @@ class RelayRuntime:
                 self._discard(stats, reason)
             if self.tp is not None and not self._tp_agreed(plan):
                 # every rank sees the same MIN/MAX, so every rank takes this path together
-                self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-                return original(model, input_ids, positions, fb, *args, **kwargs)
+                plan = None
             if plan is not None:
                 return self._relay(original, model, input_ids, positions, fb, plan, args, kwargs)
         else:  # plans cannot run in any other mode
             for plan in self.planner.take_pending():
                 self._discard(plan.stats, f"{mode.lower()}_batch")
-        if self.disabled is not None:
-            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-            return original(model, input_ids, positions, fb, *args, **kwargs)
-        if mode == "DECODE" and self.influence_layer is None and not embeds:
-            # the same function decode graphs captured: eager and graph decode agree
-            return self.decode_capture.forward(
-                original, model, input_ids, positions, fb, *args, **kwargs
+        hidden = mode in PLAIN_MODES and not embeds and self.disabled is None
+        return self._plain(original, model, input_ids, positions, fb, args, kwargs, mode, hidden)
+
+    def _plain(self, original, model, input_ids, positions, fb, args, kwargs, mode, hidden):
+        """SGLang's own forward, untouched. Its KV slots are stamped first, as holding a
+        stored hidden state when ``hidden`` and the profile stores them (the decode
+        capture's hook copies them from inside the forward); with influence scores on, a
+        decode forward also accumulates them (:class:`~.decode.InfluenceHook`)."""
+        loc = fb.out_cache_loc
+        hidden = hidden and self.capture_layer is not None
+        self.ledger.stamp(loc, with_hidden=hidden)
+        if self.ledger.influence is not None:
+            self.ledger.influence[loc] = 0.0  # fresh slots start with no influence
+        hook = self.influence_hook
+        stores = self.decode_capture.stores
+        if hook is not None:
+            hook.armed = mode == "DECODE" and self.disabled is None
+        try:
+            out = original(model, input_ids, positions, fb, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.armed = False
+        if hidden and loc.numel() and self.decode_capture.stores == stores:
+            self.disable(
+                f"a {mode} forward did not pass the hidden-state hook at layer "
+                f"{self.capture_layer} (this model's forward does not call its attention "
+                "module there)"
             )
-        if mode in ("EXTEND", "DECODE") and self.captures and not embeds:
-            return capture_forward(
-                model,
-                input_ids,
-                positions,
-                fb,
-                self.ledger,
-                capture_layer=self.capture_layer,
-                influence_layer=self.influence_layer,
-                pool=self.kv_pool,
-                req_to_token=self.req_to_token,
-                decode=mode == "DECODE",
-            )
-        self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-        return original(model, input_ids, positions, fb, *args, **kwargs)
+        return out
 
     def _plan_batch(self, fb) -> tuple[BatchPlan | None, list]:
         """The batch's plan. Never raises: under TP every rank must reach the agreement
@@ -502,8 +517,9 @@ class RelayRuntime:
             reason = "tp_mismatch: selections" if isinstance(exc, TPMismatch) else "error"
             for stats in plan.owners:
                 self._discard(stats, f"{reason}: {type(exc).__name__}")
-            self.ledger.stamp(fb.out_cache_loc, with_hidden=False)
-            return original(model, input_ids, positions, fb, *args, **kwargs)
+            return self._plain(
+                original, model, input_ids, positions, fb, args, kwargs, "EXTEND", True
+            )
         for stats in plan.owners:
             if stats.chunk is not None:
                 self.counters["spans_matched"] += stats.chunk.spans

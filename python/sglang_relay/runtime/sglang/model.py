@@ -84,6 +84,26 @@ def finish_row_parallel(linear, out):
     return out if group is None else group.all_reduce(out)
 
 
+def attention_inputs(args: tuple, kwargs: dict):
+    """``(hidden_states, forward_batch)`` of a call to a decoder layer's ``self_attn``:
+    every supported model calls ``self_attn(positions=, hidden_states=, forward_batch=)``
+    (by keyword; positionally in that order otherwise)."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+    fb = kwargs["forward_batch"] if "forward_batch" in kwargs else args[2]
+    return hidden, fb
+
+
+def attention_entry_residual(fb):
+    """The residual stream entering the current layer's attention, as SGLang's attention
+    boundary has just written it (``layer_boundary.residual.batch.written_residual``:
+    the residual after the previous layer's adds, complete under TP, one row per token
+    of the batch). Borrowed: SGLang updates it in place at the next boundary, so copy it
+    before the attention returns."""
+    from sglang.srt.layers.layer_boundary.residual.batch import written_residual
+
+    return written_residual(fb)
+
+
 def attach_runtime(model, runtime) -> None:
     setattr(model, MODEL_RUNTIME_ATTR, runtime)
 

@@ -44,6 +44,7 @@ class ForwardBatch(Protocol):
     seq_lens: torch.Tensor
     extend_prefix_lens_cpu: list[int] | None
     extend_seq_lens_cpu: list[int] | None
+    residual_stream: Any  # the layer boundaries' residual (decode.DecodeCapture reads it)
 
 
 class ScheduleBatch(Protocol):
@@ -247,6 +248,9 @@ def check_startup_surface(ctx, model_runner) -> None:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+    from sglang.srt.layers.layer_boundary.residual.batch import (  # noqa: F401
+        written_residual,  # model.attention_entry_residual
+    )
     from sglang.srt.models.utils import apply_qk_norm  # noqa: F401 - anatomy.apply_qk_norm
     from sglang.srt.sampling.sampling_params import (  # noqa: F401 - reasoning_end_ids
         get_request_reasoning_end_token_ids,
