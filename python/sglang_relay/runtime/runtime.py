@@ -7,7 +7,7 @@ and the per-request stats, and answers the plug-in's hooks:
 
 * ``plan(req)`` after ``prepare_for_extend``;
 * ``forward(original, model, ...)`` for every forward of the served model: stamps the KV
-  slots it writes, and runs the relay extend, the capture forward or SGLang's own;
+  slots it writes, and runs the relay extend or SGLang's own forward;
 * ``record(req, ...)`` / ``release(rid)`` from the cache's checkpoint and on_release.
 
 Data path of one relayed request: docs/architecture.md.
