@@ -21,7 +21,13 @@ from relay_helpers import chat, generate, generate_ids, relay_info, running_serv
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 TOPICS = ["rivers", "compilers", "bread", "volcanoes", "chess", "tides"]
-GRAPH_ARGS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "1", "--torch-compile-max-bs", "1"]
+GRAPH_ARGS = [
+    "--enable-torch-compile",
+    "--cuda-graph-bs-decode",
+    "1",
+    "--torch-compile-max-bs",
+    "1",
+]
 
 
 def _plain_outputs(url: str, prompts: list) -> list[dict]:
@@ -68,7 +74,15 @@ def _paste_chat(url, tok):
     return paste
 
 
-def test_plain_requests_equal_a_no_relay_server_bit_for_bit(server, model_dir, tok):
+@pytest.fixture(scope="module")
+def plain_server(model_dir):
+    """A --no-relay server with the session relay server's flags."""
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "16384", "--enable-metrics"]
+    with running_server([*args, "--no-relay"]) as proc:
+        yield proc
+
+
+def test_plain_requests_equal_a_no_relay_server_bit_for_bit(server, plain_server, tok):
     """Eager: the session's relay server (hidden states at layer 3) against --no-relay."""
     prompts = _chat_prompts(tok)
     before = relay_info(server.url)
@@ -76,14 +90,15 @@ def test_plain_requests_equal_a_no_relay_server_bit_for_bit(server, model_dir, t
     after = relay_info(server.url)
     assert after.get("relay_extends", 0) == before.get("relay_extends", 0)  # all plain
     assert after["forwards_decode"] > before.get("forwards_decode", 0)
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "16384", "--enable-metrics"]
-    with running_server([*args, "--no-relay"]) as plain:
-        want = _plain_outputs(plain.url, prompts)
+    want = _plain_outputs(plain_server.url, prompts)
     _assert_bit_identical(got, want)
     src = generate(server.url, chat(tok, "Writer.", "Describe a harbour at dawn."), 120)
     _assert_stored_and_relayed(server.url, src, _paste_chat(server.url, tok))
 
 
+# full tier: two compiling servers. In CI test_tp.py checks graph decode (hidden states
+# stored inside the graph) against the reference, and test_pages.py runs mixed chunks.
+@pytest.mark.full
 def test_plain_requests_with_graph_decode_and_mixed_chunks_equal_no_relay(model_dir, tok):
     """Decode forwards replay graphs captured with relay's hook traced in (CPU graph
     runner); mixed chunks on. Plain outputs are still SGLang's, bit for bit; then an
@@ -104,9 +119,7 @@ def test_plain_requests_with_graph_decode_and_mixed_chunks_equal_no_relay(model_
         _assert_bit_identical(got, want)
         # a long decode while other prompts prefill in chunks of 64: mixed batches
         with cf.ThreadPoolExecutor(4) as pool:
-            up = pool.submit(
-                generate, server.url, chat(tok, "Writer.", "Tell a long story."), 160
-            )
+            up = pool.submit(generate, server.url, chat(tok, "Writer.", "Tell a long story."), 160)
             time.sleep(2.0)  # the story decodes while these prefill
             others = [
                 pool.submit(generate, server.url, chat(tok, f"Helper {i}.", "Go on. " * 60), 4)
@@ -124,9 +137,9 @@ def test_plain_requests_with_graph_decode_and_mixed_chunks_equal_no_relay(model_
 def test_plain_requests_under_tp2_equal_no_relay(model_dir, tmp_path):
     """Two ranks over gloo: the residual the hook copies is complete on each rank after
     SGLang's all-reduce; plain outputs are SGLang's bit for bit. Random 8-head Llama."""
-    from sglang_relay.bench.models import random_llama
-
     from relay_helpers import CONTEXT_RULE_AT_2
+
+    from sglang_relay.bench.models import random_llama
 
     path = random_llama(tmp_path / "RandomLlama-tp", model_dir)
     env = {"SGLANG_RELAY_CONFIG": json.dumps(CONTEXT_RULE_AT_2)}
@@ -144,3 +157,40 @@ def test_plain_requests_under_tp2_equal_no_relay(model_dir, tmp_path):
             return generate_ids(server.url, ids, 2)
 
         _assert_stored_and_relayed(server.url, generate_ids(server.url, prompts[0][:30], 96), paste)
+
+
+def _long_upstream(url, tok, k, n=520):
+    return generate(url, chat(tok, f"Historian {k}.", "Write a long history of bridges."), n=n)
+
+
+def test_plain_requests_batched_with_relays_get_plain_sglangs_output(server, plain_server, tok):
+    """Plain requests that arrive together with a relaying one never share its prefill
+    batch: they run SGLang's own forward and get what a --no-relay server gives. (The
+    relay side runs on the session's server, the reference on a plain one.)"""
+    import concurrent.futures as cf
+
+    plains = [
+        chat(tok, f"Helper {i}.", f"List {i + 3} fruits and their colours.") for i in range(3)
+    ]
+    a = _long_upstream(server.url, tok, "plain", 160)
+    relayed = chat(tok, "Critic.", f"History:\n\n{a['text']}\n\nCritique it.")
+    blocker = chat(tok, "Reader.", "Read this. " * 600)  # a long prefill: the rest queues
+    before = relay_info(server.url).get("batches_split", 0)
+    with cf.ThreadPoolExecutor(5) as pool:
+        busy = pool.submit(generate, server.url, blocker, 4)
+        time.sleep(0.5)
+        futures = [pool.submit(generate, server.url, relayed, 24, None, True)]
+        futures += [pool.submit(generate, server.url, p, 24, None, True) for p in plains]
+        outs = [f.result() for f in futures]
+        busy.result()
+    assert outs[0]["meta_info"]["relay"]["reused_tokens"] >= 100
+    stats = relay_info(server.url)
+    assert stats.get("batches_split", 0) > before, stats  # they did arrive together
+    with cf.ThreadPoolExecutor(3) as pool:
+        ref = list(pool.map(lambda p: generate(plain_server.url, p, 24, None, True), plains))
+    for got, want in zip(outs[1:], ref, strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        lp_got = [x[0] for x in got["meta_info"]["output_token_logprobs"]]
+        lp_want = [x[0] for x in want["meta_info"]["output_token_logprobs"]]
+        # batch composition alone moves stock SGLang's logprobs in the last float bits
+        assert lp_got == pytest.approx(lp_want, abs=1e-4)

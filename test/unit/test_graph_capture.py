@@ -111,7 +111,8 @@ class _Layer(torch.nn.Module):
         self.self_attn = _Attention()
 
     def forward(self, positions, h, fb):
-        residual = h + 1.0 if fb.residual_stream.residual is None else h + fb.residual_stream.residual
+        before = fb.residual_stream.residual
+        residual = h + 1.0 if before is None else h + before
         fb.residual_stream.residual = residual
         out = self.self_attn(positions=positions, hidden_states=residual * 2.0, forward_batch=fb)
         return out + 0.25

@@ -5,7 +5,8 @@ retracted request's re-prefill, fallbacks) runs the served model's own ``forward
 untouched: its layers, its layer boundaries (residual adds, TP sums, fused kernels), its
 attention backend. Relay adds three things around and inside it:
 
-* before it, a stamp on every KV slot it writes (:class:`~sglang_relay.runtime.side_data.SlotLedger`);
+* before it, a stamp on every KV slot it writes
+  (:class:`~sglang_relay.runtime.side_data.SlotLedger`);
 * a forward pre-hook on ``layers[capture_layer].self_attn`` that copies the residual stream
   SGLang's attention boundary has just written (the stream entering ``l_start``) into the
   ledger at the batch's KV slots: an observer, no numerical effect, no collective (the

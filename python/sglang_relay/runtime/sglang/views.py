@@ -245,12 +245,12 @@ def check_router_surface() -> None:
 
 def check_startup_surface(ctx, model_runner) -> None:
     """The parts of the contract checkable before any request: fail the start-up if not."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
     from sglang.srt.layers.layer_boundary.residual.batch import (  # noqa: F401
         written_residual,  # model.attention_entry_residual
     )
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
     from sglang.srt.models.utils import apply_qk_norm  # noqa: F401 - anatomy.apply_qk_norm
     from sglang.srt.sampling.sampling_params import (  # noqa: F401 - reasoning_end_ids
         get_request_reasoning_end_token_ids,
