@@ -1,11 +1,11 @@
 """``sglang-relay bench decode``: decode throughput with the relay backend vs plain SGLang.
 
 The relay backend stores each decoded token's hidden state at ``l_start`` (one indexed
-copy per decode step, by a hook inside SGLang's own forward). This measures what that costs: the same
-greedy generations on a plain server and on a relay server, alternating servers between
-rounds, reporting output tokens per second (batch 1 and a concurrent batch). With
-``--graph`` it measures both in eager and in graph-mode decode (relay's decode capture runs
-inside the captured graphs), side by side in one run.
+copy per decode step, by a hook inside SGLang's own forward). This measures what a relay
+server costs plain decode: the same greedy generations on a plain server and on a relay
+server, alternating servers between rounds, reporting output tokens per second (batch 1
+and a concurrent batch). With ``--graph`` it measures both in eager and in graph-mode
+decode (relay's decode capture runs inside the captured graphs), side by side in one run.
 """
 
 from __future__ import annotations
