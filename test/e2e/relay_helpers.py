@@ -27,6 +27,16 @@ ALL_SELECTED = {
 }
 
 
+# graph-mode decode on the CPU: one captured batch size keeps the compile short on 2 cores;
+# batches of 2+ decode eagerly
+GRAPH_ARGS = [
+    "--enable-torch-compile",
+    "--cuda-graph-bs-decode",
+    "1",
+    "--torch-compile-max-bs",
+    "1",
+]
+
 # a server rule that captures the stream (layer 2) in decode: context masses at layer 2
 # times the last-row probe, one cap per request
 CONTEXT_RULE_AT_2 = {

@@ -16,18 +16,11 @@ import json
 import time
 
 import pytest
-from relay_helpers import chat, generate, generate_ids, relay_info, running_server
+from relay_helpers import GRAPH_ARGS, chat, generate, generate_ids, relay_info, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 TOPICS = ["rivers", "compilers", "bread", "volcanoes", "chess", "tides"]
-GRAPH_ARGS = [
-    "--enable-torch-compile",
-    "--cuda-graph-bs-decode",
-    "1",
-    "--torch-compile-max-bs",
-    "1",
-]
 
 
 def _plain_outputs(url: str, prompts: list) -> list[dict]:

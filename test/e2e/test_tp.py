@@ -28,6 +28,7 @@ import pytest
 from relay_helpers import (
     CONTEXT_RULE_AT_2,
     DEVIATION_AT_3,
+    GRAPH_ARGS,
     assert_all_selected_equals_standard,
     assert_matches_reference,
     generate_ids,
@@ -44,14 +45,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 RELAY_CONFIG = CONTEXT_RULE_AT_2  # the stream is captured under TP and inside the graphs
 DEVIATION = DEVIATION_AT_3
-# one captured batch size keeps the compile short on 2 cores; batches of 2+ decode eagerly
-GRAPH_ARGS = [
-    "--enable-torch-compile",
-    "--cuda-graph-bs-decode",
-    "1",
-    "--torch-compile-max-bs",
-    "1",
-]
 
 
 @pytest.fixture(scope="module")
