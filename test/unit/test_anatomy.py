@@ -25,10 +25,10 @@ from sglang_relay.runtime.anatomy import (
     SPARSE_MLP,
     anatomy_of,
     anatomy_problems,
-    mlp_block,
     mlp_output,
-    run_mlp,
+    mlp_takes_batch,
 )
+from sglang_relay.runtime.layer_driver import LayerDriver
 from sglang_relay.runtime.sglang.model import SUPPORTED_ROPE
 
 FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
@@ -92,6 +92,8 @@ class Radix(nn.Module):
         self.logit_cap, self.sliding_window_size = 0.0, -1
         self.k_scale = self.v_scale = None
         self.qk_head_dim = self.v_head_dim = 64
+        self.tp_q_head_num = self.tp_k_head_num = self.tp_v_head_num = 1
+        self.scaling, self.layer_id = 0.125, 0
         self.__dict__.update(kw)
 
 
@@ -178,7 +180,22 @@ def test_the_mlp_block_is_found_under_its_adapters_name():
         layer.block_sparse_moe = layer.mlp
         del layer.mlp
     assert problems("MixtralForCausalLM", model) == []
-    assert mlp_block(model.layers[0]) is model.layers[0].block_sparse_moe
+    # the layer driver, built from the Mixtral adapter, runs that block (without a forward
+    # batch: Mixtral's block takes none)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.Identity()
+            self.experts.reduce_results = True
+
+        def forward(self, x):
+            return 2 * x
+
+    model.layers[0].block_sparse_moe = Twice()
+    drv = LayerDriver(model, None, anatomy_of("MixtralForCausalLM"))
+    x = torch.ones(2, 3)
+    torch.testing.assert_close(drv.mlp(0, x, fb=object()), 2 * x, atol=0, rtol=0)
 
 
 def test_the_loop_sums_a_blocks_partials_unless_the_block_reduced_them():
@@ -201,8 +218,13 @@ def test_the_loop_sums_a_blocks_partials_unless_the_block_reduced_them():
     dense.down_proj = nn.Identity()
     assert mlp_output(dense) is dense.down_proj
     # a block whose forward takes no forward batch (Mixtral's) is called without one
-    x = torch.ones(2, 3)
-    assert run_mlp(Block(), x, forward_batch=object()) is x
+    assert not mlp_takes_batch(Block())
+
+    class Dense(nn.Module):
+        def forward(self, x, forward_batch=None, use_reduce_scatter=False):
+            return x
+
+    assert mlp_takes_batch(Dense())
 
 
 def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():

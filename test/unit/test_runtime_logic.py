@@ -556,6 +556,7 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
         plan = SimpleNamespace(owners=[owner], lora=None)
         me = SimpleNamespace(tp=tp, lora=None, ledger=ledger, capture_layer=None, disabled=None)
         me.influence_hook, me.decode_capture = None, SimpleNamespace(stores=0)
+        me.driver = None
         me._plain = lambda *a, me=me: RelayRuntime._plain(me, *a)
         me.discarded = []
         me._discard = lambda stats, reason, me=me: me.discarded.append(reason)

@@ -130,12 +130,9 @@ def native_prepare(attn_mod):
 _NATIVE_CONTRACT: dict[type, bool] = {}
 
 
-def qkv(attn_mod, positions, x):
-    """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of the attention block ``attn_mod``
-    for normed input ``x``: SGLang's own preparation where the block has one."""
-    prepare = native_prepare(attn_mod)
-    if prepare is not None:
-        return prepare(positions, x)
+def split_qkv(attn_mod, positions, x):
+    """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of an attention block without a
+    native preparation (``prepare="split"``): SGLang's unfused sequence."""
     out, _ = attn_mod.qkv_proj(x)
     q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
     if hasattr(attn_mod, "q_norm"):
@@ -154,29 +151,12 @@ def apply_qk_norm(attn_mod, q, k):
                 head_dim=attn_mod.head_dim, alt_stream=alt_stream)  # fmt: skip
 
 
-def mlp_block(layer):
-    """The layer's MLP block (its name per :data:`MLP_NAMES`; the start-up check makes
-    sure a layer has exactly the one its adapter names)."""
-    for name in MLP_NAMES:
-        block = getattr(layer, name, None)
-        if block is not None:
-            return block
-    raise ValueError(f"{type(layer).__name__} has none of {MLP_NAMES}")
+def mlp_takes_batch(block) -> bool:
+    """Whether SGLang's MLP block takes the forward batch (Llama, Qwen MoE) or not
+    (Mixtral)."""
+    import inspect
 
-
-def run_mlp(block, x, forward_batch):
-    """SGLang's MLP block on rows ``x``: with the forward batch where its ``forward`` takes
-    one (Llama, Qwen MoE), without (Mixtral)."""
-    kind = type(block)
-    takes = _TAKES_BATCH.get(kind)
-    if takes is None:
-        import inspect
-
-        takes = _TAKES_BATCH[kind] = "forward_batch" in inspect.signature(block.forward).parameters
-    return block(x, forward_batch=forward_batch) if takes else block(x)
-
-
-_TAKES_BATCH: dict[type, bool] = {}
+    return "forward_batch" in inspect.signature(block.forward).parameters
 
 
 def mlp_output(block):

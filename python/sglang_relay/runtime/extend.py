@@ -21,15 +21,14 @@ import torch
 from sglang_relay.core.config import LayerSchedule, RelayConfig
 from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
-from sglang_relay.runtime.anatomy import rotation_table
 from sglang_relay.runtime.attention import ExtendAttention, RowBatch
-from sglang_relay.runtime.layer_step import qkv, run_layer, stream, write_kv
+from sglang_relay.runtime.layer_driver import LayerDriver
 from sglang_relay.runtime.lora_rows import info_for, installed, rows_swapped
 from sglang_relay.runtime.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
 from sglang_relay.runtime.tp import TPMismatch, TPSync, fingerprint
-from sglang_relay_kernels import gather_rows, scatter_rows, splice_rerotate
+from sglang_relay_kernels import gather_rows, scatter_rows
 
 
 @dataclass(slots=True)
@@ -66,27 +65,14 @@ class BatchPlan:
     lora: object | None = None  # SGLang's LoRA backend on a LoRA server (lora_rows.py)
 
 
-def splice(fb, model, plan: BatchPlan) -> None:
+def splice(fb, drv: LayerDriver, plan: BatchPlan) -> None:
     """Copy every span's KV into the request's slots, keys re-rotated, in all layers."""
-    rope = model.layers[0].self_attn.rotary_emb
-    cos, sin = delta_cos_sin(rotation_table(rope), plan.span_delta)
-    dst = fb.out_cache_loc[plan.span_rows]
-    pool = plan.kv_pool
-    ids = [layer.self_attn.attn.layer_id for layer in model.layers]
-    # Triton on CUDA (one launch per layer), the torch reference elsewhere
-    splice_rerotate(
-        [pool.get_key_buffer(i) for i in ids],
-        [pool.get_value_buffer(i) for i in ids],
-        plan.span_src,
-        dst,
-        cos,
-        sin,
-        is_neox=rope.is_neox_style,
-    )
+    cos, sin = delta_cos_sin(drv.rotation_table(), plan.span_delta)
+    drv.splice(plan.span_src, fb.out_cache_loc[plan.span_rows], cos, sin)
 
 
 def detect_and_select(
-    fb, pool, layer, group: SpanGroup, h, r, influence, tp=None, lora=None
+    fb, drv: LayerDriver, lid: int, group: SpanGroup, h, r, influence, tp=None, lora=None
 ) -> None:
     """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select
     per matched run; fills ``group.selected`` and each run's ``ChunkUse``."""
@@ -96,24 +82,19 @@ def detect_and_select(
     if cfg.probes:  # a probing group's scores came from the probe (the TP group's already)
         deviation = group.probed
     if cfg.detects:
-        hs = gather_rows(h, rows)
-        if r is None:
-            x = layer.input_layernorm(hs)
-        else:
-            x = layer.input_layernorm(hs, gather_rows(r, rows))[0]
+        x, _ = drv.norm_in(lid, gather_rows(h, rows), None if r is None else gather_rows(r, rows))
         with rows_swapped(lora, rows):
-            _, k, v = qkv(layer.self_attn, fb.positions[rows], x)
-        ra = layer.self_attn.attn
+            _, k, v = drv.qkv(lid, fb.positions[rows], x)
+        hd = drv.heads(lid)
         loc = fb.out_cache_loc[rows]
+        kbuf, vbuf = drv.kv(lid)
         if cfg.signal == "key":
-            buf = pool.get_key_buffer(ra.layer_id)
-            new = k.reshape(n, ra.tp_k_head_num, ra.qk_head_dim)
+            buf, new = kbuf, k.reshape(n, hd.kv, hd.d)
         else:
-            buf = pool.get_value_buffer(ra.layer_id)
-            new = v.reshape(n, ra.tp_v_head_num, ra.v_head_dim)
+            buf, new = vbuf, v.reshape(n, hd.v, hd.dv)
         old = gather_rows(buf.view(buf.shape[0], -1), loc).view(new.shape)
         deviation = kv_deviation(new, old)
-        write_kv(pool, ra, loc, k, v)  # fresh K/V at l_det for every span token
+        drv.write_kv(lid, loc, k, v)  # fresh K/V at l_det for every span token
     scores = None if influence is None else influence[group.src]
     if tp is not None:  # this rank saw its KV heads only: rank the TP group's mean
         if deviation is not None and not cfg.probes:
@@ -166,29 +147,30 @@ def plan_fingerprint(plan: BatchPlan) -> list[int]:
 
 
 def relay_extend(
-    model, input_ids, positions, fb, plan: BatchPlan, ledger: SlotLedger, capture_layer=None
-):
+    drv: LayerDriver, input_ids, positions, fb, plan: BatchPlan, ledger: SlotLedger,
+    capture_layer=None,
+):  # fmt: skip
     """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``.
     Per-run selected counts land in the plan's ``ChunkUse`` objects. Stamps the batch's
     slots: normal rows (computed exactly, e.g. the decode rows of a mixed batch) with their
     hidden state at ``capture_layer`` stored, span rows without."""
     ledger.stamp(fb.out_cache_loc[plan.span_rows], with_hidden=False)
     ledger.stamp(fb.out_cache_loc[plan.normal_rows], with_hidden=capture_layer is not None)
-    splice(fb, model, plan)
+    splice(fb, drv, plan)
     plan.attention.reset()
-    h = model.embed_tokens(input_ids)
+    h = drv.embed(input_ids)
     r = None
     normal_rows, pre_r = plan.normal_rows, None
     if plan.probes:  # the rows before the first spans are final after the probe
-        pre_r = run_probe(model, positions, fb, plan, h, ledger, capture_layer)
+        pre_r = run_probe(drv, positions, fb, plan, h, ledger, capture_layer)
         if plan.probe_pre is not None and plan.probe_pre.numel():
             normal_rows = normal_rows[~torch.isin(normal_rows, plan.probe_pre)]
     normal_loc = fb.out_cache_loc[normal_rows]
     last_phase = rows = handle = row_pos = lora_info = None
-    for lid, layer in enumerate(model.layers):
+    for lid in range(drv.num_layers):
         if lid == capture_layer and normal_rows.numel():
             rows_h = gather_rows(h, normal_rows)
-            ledger.store_hidden(normal_loc, stream(rows_h, gather_rows(r, normal_rows)))
+            ledger.store_hidden(normal_loc, drv.stream(rows_h, gather_rows(r, normal_rows)))
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
                 if r is None:  # no row ran yet (a chunk made of span rows only)
@@ -196,9 +178,7 @@ def relay_extend(
                 scatter_rows(h, g.rows, gather_rows(ledger.hidden, g.src))
                 r[g.rows] = 0  # the stored stream is h + r: carry it in h
             if lid == g.sched.l_det and lid <= g.sched.l_end:
-                detect_and_select(
-                    fb, plan.kv_pool, layer, g, h, r, ledger.influence, plan.tp, plan.lora
-                )
+                detect_and_select(fb, drv, lid, g, h, r, ledger.influence, plan.tp, plan.lora)
         phase = tuple(_phase(g, lid) for g in plan.groups)
         if phase != last_phase:  # the active rows change at group boundaries only
             last_phase = phase
@@ -214,21 +194,18 @@ def relay_extend(
             lora_info = info_for(plan.lora, rows)  # a LoRA server: each row's own adapter
         if handle is None:
             continue
-        ra = layer.self_attn.attn
+        hd = drv.heads(lid)
 
-        def attend(q, k, v, rows=rows, handle=handle, ra=ra):
-            write_kv(plan.kv_pool, ra, fb.out_cache_loc[rows], k, v)
-            kbuf = plan.kv_pool.get_key_buffer(ra.layer_id)
-            vbuf = plan.kv_pool.get_value_buffer(ra.layer_id)
-            out = plan.attention.run(
-                handle, q.reshape(-1, ra.tp_q_head_num, ra.qk_head_dim), kbuf, vbuf, ra.scaling
-            )
+        def attend(q, k, v, rows=rows, handle=handle, lid=lid, hd=hd):
+            drv.write_kv(lid, fb.out_cache_loc[rows], k, v)
+            kbuf, vbuf = drv.kv(lid)
+            out = plan.attention.run(handle, q.reshape(-1, hd.q, hd.d), kbuf, vbuf, hd.scale)
             return out.reshape(q.shape[0], -1)
 
         # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
         r_in = None if r is None else gather_rows(r, rows)
         with installed(plan.lora, lora_info):
-            h_out, r_out = run_layer(layer, row_pos, gather_rows(h, rows), r_in, fb, attend)
+            h_out, r_out = drv.layer(lid, row_pos, gather_rows(h, rows), r_in, fb, attend)
         if r is None:
             r = torch.zeros_like(h)
         scatter_rows(h, rows, h_out)
@@ -237,5 +214,4 @@ def relay_extend(
         r = torch.zeros_like(h)
     if pre_r is not None:
         scatter_rows(r, plan.probe_pre, pre_r)
-    out, _ = model.norm(h, r)
-    return out
+    return drv.final_norm(h, r)

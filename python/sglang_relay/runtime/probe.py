@@ -24,7 +24,7 @@ import torch
 
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
-from sglang_relay.runtime.layer_step import run_layer, stream, write_kv
+from sglang_relay.runtime.layer_driver import LayerDriver
 from sglang_relay.runtime.lora_rows import info_for, installed
 from sglang_relay.runtime.side_data import SlotLedger
 from sglang_relay_kernels import gather_rows, scatter_rows
@@ -60,7 +60,7 @@ def pre_span_rows(targets: list[ProbeTarget], row_starts: list[int], prefix_lens
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
+def run_probe(drv: LayerDriver, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
     """The probe pass of ``plan.probes``: computes the rows before the first spans
     (``plan.probe_pre``) for good, their final ``h`` scattered into ``h`` and their hidden
     state stored at ``capture_layer``, and sets each probing group's ``probed`` scores.
@@ -74,7 +74,7 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
     handle = plan.attention.plan(plan.batch, pre.cpu(), positions[pre]) if n_pre else None
     hp = gather_rows(h, rows)
     rp = None
-    layers = set(probe_layers(len(model.layers)))
+    layers = set(probe_layers(drv.num_layers))
     att = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=h.device) for t in targets]
     loc = fb.out_cache_loc[rows]
     lora_info = info_for(plan.lora, rows)  # the same rows in every layer
@@ -88,32 +88,32 @@ def run_probe(model, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
         head = torch.arange(t.first, device=slots.device)
         vis.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
         where.append(slice(t.first, t.first + t.hi - t.lo))
-    for lid, layer in enumerate(model.layers):
+    for lid in range(drv.num_layers):
         if lid == capture_layer and n_pre:
-            ledger.store_hidden(loc[:n_pre], stream(hp[:n_pre], None if rp is None else rp[:n_pre]))
-        ra = layer.self_attn.attn
+            rows_r = None if rp is None else rp[:n_pre]
+            ledger.store_hidden(loc[:n_pre], drv.stream(hp[:n_pre], rows_r))
+        hd = drv.heads(lid)
 
-        def attend(q, k, v, ra=ra, lid=lid):
-            write_kv(plan.kv_pool, ra, loc, k, v)
-            kbuf = plan.kv_pool.get_key_buffer(ra.layer_id)
-            vbuf = plan.kv_pool.get_value_buffer(ra.layer_id)
-            q = q.reshape(-1, ra.tp_q_head_num, ra.qk_head_dim)
-            out = q.new_empty((q.shape[0], ra.tp_q_head_num, vbuf.shape[-1]))
+        def attend(q, k, v, hd=hd, lid=lid):
+            drv.write_kv(lid, loc, k, v)
+            kbuf, vbuf = drv.kv(lid)
+            q = q.reshape(-1, hd.q, hd.d)
+            out = q.new_empty((q.shape[0], hd.q, vbuf.shape[-1]))
             if handle is not None:
-                out[:n_pre] = plan.attention.run(handle, q[:n_pre], kbuf, vbuf, ra.scaling)
+                out[:n_pre] = plan.attention.run(handle, q[:n_pre], kbuf, vbuf, hd.scale)
             for j in range(len(targets)):
                 keys, vals = kbuf[vis[j]].float(), vbuf[vis[j]].float()
                 seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
                 qj = q[n_pre + j : n_pre + j + 1].float()
-                probs = attention_probs(qj, keys, seen, ra.scaling)  # [1, Hkv, group, T]
+                probs = attention_probs(qj, keys, seen, hd.scale)  # [1, Hkv, group, T]
                 if lid in layers:
                     att[j] += probs[0].mean((0, 1))[where[j]]
-                o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, ra.tp_q_head_num, -1)
+                o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, hd.q, -1)
                 out[n_pre + j] = o[0].to(out.dtype)
             return out.reshape(q.shape[0], -1)
 
         with installed(plan.lora, lora_info):
-            hp, rp = run_layer(layer, row_pos, hp, rp, fb, attend)
+            hp, rp = drv.layer(lid, row_pos, hp, rp, fb, attend)
     if n_pre:
         scatter_rows(h, pre, hp[:n_pre])
     tp = plan.tp

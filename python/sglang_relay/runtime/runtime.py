@@ -33,7 +33,7 @@ from sglang_relay.runtime.decode import DecodeCapture, InfluenceHook, new_ledger
 from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
-from sglang_relay.runtime.layer_step import qkv as layer_qkv
+from sglang_relay.runtime.layer_driver import LayerDriver
 from sglang_relay.runtime.lora_rows import base_only
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
@@ -101,8 +101,10 @@ class RelayRuntime:
         self.cfg = settings.config
         self.model = inner_model(model_runner)
         self.num_layers = len(self.model.layers)
-        check_model_anatomy(model_runner)
+        anatomy = check_model_anatomy(model_runner)
         self.kv_pool = model_runner.token_to_kv_pool
+        # relay's own forwards' layers, bound per layer from the architecture's adapter
+        self.driver = LayerDriver(self.model, self.kv_pool, anatomy)
         self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
@@ -228,28 +230,27 @@ class RelayRuntime:
         output (tokens from ``answer_start``) counts its reasoning as context too: a paste
         of the answer alone replaces both. Under tensor parallelism each rank averages its
         own heads; selection averages the ranks."""
-        layer = self.model.layers[self.context_layer]
-        ra = layer.self_attn.attn
+        drv, lid = self.driver, self.context_layer
+        hd = drv.heads(lid)
         n = len(tokens)
         slots = row[: prompt_len + n].to(torch.int64)
-        if self.context_layer == 0:
-            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            h = self.model.embed_tokens(ids)
+        if lid == 0:
+            h = drv.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
         else:
-            h = self.ledger.hidden[slots[prompt_len:]]
+            h = self.ledger.hidden[slots[prompt_len:]]  # the stored stream is the residual
         pos = torch.arange(prompt_len, prompt_len + n, device=self.device)
         with base_only(self.lora):  # outside any batch: no row-to-adapter info applies
-            q, _, _ = layer_qkv(layer.self_attn, pos, layer.input_layernorm(h))
-        keys = self.kv_pool.get_key_buffer(ra.layer_id)[slots]
-        q = q.reshape(n, ra.tp_q_head_num, ra.qk_head_dim)
-        keys = keys.reshape(prompt_len + n, ra.tp_k_head_num, ra.qk_head_dim)
+            q, _, _ = drv.qkv(lid, pos, drv.norm_in(lid, h, None)[0])
+        keys = drv.kv(lid)[0][slots]
+        q = q.reshape(n, hd.q, hd.d)
+        keys = keys.reshape(prompt_len + n, hd.kv, hd.d)
         if answer_start <= 0:
-            return context_mass(q, keys, pos, prompt_len, ra.scaling)
+            return context_mass(q, keys, pos, prompt_len, hd.scale)
         a = answer_start
         return torch.cat(
             (
-                context_mass(q[:a], keys, pos[:a], prompt_len, ra.scaling),
-                context_mass(q[a:], keys, pos[a:], prompt_len + a, ra.scaling),
+                context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale),
+                context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale),
             )
         )
 
@@ -503,7 +504,7 @@ class RelayRuntime:
         plan.lora = self.lora
         try:
             out = relay_extend(
-                model, input_ids, positions, fb, plan, self.ledger, self.capture_layer
+                self.driver, input_ids, positions, fb, plan, self.ledger, self.capture_layer
             )
         except Exception as exc:  # the stock forward rewrites every extend row's KV
             if self.tp is not None and not isinstance(exc, TPMismatch):

@@ -43,19 +43,25 @@ def inner_model(model_runner):
     return getattr(outer, "model", outer)
 
 
-def check_model_anatomy(model_runner) -> None:
+def check_model_anatomy(model_runner):
     """Fail loudly unless the served decoder stack has exactly the modules its
-    architecture's adapter drives (``runtime/anatomy.py``), in every layer."""
+    architecture's adapter drives (``runtime/anatomy.py``), in every layer, and the SGLang
+    functions the layer driver mirrors are the ones it was verified on (``mirrors.py``).
+    Returns the architecture's adapter (``anatomy.Anatomy``)."""
     from sglang_relay.runtime.anatomy import anatomy_of, anatomy_problems
+    from sglang_relay.runtime.sglang.mirrors import check_served_mirrors
 
     architecture = type(model_runner.model).__name__
-    problems = anatomy_problems(anatomy_of(architecture), inner_model(model_runner), SUPPORTED_ROPE)
+    anatomy, model = anatomy_of(architecture), inner_model(model_runner)
+    problems = anatomy_problems(anatomy, model, SUPPORTED_ROPE)
     if problems:
         raise ValueError(
             f"sglang-relay cannot run the layer loop of this {architecture} model: "
             + "; ".join(problems[:4])
             + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         )
+    check_served_mirrors(model, anatomy.mlp_name)
+    return anatomy
 
 
 def tp_group():
