@@ -35,7 +35,7 @@ serve: setup
 	$(PY) -m sglang_relay.cli serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(XDIST) --durations=25 test kernels/tests $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=60 test kernels/tests $(ARGS)
 
 # Every test, the `full` tier too (every architecture, Qwen3-MoE at tp 2, page 16, Triton in a
 # server, the TP fault, the soak and key-scope fuzz, mixed chunks on their own)
