@@ -30,6 +30,7 @@ Policies: ``round_robin``, ``least_load`` (fewest requests in flight), ``prefix`
 Usage::
 
     python benchmark/scale_sim.py [--quick] [--seed S] [--json OUT] [--plot PNG]
+    python benchmark/scale_sim.py --disagg [--json OUT]   # moving a span vs prefilling it
 """
 
 from __future__ import annotations
@@ -856,13 +857,124 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+# ---- prefill/decode disaggregation: moving a span vs prefilling it again ----------------
+# docs/scale-out.md ("Prefill/decode disaggregation"). A span decoded on a decode server
+# and needed on a prefill server can be moved (its KV in every layer plus relay's side
+# data) or prefilled again there. Per relayed token and per GPU: the bytes moved, the time
+# that takes on the link, and the prefill compute relay saves (reuse x the token's FLOPs).
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense decoder's shape (Hugging Face config names)."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+    def layer_params(self) -> int:
+        """Weights a token's prefill multiplies by in one layer (q, k, v, o, gated MLP)."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.ffn
+
+
+SHAPES = (
+    Shape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336),
+    Shape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672),
+)
+# (name, tensor-parallel GPUs per server) as each shape is commonly served
+SERVING = (("Llama-3-8B", 1), ("Llama-3-70B", 8))
+# per-GPU link bandwidth, Gbit/s: one 400G / 200G RDMA NIC per GPU (InfiniBand NDR / RoCE),
+# 100G Ethernet per GPU, and a node's 100G Ethernet shared by 8 GPUs
+LINKS_GBPS = (400.0, 200.0, 100.0, 12.5)
+H100_BF16_TFLOPS = 989.0  # dense peak
+PREFILL_MFU = 0.5  # prefill model-FLOP utilisation assumed
+KV_BYTES = 2  # bf16 KV cache (FP8: 1)
+SIDE_BYTES = 4 + 8  # per span token: its context mass (float32) and its slot stamp
+
+
+def disagg_cost(
+    shape: Shape,
+    tp: int,
+    link_gbps: float,
+    *,
+    reuse: float = 0.80,
+    context: int = 4096,
+    hidden_rows: bool = True,
+    kv_bytes: int = KV_BYTES,
+    tflops: float = H100_BF16_TFLOPS,
+    mfu: float = PREFILL_MFU,
+) -> dict:
+    """Moving one relayed token's KV and side data to another server vs the prefill compute
+    relay saves on it, per GPU of a ``tp``-GPU server. KV heads shard over TP (replicated
+    when ``tp`` exceeds them); the stored hidden row (profiles with ``l_start`` > 0) is
+    whole on every rank; attention FLOPs at the prompt's mean position ``context / 2``."""
+    kv_per_gpu = max(1, shape.kv_heads // tp) * shape.head_dim
+    kv = 2 * shape.layers * kv_per_gpu * kv_bytes
+    side = SIDE_BYTES + (shape.hidden * 2 if hidden_rows else 0)
+    nbytes = kv + side
+    linear = 2 * shape.layers * shape.layer_params()
+    attention = 4 * shape.layers * shape.q_heads * shape.head_dim * (context // 2)
+    flops_per_gpu = (linear + attention) / tp
+    saved_s = reuse * flops_per_gpu / (tflops * 1e12 * mfu)
+    move_s = nbytes / (link_gbps * 1e9 / 8)
+    return {
+        "model": shape.name,
+        "tp": tp,
+        "link_gbps": link_gbps,
+        "bytes_per_token_per_gpu": nbytes,
+        "prefill_gflop_per_token": round((linear + attention) / 1e9, 2),
+        "move_us": round(move_s * 1e6, 2),
+        "saved_us": round(saved_s * 1e6, 2),
+        "saved_over_move": round(saved_s / move_s, 2),
+        "break_even_gbps": round(nbytes * 8 / saved_s / 1e9, 1),
+    }
+
+
+def disagg_rows() -> list[dict]:
+    shapes = {s.name: s for s in SHAPES}
+    return [disagg_cost(shapes[n], tp, g) for n, tp in SERVING for g in LINKS_GBPS]
+
+
+def disagg_table(rows: list[dict]) -> str:
+    head = "| model | TP | link Gb/s per GPU | bytes / token / GPU | prefill GFLOP / token |"
+    head += " move us | saved us | saved / move | break-even Gb/s |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['tp']} | {r['link_gbps']:g} | {r['bytes_per_token_per_gpu']:,} "
+            f"| {r['prefill_gflop_per_token']} | {r['move_us']} | {r['saved_us']} "
+            f"| {r['saved_over_move']} | {r['break_even_gbps']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="N in 1,4,16, fewer chains (< 60 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="out_json", type=Path)
     p.add_argument("--plot", type=Path)
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="only the disaggregation cost model: moving a span vs prefilling it (instant)",
+    )
     args = p.parse_args(argv)
+    if args.disagg:
+        rows = disagg_rows()
+        print(disagg_table(rows))
+        meta = {"tflops": H100_BF16_TFLOPS, "mfu": PREFILL_MFU, "kv_bytes": KV_BYTES,
+                "reuse": 0.80, "context": 4096, "shapes": [asdict(s) for s in SHAPES]}  # fmt: skip
+        out = {"meta": meta, "rows": rows}
+        if args.out_json:
+            args.out_json.parent.mkdir(parents=True, exist_ok=True)
+            args.out_json.write_text(json.dumps(out, indent=1) + "\n")
+        return out
     t0 = time.perf_counter()
     costs = measured_costs()
     print(

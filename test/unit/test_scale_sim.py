@@ -292,3 +292,32 @@ def test_offered_load_scales_with_n_and_runs_are_deterministic():
     assert a != sim.run_point(small, CHEAP, seed=2)
     big = sim.run_point(sim.Point(8, "fingerprints", chains_per_worker=10, min_chains=20), CHEAP, 1)
     assert big["chain_rate"] == pytest.approx(4 * a["chain_rate"])
+
+
+def test_disaggregation_cost_against_hand_arithmetic():
+    """Llama-3-8B on one GPU and Llama-3-70B on eight, worked by hand from their configs."""
+    llama8, llama70 = sim.SHAPES
+    # 8B: K and V of 8 heads x 128 dims in 32 layers, bf16; the hidden row (4096 x bf16)
+    # and 12 bytes of mass and stamp
+    r = sim.disagg_cost(llama8, 1, 400.0)
+    assert r["bytes_per_token_per_gpu"] == 2 * 32 * 8 * 128 * 2 + 4096 * 2 + 12 == 139_276
+    # its weights per layer: q 4096x4096, k and v 4096x1024, o 4096x4096, MLP 3x4096x14336
+    per_layer = 4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336
+    flops = 2 * 32 * per_layer + 4 * 32 * 32 * 128 * 2048
+    assert r["prefill_gflop_per_token"] == round(flops / 1e9, 2)
+    saved = 0.8 * flops / (989e12 * 0.5)
+    move = 139_276 / 50e9  # 400 Gbit/s = 50 GB/s
+    assert r["saved_us"] == pytest.approx(saved * 1e6, abs=0.01)
+    assert r["move_us"] == pytest.approx(move * 1e6, abs=0.01)
+    assert r["break_even_gbps"] == pytest.approx(139_276 * 8 / saved / 1e9, abs=0.1)
+    # 70B at TP 8: one KV head per GPU; the hidden row is whole on every rank
+    r70 = sim.disagg_cost(llama70, 8, 100.0)
+    assert r70["bytes_per_token_per_gpu"] == 2 * 80 * 1 * 128 * 2 + 8192 * 2 + 12
+    # more GPUs than KV heads: the heads are replicated, not split below one
+    assert sim.disagg_cost(llama8, 16, 100.0)["bytes_per_token_per_gpu"] == (
+        2 * 32 * 1 * 128 * 2 + 4096 * 2 + 12
+    )
+    # without stored hidden rows, and with an FP8 cache, fewer bytes; break-even scales
+    lean = sim.disagg_cost(llama8, 1, 400.0, hidden_rows=False, kv_bytes=1)
+    assert lean["bytes_per_token_per_gpu"] == 2 * 32 * 8 * 128 + 12
+    assert lean["break_even_gbps"] < r["break_even_gbps"]
