@@ -11,7 +11,9 @@ def hook_registry():
     return HookRegistry, HookType
 
 
-def _resolve(target: str):
+def resolve(target: str):
+    """The object a dotted ``module.attr[.attr...]`` names (the longest importable module
+    prefix, then attributes)."""
     import importlib
 
     parts = target.split(".")
@@ -28,7 +30,7 @@ def _resolve(target: str):
 
 def hook_installed(target: str, hook) -> bool:
     """Whether ``hook`` wraps ``target`` now (walks the hook registry's wrapper chain)."""
-    fn = _resolve(target)
+    fn = resolve(target)
     while fn is not None:
         cells = getattr(fn, "__closure__", None) or ()
         if any(getattr(c, "cell_contents", None) is hook for c in cells):

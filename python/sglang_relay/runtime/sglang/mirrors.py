@@ -30,6 +30,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from sglang_relay.runtime.sglang.hooks import resolve
+
 RECORD = Path(__file__).with_name("mirrors.json")
 
 # Shared by every architecture (one module path each; the layer classes call them).
@@ -78,20 +80,6 @@ def served_mirrors(model, mlp_name: str = "mlp") -> list[str]:
         names.extend(_defining(type(layer.self_attn), m) for m in _METHODS)
         names.append(_defining(type(getattr(layer, mlp_name)), "forward"))
     return list(dict.fromkeys(n for n in [*names, *SHARED] if n))
-
-
-def resolve(name: str):
-    """The function a dotted ``module.Class.method`` or ``module.function`` names."""
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = vars(obj)[attr] if isinstance(obj, type) else getattr(obj, attr)
-        return obj
-    raise ImportError(name)
 
 
 def recorded() -> dict[str, str]:
