@@ -184,7 +184,6 @@ def _planner(store, ledger, slots_per_req=64):
         ledger,
         num_layers=L,
         min_span=8,
-        kv_pool=None,
         req_to_token=req_to_token,
         attention=build("torch", torch.device("cpu")),
     )

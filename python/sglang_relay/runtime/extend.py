@@ -56,7 +56,6 @@ class BatchPlan:
     span_delta: torch.Tensor  # [S_all] int64 new position - old position
     normal_rows: torch.Tensor  # [N - S_all] int64
     batch: RowBatch
-    kv_pool: object  # SGLang's token_to_kv_pool (get_key_buffer / set_kv_buffer)
     attention: ExtendAttention
     owners: list[RequestStats]  # the requests whose chunks this plan relays
     tp: TPSync | None = None  # tensor parallel: scores reduced, selections checked

@@ -70,7 +70,6 @@ class Planner:
         *,
         num_layers: int,
         min_span: int,
-        kv_pool: Any,
         req_to_token: torch.Tensor,
         attention: ExtendAttention,
         tp: TPSync | None = None,
@@ -79,7 +78,6 @@ class Planner:
         self.ledger = ledger
         self.num_layers = num_layers
         self.min_span = min_span
-        self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.attention = attention
         self.tp = tp
@@ -276,7 +274,6 @@ class Planner:
             span_delta=deltas[order],
             normal_rows=mask.nonzero().flatten(),
             batch=RowBatch(row_starts, seq_lens, slots, num_rows),
-            kv_pool=self.kv_pool,
             attention=self.attention,
             owners=[p.stats for p in plans if p is not None and p.stats.chunk is not None],
             tp=self.tp,

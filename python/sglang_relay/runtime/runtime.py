@@ -162,7 +162,6 @@ class RelayRuntime:
             self.ledger,
             num_layers=self.num_layers,
             min_span=self.cfg.min_span,
-            kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
             attention=extend_attention.build(self.attention_name, self.device),
             tp=self.tp,
