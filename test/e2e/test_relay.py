@@ -18,9 +18,7 @@ _unique = itertools.count()
 NOTHING_RECOMPUTED = {"l_start": 30, "l_det": 30, "l_end": 29}
 
 
-@pytest.fixture()
-def upstream(server, tok):
-    """A fresh upstream output (>= 100 tokens) and a downstream prompt embedding it."""
+def _new_upstream(server, tok):
     k = next(_unique)
     a = generate(
         server.url,
@@ -35,6 +33,19 @@ def upstream(server, tok):
     assert a["meta_info"]["completion_tokens"] >= 100
     prompt = chat(tok, f"You are developer #{k}.", f"Spec:\n\n{a['text']}\n\nImplement it.")
     return a, prompt
+
+
+@pytest.fixture()
+def upstream(server, tok):
+    """A fresh upstream output (>= 100 tokens) and a downstream prompt embedding it."""
+    return _new_upstream(server, tok)
+
+
+@pytest.fixture(scope="module")
+def shared_upstream(server, tok):
+    """One upstream for tests whose requests never reach the scheduler (refused at the
+    trust boundary): its span is still stored when each of them runs."""
+    return _new_upstream(server, tok)
 
 
 def test_every_response_reports_relay(server, tok):
@@ -118,8 +129,8 @@ def test_namespaces_never_share_spans(server, tok):
         {"weird": 1},
     ],
 )
-def test_malformed_options_are_refused_with_400(server, upstream, bad):
-    _, prompt = upstream
+def test_malformed_options_are_refused_with_400(server, shared_upstream, bad):
+    _, prompt = shared_upstream
     body = {
         "text": prompt,
         "sampling_params": {"max_new_tokens": 4, "custom_params": {"relay": bad}},

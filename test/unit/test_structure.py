@@ -7,10 +7,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "sglang_relay"
-MAX_LINES = 450
-# modules still over the budget, at most this long (the next steps shrink them: the layer
-# driver takes RelayRuntime's layer work; SpanIndex is one class under a long docstring)
-OVER_BUDGET = {"runtime/runtime.py": 600}
+MAX_LINES = 440
+# modules still over the budget, at most this long
+OVER_BUDGET: dict[str, int] = {}
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, Path]:

@@ -3,7 +3,7 @@
 Plain forwards are SGLang's (:mod:`.decode`). Three relay paths run SGLang's modules in an
 order of their own: the relay extend (:func:`.extend.relay_extend`, with its detection
 step), the last-row probe (:func:`.probe.run_probe`) and the context masses of a finished
-output (``RelayRuntime.span_context``). They reach the model only through a
+output (:func:`span_context`). They reach the model only through a
 :class:`LayerDriver`, whose small interface says what they do with it:
 
 * ``embed(ids)`` / ``final_norm(h, r)``: the stack's ends;
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_relay.core.selection import context_mass
 from sglang_relay.runtime.anatomy import (
     Anatomy,
     mlp_output,
@@ -41,6 +42,7 @@ from sglang_relay.runtime.anatomy import (
     rotation_table,
     split_qkv,
 )
+from sglang_relay.runtime.lora_rows import base_only
 from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
 from sglang_relay_kernels import splice_rerotate
 
@@ -174,3 +176,48 @@ class LayerDriver:
             sin,
             is_neox=self.layers[0].self_attn.rotary_emb.is_neox_style,
         )
+
+
+def span_context(
+    driver: LayerDriver,
+    stored: torch.Tensor | None,
+    lid: int,
+    lora,
+    row: torch.Tensor,
+    prompt_len: int,
+    tokens: list[int],
+    answer_start: int = 0,
+) -> torch.Tensor:
+    """``[n]`` context masses of a finished request's output tokens ``tokens`` (slots
+    ``row[prompt_len : prompt_len + n]``, prompt slots before them): each token's decode
+    query at layer ``lid``, rebuilt from the stream stored entering it (``stored``, indexed
+    by slot; the embedding at layer 0), over the row's keys, mass on prompt positions
+    ``1..prompt_len-1`` (:func:`~sglang_relay.core.selection.context_mass`). The answer of
+    a reasoning output (tokens from ``answer_start``) counts its reasoning as context too:
+    a paste of the answer alone replaces both. Runs outside any batch, so on the base
+    weights of a LoRA server (``lora``: SGLang's LoRA backend or None). Under tensor
+    parallelism each rank averages its own heads; selection averages the ranks."""
+    hd = driver.heads(lid)
+    n = len(tokens)
+    kbuf = driver.kv(lid)[0]
+    device = kbuf.device
+    slots = row[: prompt_len + n].to(device=device, dtype=torch.int64)
+    if lid == 0:
+        h = driver.embed(torch.tensor(tokens, dtype=torch.int64, device=device))
+    else:
+        h = stored[slots[prompt_len:]]  # the stored stream is the residual
+    pos = torch.arange(prompt_len, prompt_len + n, device=device)
+    with base_only(lora):  # outside any batch: no row-to-adapter info applies
+        q, _, _ = driver.qkv(lid, pos, driver.norm_in(lid, h, None)[0])
+    keys = kbuf[slots]
+    q = q.reshape(n, hd.q, hd.d)
+    keys = keys.reshape(prompt_len + n, hd.kv, hd.d)
+    if answer_start <= 0:
+        return context_mass(q, keys, pos, prompt_len, hd.scale)
+    a = answer_start
+    return torch.cat(
+        (
+            context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale),
+            context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale),
+        )
+    )

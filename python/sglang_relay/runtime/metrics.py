@@ -51,3 +51,9 @@ class RelayCounters(Counter):
         super().__setitem__(key, value)
         if self._prom is not None and delta > 0:
             self._prom.labels(event=key).inc(delta)
+
+    def fallback(self, reason: str) -> None:
+        """One request fell back to standard prefill for ``reason`` (``kind: detail``):
+        counted overall and under its kind."""
+        self["fallbacks"] += 1
+        self[f"fallback_{reason.split(':')[0]}"] += 1

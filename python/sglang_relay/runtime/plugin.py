@@ -164,11 +164,11 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
         return result
     for req in batch.reqs:
         try:
-            rt.plan(req)
+            rt.gate.plan(req)
         except Exception:  # planning must never break scheduling
             logger.exception("relay planning failed; standard prefill")
             try:
-                rt.plan_failed(req)
+                rt.gate.plan_failed(req)
             except Exception:  # noqa: BLE001 - a scheduler exception ends the server
                 logger.exception("relay could not record the fallback")
     return result
@@ -191,7 +191,7 @@ def _add_one_req(original, adder, req, *args, **kwargs):
     )
 
     rt = getattr(adder_tree_cache(adder), "relay", None)
-    if rt is not None and not rt.admits(req, adder_admitted(adder)):
+    if rt is not None and not rt.gate.admits(req, adder_admitted(adder)):
         return add_req_stop()
     return original(adder, req, *args, **kwargs)
 

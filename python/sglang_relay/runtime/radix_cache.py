@@ -92,7 +92,7 @@ class RelayRadixCache(UnifiedRadixCache):
                 self.relay_counters["guard_relayed_tokens_redone"] += int(
                     redo.get("reused_tokens") or 0
                 )
-            namespace = rt.store_namespace(req)  # None: not stored (no context pass either)
+            namespace = rt.gate.store_namespace(req)  # None: not stored (no context pass either)
             span = self._span_of(req, up_to, with_context=namespace is not None)
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
         if span is None:

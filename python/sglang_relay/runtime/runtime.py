@@ -2,13 +2,15 @@
 cache, reachable from it (``cache.relay``) and from the served model (the attribute
 ``sglang.model.MODEL_RUNTIME_ATTR``), never from a module global.
 
-It owns the slot ledger (stamps, hidden states, influence), the span store, the planner
-and the per-request stats, and answers the plug-in's hooks:
+It owns the slot ledger (stamps, hidden states, influence), the span store, the planner,
+the layer driver and the per-request stats, and answers the plug-in's hooks:
 
-* ``plan(req)`` after ``prepare_for_extend``;
+* the scheduler's (admission, ``plan(req)`` after ``prepare_for_extend``) through its
+  :class:`~.gate.RequestGate`, ``runtime.gate``;
 * ``forward(original, model, ...)`` for every forward of the served model: stamps the KV
   slots it writes, and runs the relay extend or SGLang's own forward;
-* ``record(req, ...)`` / ``release(rid)`` from the cache's checkpoint and on_release.
+* ``span_context`` / ``relayed_from`` / ``release(rid)`` from the cache's checkpoint and
+  on_release.
 
 Data path of one relayed request: docs/architecture.md.
 """
@@ -17,15 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
 
-from sglang_relay.core.config import RelayConfig
-from sglang_relay.core.operating import OperatingPoint
-from sglang_relay.core.relatedness import related_spans
-from sglang_relay.core.selection import context_mass
 from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import faults
 from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
@@ -33,10 +30,9 @@ from sglang_relay.runtime.decode import DecodeCapture, InfluenceHook, new_ledger
 from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
-from sglang_relay.runtime.layer_driver import LayerDriver
-from sglang_relay.runtime.lora_rows import base_only
+from sglang_relay.runtime.gate import RequestGate
+from sglang_relay.runtime.layer_driver import LayerDriver, span_context
 from sglang_relay.runtime.metrics import RelayCounters
-from sglang_relay.runtime.options import namespace, request_option, resolve_config, stores_spans
 from sglang_relay.runtime.planner import Planner, PlanningFailed
 from sglang_relay.runtime.settings import RelaySettings
 from sglang_relay.runtime.sglang.model import (
@@ -49,18 +45,8 @@ from sglang_relay.runtime.sglang.model import (
     lora_backend,
     tp_group,
 )
-from sglang_relay.runtime.sglang.scheduling import (
-    IsolationError,
-    dp_rank,
-    dp_route,
-    extend_chunk,
-    remaining_input,
-    request_isolation,
-    request_refusal,
-    set_request_info,
-)
+from sglang_relay.runtime.sglang.scheduling import dp_rank, set_request_info
 from sglang_relay.runtime.sglang.server import attention_backend_name, chunk_size
-from sglang_relay.runtime.sglang.views import check_surface
 from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
 from sglang_relay.runtime.tp import TPMismatch, TPSync
@@ -167,15 +153,9 @@ class RelayRuntime:
             tp=self.tp,
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
-        self._req_checked = False
-        self._req_unreadable = False  # the Req surface check failed: read nothing of a Req
-        self._relays: OrderedDict[tuple[str, int], bool] = OrderedDict()  # admission memo
-        self._related_memo: OrderedDict[str, set[int]] = OrderedDict()  # rid -> span ids
-        self._routes_counted: OrderedDict[str, bool] = OrderedDict()  # DP decisions counted
-        # the admission check looks at the next chunk only (what the plan will see), so a
-        # long prompt costs O(chunk) per chunk there, not O(rest of the prompt)
-        self.admit_window = chunk_size(model_runner)
-        self.counters: Counter[str] = RelayCounters(prometheus=prometheus)
+        self.counters = RelayCounters(prometheus=prometheus)
+        # the scheduler's side: admission, options, per-request plans and fallbacks
+        self.gate = RequestGate(self, admit_window=chunk_size(model_runner))
         # the runtime invariant: every eager forward of SGLang's runner that writes KV came
         # through this runtime's hook (which stamps the slots it writes); else relay is off
         self.hook_forwards = 0
@@ -185,203 +165,22 @@ class RelayRuntime:
     def side_bytes(self) -> int:
         return self.ledger.nbytes()
 
-    # ---- scheduler side ------------------------------------------------------------------
-    def admits(self, req: Any, admitted: list) -> bool:
-        """Whether ``req`` may join a prefill batch that already holds ``admitted``: plain
-        requests never share a batch with relaying ones, so they run SGLang's own forward
-        (its kernels, its numerics) exactly as on a server without relay."""
-        if self.disabled or not admitted:
-            return True
-        try:
-            if self._relays_in(req) == self._relays_in(admitted[0]):
-                return True
-        except Exception as exc:  # noqa: BLE001 - admission must never raise
-            self.disable(f"admission check failed ({type(exc).__name__}: {exc})")
-            return True
-        self.counters["batches_split"] += 1
-        return False
-
-    def _config(self, req: Any) -> tuple[RelayConfig | None, OperatingPoint | None]:
-        """``req``'s relay config (None: standard) and operating point; ValueError on bad
-        options."""
-        return resolve_config(
-            self.settings,
-            request_option(req),
-            num_layers=self.num_layers,
-            capture_layer=self.capture_layer,
-            context_layer=self.context_layer,
-        )
-
-    def namespace(self, req: Any) -> tuple | None:
-        """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
-        a key); ValueError on a bad relay key."""
-        isolation = request_isolation(req, self.settings.lora)
-        return namespace(self.settings.scope, isolation, request_option(req))
-
+    # ---- cache side -----------------------------------------------------------------------
     def span_context(
         self, row: torch.Tensor, prompt_len: int, tokens: list[int], answer_start: int = 0
     ) -> torch.Tensor:
-        """``[n]`` context masses of a finished request's output tokens ``tokens`` (slots
-        ``row[prompt_len : prompt_len + n]``, prompt slots before them): each token's decode
-        query at ``context_layer``, rebuilt from the stream stored entering it (the embedding
-        at layer 0), over the row's keys, mass on prompt positions ``1..prompt_len-1``
-        (:func:`~sglang_relay.core.selection.context_mass`). The answer of a reasoning
-        output (tokens from ``answer_start``) counts its reasoning as context too: a paste
-        of the answer alone replaces both. Under tensor parallelism each rank averages its
-        own heads; selection averages the ranks."""
-        drv, lid = self.driver, self.context_layer
-        hd = drv.heads(lid)
-        n = len(tokens)
-        slots = row[: prompt_len + n].to(torch.int64)
-        if lid == 0:
-            h = drv.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
-        else:
-            h = self.ledger.hidden[slots[prompt_len:]]  # the stored stream is the residual
-        pos = torch.arange(prompt_len, prompt_len + n, device=self.device)
-        with base_only(self.lora):  # outside any batch: no row-to-adapter info applies
-            q, _, _ = drv.qkv(lid, pos, drv.norm_in(lid, h, None)[0])
-        keys = drv.kv(lid)[0][slots]
-        q = q.reshape(n, hd.q, hd.d)
-        keys = keys.reshape(prompt_len + n, hd.kv, hd.d)
-        if answer_start <= 0:
-            return context_mass(q, keys, pos, prompt_len, hd.scale)
-        a = answer_start
-        return torch.cat(
-            (
-                context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale),
-                context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale),
-            )
-        )
-
-    def store_namespace(self, req: Any) -> tuple | None:
-        """Where ``req``'s output is stored as a span (None: it is not): its namespace, if
-        it has one and did not opt out of relay without asking to store."""
-        option = request_option(req)
-        if self.disabled is not None:
-            return None
-        try:
-            return self.namespace(req) if stores_spans(option) else None
-        except ValueError:
-            return None
-
-    def _relays_in(self, req: Any) -> bool:
-        """Whether the next chunk of ``req``'s input holds a related stored span it would
-        relay (what its plan will find)."""
-        key = (req.rid, req.prefix_len)
-        known = self._relays.get(key)
-        if known is None:
-            try:
-                cfg, _ = self._config(req)
-                ns = self.namespace(req)
-            except ValueError:
-                cfg = ns = None
-            known = False
-            if cfg is not None and ns is not None and request_refusal(req) is None:
-                window = remaining_input(req, self.admit_window)
-                ids = {m.span_id for m in self.store.matches(window, ns)}
-                if ids and self.settings.min_share > 0:
-                    ids &= self._related(req, ns)
-                known = bool(ids)
-            self._relays[key] = known
-            while len(self._relays) > 4096:
-                self._relays.popitem(last=False)
-        return known
-
-    def _related(self, req: Any, ns: Any) -> set[int]:
-        """The stored spans ``req``'s prompt relates to (see ``related_spans``): decided
-        once per request, on its whole remaining input, so every chunk agrees."""
-        related = self._related_memo.get(req.rid)
-        if related is None:
-            matches = self.store.matches(remaining_input(req), ns)
-            related = related_spans(
-                matches,
-                self.store.span_length,
-                self.settings.min_share,
-                answer_start=self.store.answer_start,
-            )
-            self._related_memo[req.rid] = related
-            while len(self._related_memo) > 4096:
-                self._related_memo.popitem(last=False)
-        return related
-
-    def plan(self, req: Any) -> None:
-        """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
-        if not self._req_checked:  # the first request is the first Req there is to check
-            self._req_checked = True
-            try:
-                check_surface("Req", req)
-            except Exception as exc:  # noqa: BLE001 - loud and for good, not per request
-                self._req_unreadable = True
-                self.disable(f"SGLang's Req does not match what relay reads ({exc})")
-        if self._req_unreadable:
-            return  # nothing of a Req may be read or written
-        route = dp_route(req)
-        if route is not None and req.rid not in self._routes_counted:
-            self._routes_counted[req.rid] = True
-            self.counters[f"dp_routed_{route}"] += 1
-            while len(self._routes_counted) > 4096:
-                self._routes_counted.popitem(last=False)
-        stats = self.requests.get(req.rid)
-        if stats is None:
-            stats = RequestStats(self.cfg.method, self.num_layers)
-        if self.disabled is not None:
-            return self._publish(req, stats, fallback=f"relay_disabled: {self.disabled}")
-        try:
-            cfg, point = self._config(req)
-        except ValueError as exc:
-            return self._publish(req, stats, fallback=f"bad_options: {exc}")
-        stats.method = cfg.method if cfg is not None else "standard"
-        stats.point = point.to_dict() if point is not None else None
-        if cfg is None:
-            return self._publish(req, stats)
-        refusal = request_refusal(req)
-        if refusal is not None:
-            return self._publish(req, stats, fallback=refusal)
-        try:
-            ns = self.namespace(req)
-        except IsolationError as exc:
-            return self._publish(req, stats, fallback=f"lora_namespace: {exc}")
-        except ValueError as exc:
-            return self._publish(req, stats, fallback=f"bad_options: {exc}")
-        if ns is None:  # scope "key": no cache_salt and no relay key
-            return self._publish(req, stats, fallback="no_relay_key")
-        tokens, start, last_chunk = extend_chunk(req)
-        if last_chunk:
-            tokens = tokens[:-1]  # the last prompt token is always computed normally
-        planned, unrelated = self.planner.plan_request(
-            req.rid,
-            cfg,
-            stats,
+        """Context masses of a finished output's tokens at ``context_layer``
+        (:func:`.layer_driver.span_context`)."""
+        return span_context(
+            self.driver,
+            self.ledger.hidden,
+            self.context_layer,
+            self.lora,
+            row,
+            prompt_len,
             tokens,
-            start,
-            ns,
-            related=(lambda: self._related(req, ns)) if self.settings.min_share > 0 else None,
-            last_chunk=last_chunk,
+            answer_start,
         )
-        if unrelated:
-            self.counters["unrelated_matches"] += unrelated
-        if planned:
-            self.requests[req.rid] = stats
-        elif unrelated:  # every match was to an unrelated span
-            return self._publish(req, stats, fallback="unrelated_match")
-        self._publish(req, stats)
-
-    def plan_failed(self, req: Any) -> None:
-        """Planning raised: the request runs standard prefill and says so."""
-        self.planner.forget(req.rid)
-        stats = self.requests.get(req.rid) or RequestStats(self.cfg.method, self.num_layers)
-        self._publish(req, stats, fallback="error")
-
-    def _publish(self, req: Any, stats: RequestStats, fallback: str | None = None) -> None:
-        if fallback is not None:
-            stats.discard(fallback)
-            self._count_fallback(fallback)
-        set_request_info(req, stats.to_dict())
-        stats.req = req
-
-    def _count_fallback(self, reason: str) -> None:
-        self.counters["fallbacks"] += 1
-        self.counters[f"fallback_{reason.split(':')[0]}"] += 1
 
     # ---- model side ----------------------------------------------------------------------
     def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
@@ -533,7 +332,7 @@ class RelayRuntime:
 
     def _discard(self, stats: RequestStats, reason: str) -> None:
         stats.discard(reason)
-        self._count_fallback(reason)
+        self.counters.fallback(reason)
         self._republish(stats)
 
     def _republish(self, stats: RequestStats) -> None:
@@ -550,7 +349,7 @@ class RelayRuntime:
         """The request's row is gone: forget its plan and stats."""
         self.planner.forget(rid)
         self.requests.pop(rid, None)
-        self._related_memo.pop(rid, None)
+        self.gate.forget(rid)
 
     def reset(self) -> None:
         """``flush_cache``: the allocator is cleared right after; forget, do not free."""
