@@ -122,8 +122,9 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (
             view.speculative_algorithm not in (None, "", "NONE"),
-            f"--speculative-algorithm {view.speculative_algorithm} (verify forwards write "
-            "output KV relay has not validated)",
+            f"--speculative-algorithm {view.speculative_algorithm} (never run with relay: "
+            "SGLang's verify path needs GPU kernels; docs/gpu.md lists what a GPU run must "
+            "confirm)",
             "drop --speculative-algorithm",
         ),
         (

@@ -37,6 +37,7 @@ def register() -> None:
         INTERNAL_STATE_TARGET,
         KV_BUDGET_TARGET,
         KV_CACHE_DTYPE_TARGET,
+        KV_MOVE_TARGET,
         META_INFO_TARGET,
         MIX_WITH_RUNNING_TARGET,
         MODEL_PARALLEL_GROUP_TARGET,
@@ -72,6 +73,7 @@ def register() -> None:
     register_hook(GENERATE_REQUEST_TARGET, _admitted_request, "around")
     register_hook(ABORT_REQUEST_TARGET, _abort_with_redo, "around")
     register_hook(KV_BUDGET_TARGET, _config_from_budget, "around")
+    register_hook(KV_MOVE_TARGET, _after_kv_move, "after")
     from sglang_relay.runtime import cpu
 
     if cpu.cpu_engine_active():
@@ -154,6 +156,17 @@ def _after_runner_forward(result, runner, *args, **kwargs):
         if result.can_run_graph:
             rt.graph_forward(mode)
         rt.check_forward(mode, graph=bool(result.can_run_graph))
+    return result
+
+
+def _after_kv_move(result, pool, tgt_loc, src_loc, *args, **kwargs):
+    """The pool copied KV between slots outside any forward (speculative decoding's
+    compaction of accepted tokens): the served pool's side data follows."""
+    from sglang_relay.runtime.sglang.pool import pool_runtime
+
+    rt = pool_runtime(pool)
+    if rt is not None:
+        rt.kv_moved(tgt_loc, src_loc)
     return result
 
 

@@ -15,6 +15,7 @@ from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
 from sglang_relay.runtime.sglang.model import attach_runtime
+from sglang_relay.runtime.sglang.pool import attach_pool_runtime
 from sglang_relay.runtime.sglang.scheduling import beam_search, evict_result, guard_redo_of
 from sglang_relay.runtime.sglang.server import (
     attention_backend_name,
@@ -73,6 +74,7 @@ class RelayRadixCache(UnifiedRadixCache):
     def attach_runtime(self, runtime: RelayRuntime) -> None:
         self.relay = runtime
         attach_runtime(runtime.model, runtime)
+        attach_pool_runtime(runtime.kv_pool, runtime)
 
     # ---- tree insertion ------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:

@@ -45,6 +45,7 @@ from sglang_relay.runtime.sglang.model import (
     lora_backend,
     tp_group,
 )
+from sglang_relay.runtime.sglang.pool import moves_reach_hook
 from sglang_relay.runtime.sglang.scheduling import dp_rank, set_request_info
 from sglang_relay.runtime.sglang.server import attention_backend_name, chunk_size
 from sglang_relay.runtime.span_store import SpanStore
@@ -58,7 +59,10 @@ logger = logging.getLogger(__name__)
 # them): every output token, whichever batch produced it, keeps its hidden state. (SGLang
 # 0.5.23's eager runner turns a mixed batch into an EXTEND forward; NPU and context
 # parallelism keep MIXED.)
-PLAIN_MODES = frozenset({"EXTEND", "DECODE", "MIXED"})
+# A speculative verify (TARGET_VERIFY) stores them too: the rows of accepted drafts are
+# what a plain decode of the same tokens stores (tree attention gives each its committed
+# prefix), and they follow the compaction that moves them to their final slots (kv_moved).
+PLAIN_MODES = frozenset({"EXTEND", "DECODE", "MIXED", "TARGET_VERIFY"})
 
 
 def dp_publisher() -> FingerprintPublisher | None:
@@ -89,6 +93,8 @@ class RelayRuntime:
         self.num_layers = len(self.model.layers)
         anatomy = check_model_anatomy(model_runner)
         self.kv_pool = model_runner.token_to_kv_pool
+        # KV the pool copies outside a forward reaches kv_moved (runtime/sglang/pool.py)
+        self.moves_followed = moves_reach_hook(self.kv_pool)
         # relay's own forwards' layers, bound per layer from the architecture's adapter
         self.driver = LayerDriver(self.model, self.kv_pool, anatomy)
         self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
@@ -233,6 +239,13 @@ class RelayRuntime:
             )
         return out
 
+    def kv_moved(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """The served pool copied the KV of slots ``src`` to ``tgt`` outside any forward
+        (``move_kv_cache``: speculative decoding's compaction): the ledger follows, so each
+        moved slot carries its source's hidden row under a fresh stamp."""
+        self.ledger.move(tgt, src)
+        self.counters["kv_moves"] += 1
+
     def _plan_batch(self, fb) -> tuple[BatchPlan | None, list]:
         """The batch's plan. Never raises: under TP every rank must reach the agreement
         that follows (a rank that failed sends no plan, so all ranks fall back together)."""
@@ -376,6 +389,7 @@ class RelayRuntime:
             "extend_attention": self.attention_name,
             "cuda_graphs": self.graphs,
             "capture_in_graph": self.capture_in_graph,
+            "kv_moves_followed": self.moves_followed,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,

@@ -10,8 +10,10 @@ is valid exactly while ``stamps[slots]`` still equal them. Any path that frees a
 (``free``, ``free_group_end``, ``restore_state``, segment frees, a future SGLang path)
 followed by any forward that reuses it changes the stamp; a slot that was freed but not yet
 rewritten still carries the span's KV, which is what a relay reads. The one premise is that
-only model forwards write KV into slots: servers with other KV writers (HiCache load-back,
-disaggregated KV transfer) are refused at start-up (:mod:`sglang_relay.runtime.modes`).
+only model forwards write KV into slots, or a KV move the ledger follows (:meth:`SlotLedger.move`:
+speculative decoding compacts accepted tokens' KV with the pool's ``move_kv_cache``, outside
+any forward); servers with other KV writers (HiCache load-back, disaggregated KV transfer)
+are refused at start-up (:mod:`sglang_relay.runtime.modes`).
 
 Not thread-safe: the scheduler thread owns it (like the radix tree).
 """
@@ -72,6 +74,28 @@ class SlotLedger:
         ``loc`` with ``with_hidden=True``."""
         assert self.hidden is not None
         self.hidden.index_copy_(0, loc.to(torch.int64), stream.to(self.hidden.dtype))
+
+    def move(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """The pool copied the KV of slots ``src`` to slots ``tgt`` (``[n]`` each, pairs
+        in order; SGLang's ``move_kv_cache``): each ``tgt`` slot now holds what its ``src``
+        held, so it takes its hidden state and influence, and a fresh stamp with its
+        hidden bit (a slot ``src`` never written stays unwritten at ``tgt``). Every side
+        tensor is gathered before any is written, as the KV move does, so overlapping
+        ``tgt``/``src`` are safe. Fresh, not copied, stamps: a span that recorded ``tgt``
+        before can never see the moved KV as its own, whichever forward wrote ``src``.
+        Pure tensor ops without host syncs."""
+        tgt = tgt.reshape(-1).to(torch.int64)
+        src = src.reshape(-1).to(torch.int64)
+        old = self.stamps[src]
+        rows = self.hidden[src] if self.hidden is not None else None
+        mass = self.influence[src] if self.influence is not None else None
+        if rows is not None:
+            self.hidden.index_copy_(0, tgt, rows)
+        if mass is not None:
+            self.influence.index_copy_(0, tgt, mass)
+        self.generation.add_(1)
+        fresh = self.generation * 2 + (old & HIDDEN_BIT)
+        self.stamps.index_copy_(0, tgt, torch.where(old != 0, fresh, torch.zeros_like(old)))
 
     # ---- checking (record time and use time) -----------------------------------------------
     def snapshot(self, slots: torch.Tensor) -> torch.Tensor:

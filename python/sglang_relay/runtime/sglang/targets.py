@@ -98,3 +98,10 @@ KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_
 KV_BUDGET_TARGET = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget"
 )
+
+
+# the KV pool's own KV writes outside any model forward: speculative decoding compacts the
+# accepted tokens' KV to the front of each verify window with it (spec_utils.
+# move_accept_tokens_to_target_kvcache, and EAGLE's topk > 1 path); the served pool's side
+# data follows every move (:meth:`~sglang_relay.runtime.side_data.SlotLedger.move`)
+KV_MOVE_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cache"
