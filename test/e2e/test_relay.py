@@ -248,9 +248,18 @@ def test_a_short_run_of_an_output_is_not_relayed_but_the_whole_output_is(server)
     got = generate_ids(server.url, quoted, 4, return_logprob=True, top_logprobs_num=5)
     info = got["meta_info"]["relay"]
     assert info["fallback"] == "unrelated_match" and info["reused_tokens"] == 0, info
+    # the same prompt, standard prefill, under its own cache salt: no prefix of ``quoted``
+    # in the tree serves it (the same tokens, so the same answer is owed exactly)
     want = generate_ids(
-        server.url, [700 + k, *quoted[1:]], 4, "standard", return_logprob=True, top_logprobs_num=5
+        server.url,
+        quoted,
+        4,
+        "standard",
+        return_logprob=True,
+        top_logprobs_num=5,
+        cache_salt=f"reference-{k}",
     )
+    assert want["meta_info"]["cached_tokens"] == 0
     assert got["output_ids"] == want["output_ids"]
     assert relay_info(server.url)["unrelated_matches"] >= before + 1
 

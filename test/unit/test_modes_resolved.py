@@ -243,3 +243,32 @@ def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
         assert modes.refusal(view(), architecture=arch) is None  # without LoRA: served
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         assert modes.refusal(lora, architecture=arch) is None
+
+
+def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, model_dir):
+    """What the checkpoint's own ``quantization_config`` says decides: 8-bit is served
+    (test/e2e/test_quantized.py), 4-bit is refused by name, and so is any other method."""
+    import json
+
+    base = json.loads((model_dir / "config.json").read_text())
+    views = {}
+    for name, quant in {
+        "bnb8": {"quant_method": "bitsandbytes", "load_in_8bit": True},
+        "bnb4": {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        "awq": {"quant_method": "awq", "bits": 4},
+    }.items():
+        ckpt = tmp_path / name
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps({**base, "quantization_config": quant}))
+        method = quant["quant_method"]
+        ctx = SimpleNamespace(
+            server_args=SimpleNamespace(model_path=str(ckpt)),
+            model_config=SimpleNamespace(quantization=method),
+        )
+        views[name] = server_view(ctx)
+    assert modes.refusal(views["bnb8"], architecture="LlamaForCausalLM") is None
+    four = modes.refusal(views["bnb4"], architecture="LlamaForCausalLM")
+    assert four is not None and "--quantization bitsandbytes 4-bit" in four
+    awq = modes.refusal(views["awq"], architecture="LlamaForCausalLM")
+    assert awq is not None and "--quantization awq" in awq
+    assert server_view(SimpleNamespace(model_path="org/hub-id")).bnb_8bit is False

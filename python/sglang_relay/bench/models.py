@@ -110,6 +110,27 @@ def random_llama(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     return random_model("llama", out, tokenizer_from, seed=seed)
 
 
+def bnb_8bit_checkpoint(model_dir: Path, out: Path, *, threshold: float = 6.0) -> Path:
+    """``model_dir`` quantized to 8-bit weights by bitsandbytes (LLM.int8, through
+    Hugging Face transformers, on the CPU) and saved with its tokenizer at ``out``: a
+    pre-quantized checkpoint SGLang serves with ``--load-format bitsandbytes``.
+    ``threshold``: the activation magnitude above which a column is computed apart in
+    fp16 (``llm_int8_threshold``; 6.0 is the library's default, 0 turns it off). Reused
+    when ``out`` already holds one."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=quant, torch_dtype=torch.bfloat16
+    )
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
 # ---- LoRA adapters (test/e2e/test_lora.py, research/studies/lora_shared_cost.py) -----------------
 LORA_TARGETS = {  # PEFT target name -> the module under each decoder layer
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

@@ -52,6 +52,7 @@ class ServerView:
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    bnb_8bit: bool = False  # a bitsandbytes checkpoint quantized to 8 bits (LLM.int8)
     load_format: str = "auto"
     speculative_algorithm: str | None = None
     enable_lora: bool = False
@@ -71,6 +72,21 @@ class ServerView:
     enable_attn_tp_input_scattered: bool = False
     enable_layernorm_sp: bool = False
     prefill_only_disable_kv_cache: bool = False
+
+
+def served_quantization(view: ServerView) -> bool:
+    """Weight quantization relay serves: bitsandbytes 8-bit (LLM.int8) checkpoints, the one
+    method of SGLang 0.5.23 that runs here (test/e2e/test_quantized.py). Its linear
+    quantizes activations per row; the fp16 outlier columns it splits off are chosen over
+    the rows of one matmul, so SGLang's own output already depends on a row's batch
+    companions, and relay's row subsets are such batches (docs/limitations.md)."""
+    return view.quantization == "bitsandbytes" and view.bnb_8bit
+
+
+def quantization_note(view: ServerView) -> str:
+    if view.quantization == "bitsandbytes":  # 4-bit: its loader parses quant states on cuda
+        return " 4-bit"
+    return ""
 
 
 def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
@@ -111,9 +127,10 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             f"use --kv-cache-dtype {' / '.join(sorted(SERVED_KV_CACHE_DTYPES - {None}))}",
         ),
         (
-            view.quantization is not None,
-            f"--quantization {view.quantization} (not verified with relay's layer loop)",
-            "serve an unquantized checkpoint",
+            view.quantization is not None and not served_quantization(view),
+            f"--quantization {view.quantization}{quantization_note(view)} (not verified "
+            "with relay's layer loop)",
+            "serve an unquantized or a bitsandbytes 8-bit checkpoint",
         ),
         (
             view.load_format == "gguf" or view.model_path.endswith(".gguf"),

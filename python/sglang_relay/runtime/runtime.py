@@ -42,6 +42,7 @@ from sglang_relay.runtime.sglang.model import (
     forward_mode_name,
     graphs_enabled,
     inner_model,
+    linear_method_name,
     lora_backend,
     tp_group,
 )
@@ -95,6 +96,7 @@ class RelayRuntime:
         self.kv_pool = model_runner.token_to_kv_pool
         # KV the pool copies outside a forward reaches kv_moved (runtime/sglang/pool.py)
         self.moves_followed = moves_reach_hook(self.kv_pool)
+        self.linear_method = linear_method_name(self.model)  # e.g. a quantized checkpoint's
         # relay's own forwards' layers, bound per layer from the architecture's adapter
         self.driver = LayerDriver(self.model, self.kv_pool, anatomy)
         self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
@@ -390,6 +392,7 @@ class RelayRuntime:
             "cuda_graphs": self.graphs,
             "capture_in_graph": self.capture_in_graph,
             "kv_moves_followed": self.moves_followed,
+            "linear_method": self.linear_method,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,

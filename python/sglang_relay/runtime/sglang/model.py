@@ -110,6 +110,14 @@ def attention_entry_residual(fb):
     return written_residual(fb)
 
 
+def linear_method_name(model) -> str:
+    """The class name of the linear method SGLang runs in the first layer's attention
+    projection (``UnquantizedLinearMethod``, or a quantized checkpoint's method)."""
+    attn = model.layers[0].self_attn
+    proj = getattr(attn, "qkv_proj", None) or getattr(attn, "o_proj", None)
+    return type(getattr(proj, "quant_method", None)).__name__
+
+
 def attach_runtime(model, runtime) -> None:
     setattr(model, MODEL_RUNTIME_ATTR, runtime)
 

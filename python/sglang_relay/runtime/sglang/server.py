@@ -161,6 +161,7 @@ def server_view(obj) -> ServerView:
         page_size=int(get("page_size", 1) or 1),
         kv_cache_dtype=str(get("kv_cache_dtype", "auto")),
         quantization=get("quantization", None) or quantization_of(obj),
+        bnb_8bit=bool(checkpoint_quantization(str(get("model_path", ""))).get("load_in_8bit")),
         load_format=str(get("load_format", "auto")),
         speculative_algorithm=get("speculative_algorithm", None),
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
@@ -223,6 +224,20 @@ def reasoning_end_ids(model_config, req=None) -> tuple[int, ...] | None:
             return tuple(int(i) for i in ids)
     ids = getattr(model_config, "think_end_ids", None)
     return tuple(int(i) for i in ids) if ids else None
+
+
+def checkpoint_quantization(model_path: str) -> dict:
+    """The ``quantization_config`` of the checkpoint at ``model_path`` ({} when it has none
+    or is not a local directory)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return quant if isinstance(quant, dict) else {}
 
 
 def quantization_of(obj) -> str | None:
