@@ -246,8 +246,9 @@ def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
 
 
 def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, model_dir):
-    """What the checkpoint's own ``quantization_config`` says decides: 8-bit is served
-    (test/e2e/test_quantized.py), 4-bit is refused by name, and so is any other method."""
+    """What the checkpoint's own ``quantization_config`` says decides: 8-bit Llama is served
+    (test/e2e/test_quantized.py), 8-bit of another architecture and 4-bit are refused by
+    name, and so is any other method."""
     import json
 
     base = json.loads((model_dir / "config.json").read_text())
@@ -271,4 +272,6 @@ def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, 
     assert four is not None and "--quantization bitsandbytes 4-bit" in four
     awq = modes.refusal(views["awq"], architecture="LlamaForCausalLM")
     assert awq is not None and "--quantization awq" in awq
+    qwen2 = modes.refusal(views["bnb8"], architecture="Qwen2ForCausalLM")
+    assert qwen2 is not None and "bitsandbytes 8-bit on Qwen2ForCausalLM" in qwen2
     assert server_view(SimpleNamespace(model_path="org/hub-id")).bnb_8bit is False
