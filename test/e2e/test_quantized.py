@@ -2,8 +2,8 @@
 the embedded model, built here on the CPU through Hugging Face transformers and served with
 ``--load-format bitsandbytes`` (the one SGLang 0.5.23 weight-quantization path that runs on
 this CPU; docs/limitations.md names the others and why they do not). Served on Llama only:
-a random-weight Qwen2 in 8 bits breaks the exactness oracle (research/log.md), so other
-architectures are refused.
+random-weight models in 8 bits (Llama and Qwen2 alike) break the exactness oracle
+(research/log.md), so no other family could be verified here.
 
 The checkpoint is quantized with ``llm_int8_threshold=0``: every activation row is
 quantized on its own, so a row's result does not depend on the other rows of its matmul and

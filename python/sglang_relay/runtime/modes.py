@@ -76,8 +76,9 @@ class ServerView:
 
 # architectures whose bitsandbytes 8-bit checkpoints relay serves: where the all-selected
 # oracle equals standard prefill through the quantized modules (test/e2e/test_quantized.py).
-# A random-weight Qwen2 in 8 bits does not (the oracle's first-token logprob 0.4 away from
-# standard, 2026-11-28, research/log.md): refused until that is understood.
+# Random-weight models in 8 bits do not, Llama and Qwen2 alike (the oracle's greedy tokens
+# differ from standard's from the first, 2026-11-28, research/log.md), so no other family
+# can be verified here: refused until that is understood.
 BNB_8BIT_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 
