@@ -30,6 +30,7 @@ from relay_helpers import (
 )
 
 from sglang_relay.bench.models import bnb_8bit_checkpoint
+from sglang_relay.runtime.modes import BNB_8BIT_OPT_IN_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -38,7 +39,8 @@ def test_relay_on_a_bitsandbytes_8bit_checkpoint(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bnb8") / "SmolLM2-bnb8"
     ckpt = bnb_8bit_checkpoint(model_dir, out, threshold=0.0)
     args = ["--model-path", str(ckpt), "--load-format", "bitsandbytes"]
-    with running_server([*args, "--max-total-tokens", "8192"]) as s:
+    env = {BNB_8BIT_OPT_IN_ENV: "1"}  # served on opt-in only (docs/limitations.md)
+    with running_server([*args, "--max-total-tokens", "8192"], env=env) as s:
         info = relay_info(s.url)
         assert info["linear_method"] == "BitsAndBytesLinearMethod", info["linear_method"]
         assert info["disabled"] is None
