@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_relay.runtime.modes import BNB_8BIT_OPT_IN_ENV, ServerView
+from sglang_relay.runtime.modes import ServerView
 
 
 def radix_cache_api():
@@ -162,7 +162,6 @@ def server_view(obj) -> ServerView:
         kv_cache_dtype=str(get("kv_cache_dtype", "auto")),
         quantization=get("quantization", None) or quantization_of(obj),
         bnb_8bit=bool(checkpoint_quantization(str(get("model_path", ""))).get("load_in_8bit")),
-        bnb_8bit_opt_in=os.environ.get(BNB_8BIT_OPT_IN_ENV) == "1",
         load_format=str(get("load_format", "auto")),
         speculative_algorithm=get("speculative_algorithm", None),
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
