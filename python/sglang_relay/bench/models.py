@@ -131,6 +131,24 @@ def bnb_8bit_checkpoint(model_dir: Path, out: Path, *, threshold: float = 6.0) -
     return out
 
 
+def standin_int8_checkpoint(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` with ``quantization_config`` naming relay's CPU stand-in method
+    (per-tensor dynamic int8, :mod:`sglang_relay.runtime.quant_standin`; served only with
+    its opt-in): the weights are linked, not copied, and quantized when SGLang loads them."""
+    import json
+
+    from sglang_relay.runtime.modes import STANDIN_QUANTIZATION
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": STANDIN_QUANTIZATION}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 # ---- LoRA adapters (test/e2e/test_lora.py, research/studies/lora_shared_cost.py) -----------------
 LORA_TARGETS = {  # PEFT target name -> the module under each decoder layer
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

@@ -85,6 +85,11 @@ class ServerView:
 BNB_8BIT_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 
+# relay's CPU stand-in for activation-quantizing methods (runtime/quant_standin.py): it
+# exists in a server only when the tests opted in, and is served on every architecture
+STANDIN_QUANTIZATION = "relay_int8_pt"
+
+
 def served_quantization(view: ServerView, architecture: str | None) -> bool:
     """Weight quantization relay serves: bitsandbytes 8-bit (LLM.int8) checkpoints of the
     architectures in :data:`BNB_8BIT_ARCHITECTURES`, the one method of SGLang 0.5.23 that
@@ -92,6 +97,8 @@ def served_quantization(view: ServerView, architecture: str | None) -> bool:
     off are chosen over the rows of one matmul, so SGLang's own output already depends on a
     row's batch companions, and relay's row subsets are such batches
     (docs/limitations.md)."""
+    if view.quantization == STANDIN_QUANTIZATION:
+        return True
     return (
         view.quantization == "bitsandbytes"
         and view.bnb_8bit

@@ -91,6 +91,10 @@ def register() -> None:
             register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
         if cpu.cpu_lora_opted_in():
             cpu.pinning_off()
+        from sglang_relay.runtime import quant_standin
+
+        if quant_standin.standin_opted_in():
+            quant_standin.register()
     STATE.plugin_registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 

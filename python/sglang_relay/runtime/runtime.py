@@ -43,6 +43,7 @@ from sglang_relay.runtime.sglang.model import (
     graphs_enabled,
     inner_model,
     linear_method_name,
+    linear_rows,
     lora_backend,
     tp_group,
 )
@@ -97,6 +98,7 @@ class RelayRuntime:
         # KV the pool copies outside a forward reaches kv_moved (runtime/sglang/pool.py)
         self.moves_followed = moves_reach_hook(self.kv_pool)
         self.linear_method = linear_method_name(self.model)  # e.g. a quantized checkpoint's
+        self.linear_rows = linear_rows(self.model)  # row subsets vs the full batch
         # relay's own forwards' layers, bound per layer from the architecture's adapter
         self.driver = LayerDriver(self.model, self.kv_pool, anatomy)
         self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
@@ -393,6 +395,7 @@ class RelayRuntime:
             "capture_in_graph": self.capture_in_graph,
             "kv_moves_followed": self.moves_followed,
             "linear_method": self.linear_method,
+            "linear_rows": self.linear_rows,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
             "kv_budget": self.kv_budget,

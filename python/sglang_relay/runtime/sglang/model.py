@@ -110,12 +110,43 @@ def attention_entry_residual(fb):
     return written_residual(fb)
 
 
+def _first_projection(model):
+    attn = model.layers[0].self_attn
+    proj = getattr(attn, "qkv_proj", None) or getattr(attn, "o_proj", None)
+    return getattr(proj, "base_layer", proj)  # under LoRA: the wrapped SGLang linear
+
+
 def linear_method_name(model) -> str:
     """The class name of the linear method SGLang runs in the first layer's attention
     projection (``UnquantizedLinearMethod``, or a quantized checkpoint's method)."""
-    attn = model.layers[0].self_attn
-    proj = getattr(attn, "qkv_proj", None) or getattr(attn, "o_proj", None)
-    return type(getattr(proj, "quant_method", None)).__name__
+    return type(getattr(_first_projection(model), "quant_method", None)).__name__
+
+
+def linear_rows(model) -> str:
+    """Whether a row's result of the served linear method depends on the other rows of
+    its matmul: ``"independent"`` (unquantized, weight-only, static or per-row activation
+    scales) or ``"batch-coupled"`` (an activation scale or outlier split computed over the
+    whole input: dynamic per-tensor FP8, LLM.int8's fp16 outlier columns). Measured, not
+    looked up: the first layer's projection ``apply`` runs on six rows (the first far
+    larger than the rest, with one outlier column) and on the last five alone, and the
+    five rows must agree to float rounding. Relay runs layers on row subsets of a batch;
+    what that means under each: docs/limitations.md."""
+    import torch
+
+    proj = _first_projection(model)
+    method = getattr(proj, "quant_method", None)
+    weight = next(proj.parameters())
+    n_in = getattr(proj, "input_size_per_partition", None) or proj.input_size
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, n_in, generator=g).to(dtype=dtype, device=weight.device)
+    x[0] *= 16.0
+    x[0, 3] = 64.0
+    with torch.no_grad():
+        full = method.apply(proj, x)[1:].float()
+        part = method.apply(proj, x[1:].clone()).float()
+    tol = 1e-4 * float(part.abs().max().clamp_min(1e-12))
+    return "independent" if bool((full - part).abs().max() <= tol) else "batch-coupled"
 
 
 def attach_runtime(model, runtime) -> None:

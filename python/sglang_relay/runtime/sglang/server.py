@@ -104,11 +104,15 @@ def run_http_server(argv: list[str]) -> None:
 def parse_server_args(argv: list[str]):
     """SGLang's own parse of ``argv`` as given (argparse namespace with ServerArgs field
     names), before resolution: what the user asked for, without SGLang's checks of other
-    options (which would refuse some flags with a less useful message first)."""
+    options (which would refuse some flags with a less useful message first). SGLang's
+    plugins are loaded first, as SGLang's own entry points do before they parse: a plugin
+    may add choices (relay's CPU quantization stand-in adds a ``--quantization``)."""
     import argparse
 
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    load_plugins()
     parser = argparse.ArgumentParser(prog="sglang-relay serve", add_help=False)
     ServerArgs.add_cli_args(parser)
     return parser.parse_args(argv)
