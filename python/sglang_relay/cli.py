@@ -20,7 +20,7 @@ commands:
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
   profile                offline layer-range profiler (writes a profile JSON and a plot)
-  bench run|ttft|fidelity|decode|load|chaos|serve|report
+  bench run|ttft|fidelity|decode|load|chaos|serve|report|quantized
                          benchmarks (`bench run --quick` = make bench; benchmark/README.md);
                          `bench fidelity --frontier`: KL vs reuse per method, knobs swept
 
@@ -68,6 +68,7 @@ BENCHES = {
     "chaos": "sglang_relay.bench.chaos",
     "serve": "sglang_relay.bench.serve",
     "report": "sglang_relay.bench.run:main_report",
+    "quantized": "sglang_relay.bench.quantized",
 }
 
 

@@ -22,7 +22,7 @@ REFUSED = [
     (["--pp-size", "2"], "--pp-size 2"),
     (["--attn-dp-size", "2"], "--attn-dp-size"),
     (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
-    (["--quantization", "fp8"], "--quantization fp8"),
+    (["--quantization", "mxfp4"], "--quantization mxfp4"),
     (["--load-format", "gguf"], "GGUF"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     (["--enable-lora"], "--enable-lora"),

@@ -248,7 +248,7 @@ def test_lora_is_served_on_the_backend_relay_builds_row_info_for():
 def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, model_dir):
     """What the checkpoint's own ``quantization_config`` says decides: 8-bit Llama is served
     (test/e2e/test_quantized.py); 8-bit of another architecture and 4-bit are refused by
-    name with the reason, and so is any other method."""
+    name with the reason; another method is classified by quant_methods."""
     import json
 
     base = json.loads((model_dir / "config.json").read_text())
@@ -269,9 +269,10 @@ def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, 
         views[name] = server_view(ctx)
     assert modes.refusal(views["bnb8"], architecture="LlamaForCausalLM") is None
     four = modes.refusal(views["bnb4"], architecture="LlamaForCausalLM")
-    assert four is not None and "--quantization bitsandbytes 4-bit" in four
-    awq = modes.refusal(views["awq"], architecture="LlamaForCausalLM")
-    assert awq is not None and "--quantization awq" in awq
+    assert four is not None and "without an 8-bit bitsandbytes checkpoint (4-bit" in four
+    # a checkpoint's own method is classified as a typed one (awq: weight-only, served)
+    assert views["awq"].quantization == "awq"
+    assert modes.refusal(views["awq"], architecture="LlamaForCausalLM") is None
     qwen2 = modes.refusal(views["bnb8"], architecture="Qwen2ForCausalLM")
     assert qwen2 is not None and "bitsandbytes 8-bit on Qwen2ForCausalLM" in qwen2
     assert "random weights cannot verify" in qwen2
@@ -279,3 +280,28 @@ def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, 
     # the view read back from a resolved view (the cache factory re-reads the scheduler's)
     bnb8 = server_view(SimpleNamespace(server_args=views["bnb8"], model_config=None))
     assert bnb8.bnb_8bit and modes.refusal(bnb8, architecture="LlamaForCausalLM") is None
+
+
+def test_every_quantization_method_of_sglang_is_served_or_refused_with_its_reason():
+    """runtime/quant_methods.py classifies SGLang's methods; the option allow-list serves
+    exactly the served ones as typed (bitsandbytes only as a checkpoint's own method), and
+    a refused or never-reviewed method is refused with its reason."""
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+
+    from sglang_relay.runtime import quant_methods, server_options
+
+    def view(**kw):
+        return modes.ServerView(model_path="m", **kw)
+
+    served = {n for n, m in quant_methods.METHODS.items() if m.served}
+    typed = set(server_options.load_table().served["quantization"].values)
+    assert typed == (served - {"bitsandbytes"}) | {modes.STANDIN_QUANTIZATION}
+    for name in QUANTIZATION_METHODS:
+        message = modes.refusal(view(quantization=name), architecture="LlamaForCausalLM")
+        if name in served - {"bitsandbytes"}:
+            assert message is None, name
+        elif name != "bitsandbytes":
+            assert message is not None and f"--quantization {name}: " in message, name
+            assert quant_methods.refusal_note(name) in message
+    assert "not reviewed" in modes.refusal(view(quantization="quark"))
+    assert "MX block formats" in modes.refusal(view(quantization="mxfp4"))

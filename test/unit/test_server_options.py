@@ -43,7 +43,7 @@ def test_every_sglang_option_is_classified_once():
 MUST_REFUSE = [
     "enable_nvidia_megakernel", "enable_amd_monokernel", "moe_a2a_backend", "enable_lmcache",
     "enable_flexkv", "enable_hierarchical_cache", "speculative_algorithm",
-    "disaggregation_mode", "quantization", "pp_size", "enable_dp_attention",
+    "disaggregation_mode", "pp_size", "enable_dp_attention",
     "enable_deterministic_inference", "dllm_algorithm", "enable_hisparse", "enable_pdmux",
     "attn_cp_size", "enable_prefill_cp", "dcp_size", "enable_attn_tp_input_scattered",
     "enable_layernorm_sp", "prefill_only_disable_kv_cache", "disable_radix_cache",
@@ -53,6 +53,9 @@ MUST_REFUSE = [
 def test_what_relay_cannot_serve_is_refused_by_the_table():
     table = server_options.load_table()
     assert [d for d in MUST_REFUSE if d not in table.refused] == []
+    # quantization: served per method, each classified (runtime/quant_methods.py)
+    assert "fp8" in table.served["quantization"].values
+    assert "mxfp4" not in table.served["quantization"].values
 
 
 def test_the_launchers_own_arguments_pass(model_dir):

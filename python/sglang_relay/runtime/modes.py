@@ -91,26 +91,31 @@ STANDIN_QUANTIZATION = "relay_int8_pt"
 
 
 def served_quantization(view: ServerView, architecture: str | None) -> bool:
-    """Weight quantization relay serves: bitsandbytes 8-bit (LLM.int8) checkpoints of the
-    architectures in :data:`BNB_8BIT_ARCHITECTURES`, the one method of SGLang 0.5.23 that
-    runs here. Its linear quantizes activations per row; the fp16 outlier columns it splits
-    off are chosen over the rows of one matmul, so SGLang's own output already depends on a
-    row's batch companions, and relay's row subsets are such batches
-    (docs/limitations.md)."""
+    """Weight quantization relay serves (:mod:`.quant_methods` classifies every method and
+    says how each treats a matmul's rows): bitsandbytes only for 8-bit checkpoints of the
+    architectures in :data:`BNB_8BIT_ARCHITECTURES` (the one method that runs here, so the
+    one whose families are verified one by one); relay's CPU stand-in when the tests
+    registered it."""
+    from sglang_relay.runtime.quant_methods import classified
+
     if view.quantization == STANDIN_QUANTIZATION:
         return True
-    return (
-        view.quantization == "bitsandbytes"
-        and view.bnb_8bit
-        and architecture in BNB_8BIT_ARCHITECTURES
-    )
+    if view.quantization == "bitsandbytes":
+        return view.bnb_8bit and architecture in BNB_8BIT_ARCHITECTURES
+    method = classified(view.quantization)
+    return method is not None and method.served
 
 
 def quantization_note(view: ServerView, architecture: str | None) -> str:
+    from sglang_relay.runtime.quant_methods import refusal_note
+
     if view.quantization != "bitsandbytes":
-        return ""
-    if not view.bnb_8bit:  # 4-bit: SGLang's loader builds its quant states on cuda
-        return " 4-bit"
+        return f": {refusal_note(str(view.quantization))}"
+    if not view.bnb_8bit:  # 4-bit, or quantized at load: SGLang's loader builds it on cuda
+        return (
+            " without an 8-bit bitsandbytes checkpoint (4-bit and quantizing at load build "
+            "their state on cuda in SGLang's loader)"
+        )
     return (
         f" 8-bit on {architecture or 'an unknown architecture'} (verified on Llama only: "
         "no real checkpoint of this family here, and random weights cannot verify this "
@@ -157,10 +162,8 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
         ),
         (
             view.quantization is not None and not served_quantization(view, architecture),
-            f"--quantization {view.quantization}{quantization_note(view, architecture)} (not "
-            "verified "
-            "with relay's layer loop)",
-            "serve an unquantized or a bitsandbytes 8-bit checkpoint",
+            f"--quantization {view.quantization}{quantization_note(view, architecture)}",
+            "serve an unquantized checkpoint or one of a served method (docs/limitations.md)",
         ),
         (
             view.load_format == "gguf" or view.model_path.endswith(".gguf"),

@@ -72,13 +72,12 @@ def load_table() -> OptionTable:
 def sglang_options() -> tuple[tuple[str, str, Any], ...]:
     """``(dest, flag, default)`` of every option of SGLang's server parser and every other
     ``ServerArgs`` field (Python API only)."""
-    import argparse
-
     from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(add_help=False)
-    ServerArgs.add_cli_args(parser)
+    from sglang_relay.runtime.sglang.server import server_parser
+
+    parser = server_parser()
     seen: dict[str, tuple[str, str, Any]] = {}
     for action in parser._actions:
         if action.option_strings and action.dest not in seen:

@@ -101,21 +101,27 @@ def run_http_server(argv: list[str]) -> None:
         kill_process_tree(os.getpid(), include_parent=False)
 
 
-def parse_server_args(argv: list[str]):
-    """SGLang's own parse of ``argv`` as given (argparse namespace with ServerArgs field
-    names), before resolution: what the user asked for, without SGLang's checks of other
-    options (which would refuse some flags with a less useful message first). SGLang's
-    plugins are loaded first, as SGLang's own entry points do before they parse: a plugin
-    may add choices (relay's CPU quantization stand-in adds a ``--quantization``)."""
+def server_parser(prog: str = "sglang-relay serve"):
+    """SGLang's server argument parser as its launcher builds it: SGLang's plugins loaded
+    first (its entry points load them before they parse), since a plugin may add options
+    (smg-grpc-servicer adds ``--servicer-impl``) or choices (relay's CPU quantization
+    stand-in adds a ``--quantization``)."""
     import argparse
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
     load_plugins()
-    parser = argparse.ArgumentParser(prog="sglang-relay serve", add_help=False)
+    parser = argparse.ArgumentParser(prog=prog, add_help=False)
     ServerArgs.add_cli_args(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_server_args(argv: list[str]):
+    """SGLang's own parse of ``argv`` as given (argparse namespace with ServerArgs field
+    names), before resolution: what the user asked for, without SGLang's checks of other
+    options (which would refuse some flags with a less useful message first)."""
+    return server_parser().parse_args(argv)
 
 
 def resolved_server_args(argv: list[str]):
