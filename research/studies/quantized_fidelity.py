@@ -11,13 +11,16 @@ tokens, the first step's top-20 logprobs. Per relay: KL(standard || relay) over 
 token's top-20 tokens of standard, both renormalized there (relay's missing entries take
 its 20th logprob), first-token top-1 agreement, free-running agreement (common prefix / 24),
 collapse (relay stops within 4 tokens where standard does not). Writes the rows and
-bootstrap intervals (bench/intervals.py). Findings: research/log.md."""
+bootstrap intervals (bench/intervals.py). ``--compare A.jsonl B.jsonl``: two runs' printed
+rows side by side, over the relays both hold, with paired intervals. Findings:
+research/log.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import requests
@@ -117,5 +120,30 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
 
 
+def compare(paths: list[str]) -> dict:
+    """Side by side from two runs' printed rows (one JSON object per line; a run cut short
+    keeps its rows): each measure's mean with its interval over the relays both runs hold,
+    and the paired interval of the difference (second minus first)."""
+    from sglang_relay.bench.intervals import paired_ci
+
+    runs = []
+    for p in paths:
+        rows = [json.loads(line) for line in Path(p).read_text().splitlines() if '"id"' in line]
+        runs.append({r["id"]: r for r in rows if r["reused_tokens"] > 0})
+    ids = sorted(set(runs[0]) & set(runs[1]))
+    out: dict = {"relays": len(ids), "runs": paths}
+    for key in ("kl", "top1", "agree", "collapse", "reuse_rate"):
+        a, b = ([run[i][key] for i in ids] for run in runs)
+        out[key] = {
+            "first": [sum(a) / len(a), *bootstrap_ci(a)],
+            "second": [sum(b) / len(b), *bootstrap_ci(b)],
+            "second_minus_first": paired_ci(b, a),
+        }
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--compare":  # --compare FIRST.jsonl SECOND.jsonl
+        print(json.dumps(compare(sys.argv[2:4]), indent=1))
+    else:
+        main()

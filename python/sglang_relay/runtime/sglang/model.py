@@ -135,6 +135,8 @@ def linear_rows(model) -> str:
 
     proj = _first_projection(model)
     method = getattr(proj, "quant_method", None)
+    if method is None or not hasattr(method, "apply"):
+        return "unknown"
     weight = next(proj.parameters())
     n_in = getattr(proj, "input_size_per_partition", None) or proj.input_size
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
