@@ -154,12 +154,15 @@ def test_speculative_compaction_through_the_served_pool_keeps_side_data_with_kv(
     rt.kv_moved = lambda tgt, src: RelayRuntime.kv_moved(rt, tgt, src)
     attach_pool_runtime(pool, rt)
     assert moves_reach_hook(pool)
-    sglang_move = pool.move_kv_cache  # as the registered "after" hook wraps it
-    monkeypatch.setattr(
-        pool,
-        "move_kv_cache",
-        lambda t, s: plugin._after_kv_move(sglang_move(t, s), pool, t, s),
-    )
+    # as the registered "after" hook wraps it (unless SGLang's plugins were already
+    # loaded in this test process, which applies the hook itself)
+    if not hasattr(type(pool).move_kv_cache, "__wrapped__"):
+        sglang_move = pool.move_kv_cache
+        monkeypatch.setattr(
+            pool,
+            "move_kv_cache",
+            lambda t, s: plugin._after_kv_move(sglang_move(t, s), pool, t, s),
+        )
     accept = torch.tensor(accept_index, dtype=torch.int64)
     correct = (accept != -1).sum(1) - 1
     batch = SimpleNamespace(seq_lens=torch.zeros(len(windows)), out_cache_loc=loc)
