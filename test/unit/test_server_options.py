@@ -54,8 +54,8 @@ def test_what_relay_cannot_serve_is_refused_by_the_table():
     table = server_options.load_table()
     assert [d for d in MUST_REFUSE if d not in table.refused] == []
     # quantization: served per method, each classified (runtime/quant_methods.py)
-    assert "fp8" in table.served["quantization"].values
-    assert "mxfp4" not in table.served["quantization"].values
+    assert "awq" in table.served["quantization"].values
+    assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
 
 
 def test_the_launchers_own_arguments_pass(model_dir):

@@ -70,6 +70,7 @@ def check_prompt(url: str, k: int, n_up: int = 64, n_down: int = 6) -> dict[str,
         "span_tokens": len(span),
         "relayed_tokens": relayed.get("reused_tokens", 0),
         "relay_fallback": relayed.get("fallback"),
+        "cold_cached_tokens": cold["meta_info"].get("cached_tokens", 0),
         "hit_cached_tokens": hit["meta_info"].get("cached_tokens", 0),
         "oracle_reused_tokens": oracle["meta_info"]["relay"].get("reused_tokens", 0),
         "hit_tokens_equal": hit["output_ids"] == cold["output_ids"],
@@ -87,6 +88,8 @@ def verdict(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["relayed_tokens"] < 0.9 * r["span_tokens"]:
             fails.append(f"prompt {r['prompt']}: paste not relayed ({r['relay_fallback']})")
+        if r["cold_cached_tokens"] or not r["hit_cached_tokens"]:
+            fails.append(f"prompt {r['prompt']}: cold was cached or the prefix did not hit")
         if r["oracle_reused_tokens"] != r["span_tokens"]:
             fails.append(f"prompt {r['prompt']}: the oracle did not take the span")
         if r["hit_tokens_equal"] and not r["oracle_tokens_equal"]:
@@ -108,6 +111,8 @@ def main(argv: list[str]) -> int:
     state = requests.get(url + "/get_server_info", timeout=30).json()
     info = state["internal_states"][0]["relay"]
     print(f"linear method {info.get('linear_method')}, rows {info.get('linear_rows')}")
+    # every measure below needs cold prompts: drop what an earlier run left in the cache
+    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
     rows = []
     for k in range(args.prompts):
         rows.append(check_prompt(url, k))

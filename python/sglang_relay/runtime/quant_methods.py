@@ -13,11 +13,12 @@ they treat a matmul's activation rows, which decides what a row subset means:
 * ``static``: a scale calibrated into the checkpoint: a row's result is its own;
 * ``per-tensor``: one dynamic scale per matmul, the largest magnitude over all its rows
   (or LLM.int8's outlier columns, chosen over all rows): a row's result depends on the
-  rows beside it. SGLang's own prefill is batch-coupled under these (a prefix hit of the
-  same prompt already gives other logprobs: measured on the CPU stand-in and on
-  bitsandbytes 8-bit, ``sglang-relay bench quantized``), and a relay forward's rows are one
-  more such batch; the rows relay does not recompute have no activations to take a
-  batch-level scale over, so none is passed. Served; the server reports
+  rows beside it (dynamic FP8 on ROCm with per-tensor weights; on CUDA SGLang 0.5.23
+  quantizes dynamic FP8 activations per token). SGLang's own prefill is batch-coupled
+  under these (a prefix hit of the same prompt already gives other logprobs: measured on
+  the CPU stand-in and on bitsandbytes 8-bit, ``sglang-relay bench quantized``), and a
+  relay forward's rows are one more such batch; the rows relay does not recompute have no
+  activations to take a batch-level scale over, so none is passed. Served; the server reports
   ``linear_rows: batch-coupled`` (measured at start-up, ``sglang/model.py: linear_rows``).
 
 A served GPU method has not run here (none of them runs on this CPU): docs/gpu.md gives the
@@ -45,15 +46,11 @@ METHODS: dict[str, QuantMethod] = {
         "columns are chosen over all rows (8-bit Llama checkpoints; 4-bit and other families "
         "refused: modes.quantization_note)",
     ),
-    "fp8": QuantMethod(
-        "static, per-tensor, per-row",
-        True,
-        "activation_scheme static: the checkpoint's input scales; dynamic: one per-tensor "
-        "scale per matmul (use_per_token_if_dynamic is off in Fp8LinearMethod); block-wise "
-        "checkpoints: per 128-column group of each row",
-    ),
     "w8a8_fp8": QuantMethod(
-        "per-tensor", True, "FP8 weights, one dynamic per-tensor activation scale per matmul"
+        "per-row, per-tensor",
+        True,
+        "FP8 weights, dynamic activation scales: per token on CUDA (apply_fp8_linear calls "
+        "sglang_per_token_quant_fp8 there), one per matmul on ROCm with per-tensor weights",
     ),
     "w8a8_int8": QuantMethod("per-row", True, "int8 activations, per-token dynamic scales"),
     "awq": QuantMethod("weight-only", True, "4-bit weights, activations in the model's dtype"),
@@ -64,14 +61,27 @@ METHODS: dict[str, QuantMethod] = {
         "weight-only, static, per-row",
         True,
         "per layer scheme: W4A16/W8A16 weight-only; W8A8 FP8/int8 static or per-token "
-        "dynamic (use_per_token_if_dynamic on); W4A4 NVFP4 per 16-element block of a row",
+        "dynamic (use_per_token_if_dynamic on); W4A4 NVFP4 per 16-element block of a row (a "
+        "kv_cache_scheme is refused at start-up: scaled KV)",
     ),
-    "modelopt": QuantMethod("static", True, "ModelOpt FP8: calibrated per-tensor input scales"),
+    "modelopt": QuantMethod(
+        "static",
+        True,
+        "ModelOpt FP8: calibrated per-tensor input scales (a checkpoint that also quantizes "
+        "the KV cache, kv_cache_quant_algo, is refused at start-up: scaled KV)",
+    ),
     "modelopt_fp8": QuantMethod("static", True, "ModelOpt FP8: calibrated input scales"),
     "modelopt_fp4": QuantMethod(
         "static, per-row", True, "NVFP4: a calibrated global scale, per-16-element block scales"
     ),
-    # refused: not reviewed against relay's row subsets (or no path here to reason from)
+    # refused
+    "fp8": QuantMethod(
+        "static, per-row, per-tensor",
+        False,
+        "SGLang's Fp8Config gives every attention layer k/v scales (Fp8KVCacheMethod, 1.0 "
+        "when the checkpoint has none), which relay refuses as scaled KV; to serve it, a GPU "
+        "run must show scales of 1.0 read as the unscaled pool relay splices",
+    ),
     "mxfp8": QuantMethod("", False, f"MX block formats not reviewed for row subsets ({_GPU})"),
     "mxfp4": QuantMethod("", False, f"MX block formats not reviewed for row subsets ({_GPU})"),
     "mxfp_w4a8": QuantMethod("", False, f"MX block formats not reviewed ({_GPU})"),

@@ -1,8 +1,9 @@
 """A quantized linear method registered through SGLang's own quantization registry, for
 the CPU: int8 weights with per-output-row scales and a **per-tensor dynamic activation
 scale** (the largest magnitude over every row of the matmul's input), the scheme of
-dynamic per-tensor FP8 (SGLang's ``Fp8LinearMethod`` without a static input scale) and
-of some W8A8 schemes, in integer arithmetic.
+dynamic per-tensor FP8 (SGLang's ``Fp8LinearMethod`` / ``W8A8Fp8LinearMethod`` without a
+static input scale, on ROCm with per-tensor weights; CUDA quantizes those per token) and of
+LLM.int8's batch-wide outlier columns, in integer arithmetic.
 
 None of SGLang 0.5.23's activation-quantizing methods runs on this CPU (docs/limitations.md),
 so this one stands in for them: it makes relay's path through a quantized module's

@@ -126,11 +126,13 @@ def linear_rows(model) -> str:
     """Whether a row's result of the served linear method depends on the other rows of
     its matmul: ``"independent"`` (unquantized, weight-only, static or per-row activation
     scales) or ``"batch-coupled"`` (an activation scale or outlier split computed over the
-    whole input: dynamic per-tensor FP8, LLM.int8's fp16 outlier columns). Measured, not
-    looked up: the first layer's projection ``apply`` runs on six rows (the first far
-    larger than the rest, with one outlier column) and on the last five alone, and the
-    five rows must agree to float rounding. Relay runs layers on row subsets of a batch;
-    what that means under each: docs/limitations.md."""
+    whole input: dynamic per-tensor FP8 on ROCm, LLM.int8's fp16 outlier columns).
+    Measured, not looked up, on the first layer's attention projection only (not MoE
+    experts, not per-layer schemes): its ``apply`` runs five ordinary rows alone, beside a
+    sixth ordinary row (the control: what the kernel's choice for another row count alone
+    changes) and beside a sixth row far larger with one outlier column; coupled when the
+    outlier moves the five rows ten times more than the control does. Relay runs layers
+    on row subsets of a batch; what that means under each: docs/limitations.md."""
     import torch
 
     proj = _first_projection(model)
@@ -139,16 +141,21 @@ def linear_rows(model) -> str:
         return "unknown"
     weight = next(proj.parameters())
     n_in = getattr(proj, "input_size_per_partition", None) or proj.input_size
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    dtype = getattr(proj, "params_dtype", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        dtype = next(p for p in model.parameters() if p.dtype.itemsize >= 2).dtype
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, n_in, generator=g).to(dtype=dtype, device=weight.device)
+    x = torch.randn(7, n_in, generator=g).to(dtype=dtype, device=weight.device)
     x[0] *= 16.0
     x[0, 3] = 64.0
     with torch.no_grad():
-        full = method.apply(proj, x)[1:].float()
-        part = method.apply(proj, x[1:].clone()).float()
-    tol = 1e-4 * float(part.abs().max().clamp_min(1e-12))
-    return "independent" if bool((full - part).abs().max() <= tol) else "batch-coupled"
+        alone = method.apply(proj, x[2:].clone()).float()
+        control = method.apply(proj, x[1:].clone())[1:].float()
+        outlier = method.apply(proj, torch.cat([x[:1], x[2:]]))[1:].float()
+    floor = 1e-6 * float(alone.abs().max().clamp_min(1e-12))
+    noise = float((control - alone).abs().max())
+    moved = float((outlier - alone).abs().max())
+    return "batch-coupled" if moved > 10.0 * noise + floor else "independent"
 
 
 def attach_runtime(model, runtime) -> None:
