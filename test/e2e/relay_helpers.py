@@ -10,21 +10,13 @@ from collections.abc import Iterator
 import psutil
 import requests
 
+# ALL_SELECTED: the relay config that recomputes every span token in every layer, which
+# must equal standard (the product's own, as `sglang-relay bench quantized` sends it)
+from sglang_relay.bench.quantized import ALL_SELECTED
 from sglang_relay.runtime.process import ServerProcess
 
 # extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
 EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))
-
-# relay config that recomputes every span token in every layer: must equal standard
-ALL_SELECTED = {
-    "l_start": 0,
-    "l_det": 0,
-    "l_end": -1,
-    "top_ratio": 1.0,
-    "max_ratio": None,
-    "first_k": 0,
-    "l_suf": 0,
-}
 
 
 # graph-mode decode on the CPU: one captured batch size keeps the compile short on 2 cores;

@@ -27,6 +27,8 @@ from typing import Any
 
 import requests
 
+from sglang_relay.client import flush_cache
+
 # every span token recomputed in every layer: relay's exactness oracle (docs/method.md)
 ALL_SELECTED = {
     "l_start": 0, "l_det": 0, "l_end": -1, "top_ratio": 1.0, "max_ratio": None,
@@ -112,7 +114,7 @@ def main(argv: list[str]) -> int:
     info = state["internal_states"][0]["relay"]
     print(f"linear method {info.get('linear_method')}, rows {info.get('linear_rows')}")
     # every measure below needs cold prompts: drop what an earlier run left in the cache
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+    flush_cache(url)
     rows = []
     for k in range(args.prompts):
         rows.append(check_prompt(url, k))
