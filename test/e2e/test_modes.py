@@ -27,7 +27,10 @@ REFUSED = [
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     (["--enable-lora"], "--enable-lora"),
     (["--lora-paths", "a=/nonexistent"], "--lora-paths"),
-    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    (
+        ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
+        "--hicache-write-policy write_back",
+    ),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill"),
     (["--enable-deterministic-inference"], "--enable-deterministic-inference"),
     (["--disable-radix-cache"], "--disable-radix-cache"),

@@ -42,7 +42,7 @@ def test_every_sglang_option_is_classified_once():
 # what modes.py refuses (and the issue named) must be refused by the table too
 MUST_REFUSE = [
     "enable_nvidia_megakernel", "enable_amd_monokernel", "moe_a2a_backend", "enable_lmcache",
-    "enable_flexkv", "enable_hierarchical_cache", "speculative_algorithm",
+    "enable_flexkv", "hicache_storage_backend", "speculative_algorithm",
     "disaggregation_mode", "pp_size", "enable_dp_attention",
     "enable_deterministic_inference", "dllm_algorithm", "enable_hisparse", "enable_pdmux",
     "attn_cp_size", "enable_prefill_cp", "dcp_size", "enable_attn_tp_input_scattered",
@@ -56,6 +56,8 @@ def test_what_relay_cannot_serve_is_refused_by_the_table():
     # quantization: served per method, each classified (runtime/quant_methods.py)
     assert "awq" in table.served["quantization"].values
     assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
+    # HiCache: served with the write policies relay verified (modes.py), not write_back
+    assert "write_back" not in table.served["hicache_write_policy"].values
 
 
 def test_the_launchers_own_arguments_pass(model_dir):

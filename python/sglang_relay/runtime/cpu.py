@@ -212,6 +212,61 @@ def pinning_off() -> None:
     torch._sglang_relay_unpinned = True
 
 
+# opt-in (tests): SGLang's HiCache host tier on the CPU
+CPU_HICACHE_ENV = "SGLANG_RELAY_CPU_HICACHE"
+
+
+def cpu_hicache_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_HICACHE_ENV) == "1"
+
+
+def host_tier_on_cpu() -> None:
+    """With ``SGLANG_RELAY_CPU_HICACHE=1`` on a CPU host: SGLang 0.5.23's HiCache host tier
+    runs here with two stand-ins, everything else SGLang's own code (the host pools, the
+    cache controller, its transfer engine, events and acks; research/design-hicache.md):
+
+    * host pools are allocated unpinned: SGLang's allocator for a ``cpu`` transfer device
+      registers its buffer with CUDA (``cudaHostRegister``), which raises without a driver;
+      this takes SGLang's same allocator with ``pin_memory`` off (pinning only speeds
+      host-to-device copies, and there is no device);
+    * ``transfer_kv_direct`` (the copy under ``--hicache-io-backend direct`` and
+      ``--hicache-mem-layout layer_first``), imported by ``pool_host/mha.py`` from
+      ``sgl_kernel.kvcacheio`` only on CUDA/ROCm/XPU and so an undefined name on a CPU, is
+      bound to :func:`transfer_kv_direct`: the same row copy in torch;
+    * the host RAM SGLang leaves free when it sizes a host pool (a fixed 10 GiB, for GPU
+      hosts) is 1 GiB: a 24 GB test machine running two servers has less than 10 GiB
+      beyond them, and the pool is still checked against what is free.
+
+    The other layouts and the ``kernel`` backend stay undefined here: a CPU server serves
+    HiCache with ``--hicache-io-backend direct --hicache-mem-layout layer_first``."""
+    from sglang.srt.mem_cache.pool_host import base, common, mha
+
+    if getattr(mha, "transfer_kv_direct", None) is transfer_kv_direct:
+        return
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+    pinning = common.ALLOC_MEMORY_FUNCS["cpu"]
+
+    def unpinned(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return pinning(*args, **kwargs)
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
+    mha.transfer_kv_direct = transfer_kv_direct
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct`` in torch: for each ``(src, dst)`` layer
+    buffer pair (``[slots, ...]``), ``dst[dst_indices] = src[src_indices]`` (token rows;
+    ``page_size`` does not change a row copy)."""
+    import torch
+
+    if len(src_layers) != len(dst_layers) or src_indices.numel() != dst_indices.numel():
+        raise ValueError("transfer_kv_direct: layer lists or index lengths differ")
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        rows = src.index_select(0, src_indices.to(src.device, torch.long))
+        dst.index_copy_(0, dst_indices.to(dst.device, torch.long), rows.to(dst.device))
+
+
 def model_parallel_group_without_pynccl(original, *args, **kwargs):
     """Around-hook of ``init_model_parallel_group`` on the CPU: SGLang 0.5.23 gives every
     in-tree platform a PyNccl communicator when the caller does not say otherwise, and

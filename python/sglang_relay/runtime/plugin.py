@@ -34,6 +34,7 @@ def register() -> None:
         DP_EVENT_LOOP_TARGET,
         DP_ROUTING_TARGET,
         GENERATE_REQUEST_TARGET,
+        HOST_LOAD_TARGET,
         INTERNAL_STATE_TARGET,
         KV_BUDGET_TARGET,
         KV_CACHE_DTYPE_TARGET,
@@ -74,6 +75,7 @@ def register() -> None:
     register_hook(ABORT_REQUEST_TARGET, _abort_with_redo, "around")
     register_hook(KV_BUDGET_TARGET, _config_from_budget, "around")
     register_hook(KV_MOVE_TARGET, _after_kv_move, "after")
+    register_hook(HOST_LOAD_TARGET, _before_host_load, "before")
     from sglang_relay.runtime import cpu
 
     if cpu.cpu_engine_active():
@@ -89,6 +91,8 @@ def register() -> None:
         register_hook(DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
         if cpu.cpu_fp8_kv_opted_in():
             register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
+        if cpu.cpu_hicache_opted_in():
+            cpu.host_tier_on_cpu()
         if cpu.cpu_lora_opted_in():
             cpu.pinning_off()
         from sglang_relay.runtime import quant_standin
@@ -172,6 +176,18 @@ def _after_kv_move(result, pool, tgt_loc, src_loc, *args, **kwargs):
     if rt is not None:
         rt.kv_moved(tgt_loc, src_loc)
     return result
+
+
+def _before_host_load(engine, transfers, *args, **kwargs):
+    """HiCache is about to copy host KV into device slots (a tree load-back, a retracted
+    request's restore), outside any forward: the served pool's slots it writes get fresh
+    stamps first, so no span recorded on them reads the loaded KV as its own."""
+    from sglang_relay.runtime.sglang.pool import pool_runtime
+
+    for transfer in transfers:
+        rt = pool_runtime(transfer.device_pool)
+        if rt is not None and not transfer.is_draft:
+            rt.kv_loaded(transfer.device_indices)
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):

@@ -250,6 +250,13 @@ class RelayRuntime:
         self.ledger.move(tgt, src)
         self.counters["kv_moves"] += 1
 
+    def kv_loaded(self, slots: torch.Tensor) -> None:
+        """HiCache copies host KV into ``slots`` outside any forward (a load-back of a tree
+        node, a retracted request's restore): they get fresh stamps without a hidden row,
+        as a forward that stores none would give them."""
+        self.ledger.stamp(slots.to(self.ledger.stamps.device), with_hidden=False)
+        self.counters["host_loaded_slots"] += int(slots.numel())
+
     def _plan_batch(self, fb) -> tuple[BatchPlan | None, list]:
         """The batch's plan. Never raises: under TP every rank must reach the agreement
         that follows (a rank that failed sends no plan, so all ranks fall back together)."""

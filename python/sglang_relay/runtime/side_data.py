@@ -10,10 +10,11 @@ is valid exactly while ``stamps[slots]`` still equal them. Any path that frees a
 (``free``, ``free_group_end``, ``restore_state``, segment frees, a future SGLang path)
 followed by any forward that reuses it changes the stamp; a slot that was freed but not yet
 rewritten still carries the span's KV, which is what a relay reads. The one premise is that
-only model forwards write KV into slots, or a KV move the ledger follows (:meth:`SlotLedger.move`:
-speculative decoding compacts accepted tokens' KV with the pool's ``move_kv_cache``, outside
-any forward); servers with other KV writers (HiCache load-back, disaggregated KV transfer)
-are refused at start-up (:mod:`sglang_relay.runtime.modes`).
+only model forwards write KV into slots, or a KV write outside them the ledger follows
+(:meth:`SlotLedger.move`: speculative decoding compacts accepted tokens' KV with the pool's
+``move_kv_cache``; HiCache's host-to-device copies stamp the slots they write first,
+``plugin._before_host_load``); servers with other KV writers (disaggregated KV transfer,
+HiCache storage backends) are refused at start-up (:mod:`sglang_relay.runtime.modes`).
 
 Not thread-safe: the scheduler thread owns it (like the radix tree).
 """

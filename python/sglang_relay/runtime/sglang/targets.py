@@ -105,3 +105,9 @@ KV_BUDGET_TARGET = (
 # move_accept_tokens_to_target_kvcache, and EAGLE's topk > 1 path); the served pool's side
 # data follows every move (:meth:`~sglang_relay.runtime.side_data.SlotLedger.move`)
 KV_MOVE_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cache"
+
+
+# HiCache's host-to-device copies (a tree load-back, a retracted request's restore): KV
+# written into device slots outside any model forward; every such slot is stamped fresh
+# first, so a span recorded on it before is seen as gone (side_data.py)
+HOST_LOAD_TARGET = "sglang.srt.mem_cache.l2_transfer.L2TransferEngine.submit_host_to_device"

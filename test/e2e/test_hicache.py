@@ -1,0 +1,98 @@
+"""A relay server with SGLang's HiCache (``--enable-hierarchical-cache``, write_through):
+the tree's host tier backs up what it inserts and loads it back into device slots when a
+prompt's prefix was pushed off the device. On this CPU SGLang's own host pool, cache
+controller and transfer engine run, with the stand-in's unpinned allocation and torch row
+copy (``SGLANG_RELAY_CPU_HICACHE=1``, ``runtime/cpu.py``).
+
+A prefix loaded back from host gives what prefilling it gives; every load-back stamps the
+slots it writes (the relay counter says how many), so relay never reads loaded KV as a
+span's; and relay through a HiCache server computes what the reference executor computes,
+also after load-backs reused the device slots."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from relay_helpers import (
+    assert_matches_reference,
+    generate_ids,
+    relay_info,
+    relay_one_upstream,
+    running_server,
+)
+
+from sglang_relay.core import reference as R
+from sglang_relay.runtime.settings import settings_from_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+DEVICE_TOKENS = 2048
+HICACHE = [
+    "--enable-hierarchical-cache",
+    "--hicache-write-policy", "write_through",
+    "--hicache-io-backend", "direct",  # the CPU stand-in's copy (runtime/cpu.py)
+    "--hicache-mem-layout", "layer_first",
+    "--hicache-ratio", "4",  # host tier: 4x the device pool
+]  # fmt: skip
+PREFIX = list(range(6000, 6600))  # 600 tokens
+
+
+@pytest.fixture(scope="module")
+def hicache_server(model_dir):
+    args = ["--model-path", str(model_dir), "--max-total-tokens", str(DEVICE_TOKENS), *HICACHE]
+    with running_server(args, env={"SGLANG_RELAY_CPU_HICACHE": "1"}) as proc:
+        yield proc
+
+
+def _push_off_device(url: str, salt: int) -> None:
+    """Unrelated 600-token prompts, 2.6x the device pool: the tree evicts what it held
+    before (write_through: its host copy stays)."""
+    for i in range(9):
+        start = 20000 + 1000 * (9 * salt + i)
+        generate_ids(url, list(range(start, start + 600)), 2)
+
+
+def _host_loaded(url: str) -> int:
+    info = relay_info(url)
+    return int(info.get("counters", info).get("host_loaded_slots", 0))
+
+
+def test_a_prefix_loaded_back_from_host_gives_what_its_prefill_gives(hicache_server):
+    url = hicache_server.url
+    first = generate_ids(url, PREFIX, 6, return_logprob=True)
+    assert first["meta_info"]["cached_tokens"] == 0
+    loaded_before = _host_loaded(url)
+    _push_off_device(url, salt=0)
+    again = generate_ids(url, PREFIX, 6, return_logprob=True)
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details["host"] >= 512, details  # the prefix came back from host memory
+    assert again["output_ids"] == first["output_ids"]
+    got = [x[0] for x in again["meta_info"]["output_token_logprobs"]]
+    want = [x[0] for x in first["meta_info"]["output_token_logprobs"]]
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, want, strict=True))
+    # every slot the load-back wrote was stamped before it was written
+    assert _host_loaded(url) - loaded_before >= details["host"]
+
+
+def test_relay_through_a_hicache_server_computes_what_the_reference_computes(
+    hicache_server, model_dir
+):
+    url = hicache_server.url
+    ref = R.load_model(str(model_dir))
+    cfg = settings_from_env(str(model_dir), {}).config
+    served, result, span = relay_one_upstream(url, ref, cfg)
+    assert_matches_reference(served, result)
+
+    # the device slots turn over: fillers push the tree's nodes to host, then a prefix
+    # comes back into freed slots by a host copy, not a forward
+    generate_ids(url, PREFIX, 2)
+    _push_off_device(url, salt=1)
+    loaded_before = _host_loaded(url)
+    back = generate_ids(url, PREFIX, 2)
+    assert back["meta_info"]["cached_tokens_details"]["host"] > 0
+    assert _host_loaded(url) > loaded_before
+
+    # a fresh upstream relays exactly again on the turned-over pool
+    served, result, span = relay_one_upstream(url, ref, cfg)
+    assert_matches_reference(served, result)
