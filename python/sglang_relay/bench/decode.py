@@ -3,9 +3,13 @@
 The relay backend stores each decoded token's hidden state at ``l_start`` (one indexed
 copy per decode step, by a hook inside SGLang's own forward). This measures what a relay
 server costs plain decode: the same greedy generations on a plain server and on a relay
-server, alternating servers between rounds, reporting output tokens per second (batch 1
-and a concurrent batch). With ``--graph`` it measures both in eager and in graph-mode
-decode (relay's decode capture runs inside the captured graphs), side by side in one run.
+server, both up for the whole run (an idle CPU server sleeps), one generation on each per
+round and batch size, which goes first alternating between rounds; it reports output tokens
+per second (batch 1 and a concurrent batch) and relay / plain as the geometric mean of the
+paired rounds' ratios with a 95 % bootstrap interval over rounds (a machine that slows down
+mid-run slows both sides of a pair). With ``--graph`` it measures both in eager and in
+graph-mode decode (relay's decode capture runs inside the captured graphs), side by side in
+one run.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 from sglang_relay.client import generate
 
@@ -45,11 +49,38 @@ def graph_flags(batches: list[int], *, cpu: bool, graph: bool) -> list[str]:
             "--torch-compile-max-bs", str(max(batches))]  # fmt: skip
 
 
+def _row(samples, mode: str, batch: int, rounds: int, flags: list[str], model: str) -> dict:
+    """One table row: medians of each server's rounds, and relay / plain as the geometric
+    mean of the paired rounds' ratios with its 95 % bootstrap interval."""
+    from sglang_relay.bench.intervals import bootstrap_ci
+
+    plain, relay = samples[(mode, "plain", batch)], samples[(mode, "relay", batch)]
+    logs = [math.log(r / p) for r, p in zip(relay, plain, strict=True)]
+    lo, hi = bootstrap_ci(logs) if len(logs) > 1 else (logs[0], logs[0])
+    row = {
+        "decode": mode,
+        "batch": batch,
+        "plain_tokens_per_s": round(statistics.median(plain), 1),
+        "relay_tokens_per_s": round(statistics.median(relay), 1),
+        "relay_over_plain": round(math.exp(statistics.fmean(logs)), 3),
+        "relay_over_plain_ci": [round(math.exp(lo), 3), round(math.exp(hi), 3)],
+        "rounds": rounds,
+        "plain_rounds": [round(x, 2) for x in plain],
+        "relay_rounds": [round(x, 2) for x in relay],
+        "server_flags": flags,
+        "model": model,
+    }
+    if mode == "graph":
+        eager = statistics.median(samples[("eager", "relay", batch)])
+        row["relay_graph_over_eager"] = round(statistics.median(relay) / eager, 3)
+    return row
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay bench decode", description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6, help="paired rounds per batch size")
     parser.add_argument(
         "--graph",
         action="store_true",
@@ -77,42 +108,33 @@ def main(argv: list[str]) -> int:
     on_cpu = not cpu.cuda_available()
     modes = [("eager", False), *([("graph", True)] if args.graph else [])]
     samples: dict[tuple[str, str, int], list[float]] = {}
-    for rnd in range(args.rounds):
-        for mode, graph in modes:
-            flags = graph_flags(batches, cpu=on_cpu, graph=graph)
-            for name, extra in (("plain", ["--no-relay"]), ("relay", [])):
-                argv_ = ["--model-path", model_path, *extra, *flags, *server_flags]
-                with ServerProcess(argv_) as server:
-                    _round(server.url, 1, 8, f"warm{rnd}")
-                    for b in batches:
-                        tps = _round(server.url, b, args.tokens, f"{name}{rnd}")
+    for mode, graph in modes:
+        flags = graph_flags(batches, cpu=on_cpu, graph=graph)
+        base = ["--model-path", model_path, *flags, *server_flags]
+        with ServerProcess([*base, "--no-relay"]) as plain, ServerProcess(base) as relay:
+            servers = {"plain": plain.url, "relay": relay.url}
+            for name, url in servers.items():
+                _round(url, 1, 8, f"warm-{name}")
+            for rnd in range(args.rounds):
+                order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+                for b in batches:
+                    for name in order:
+                        tps = _round(servers[name], b, args.tokens, f"{name}{rnd}")
                         samples.setdefault((mode, name, b), []).append(tps)
-                print(f"[decode] round {rnd + 1}/{args.rounds} {mode} {name} done", flush=True)
-    rows: list[dict[str, Any]] = []
-    for mode, _ in modes:
-        for b in batches:
-            plain = statistics.median(samples[(mode, "plain", b)])
-            relay = statistics.median(samples[(mode, "relay", b)])
-            row = {
-                "decode": mode,
-                "batch": b,
-                "plain_tokens_per_s": round(plain, 1),
-                "relay_tokens_per_s": round(relay, 1),
-                "relay_over_plain": round(relay / plain, 3),
-                "rounds": args.rounds,
-                "server_flags": server_flags,
-                "model": Path(model_path).name,
-            }
-            if mode == "graph":
-                eager = statistics.median(samples[("eager", "relay", b)])
-                row["relay_graph_over_eager"] = round(relay / eager, 3)
-            rows.append(row)
-    print("| decode | batch | plain tok/s | relay tok/s | relay / plain | relay graph / eager |")
+                print(f"[decode] {mode} round {rnd + 1}/{args.rounds} done", flush=True)
+    rows = [
+        _row(samples, mode, b, args.rounds, server_flags, Path(model_path).name)
+        for mode, _ in modes
+        for b in batches
+    ]
+    head = "| decode | batch | plain tok/s | relay tok/s | relay / plain [95 %] |"
+    print(head + " relay graph / eager |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        lo, hi = r["relay_over_plain_ci"]
         print(
             f"| {r['decode']} | {r['batch']} | {r['plain_tokens_per_s']} | "
-            f"{r['relay_tokens_per_s']} | {r['relay_over_plain']} | "
+            f"{r['relay_tokens_per_s']} | {r['relay_over_plain']} [{lo}, {hi}] | "
             f"{r.get('relay_graph_over_eager', '')} |"
         )
     if args.json:
