@@ -60,6 +60,7 @@ def _host_loaded(url: str) -> int:
 
 def test_a_prefix_loaded_back_from_host_gives_what_its_prefill_gives(hicache_server):
     url = hicache_server.url
+    assert relay_info(url)["hicache"] is True
     first = generate_ids(url, PREFIX, 6, return_logprob=True)
     assert first["meta_info"]["cached_tokens"] == 0
     loaded_before = _host_loaded(url)

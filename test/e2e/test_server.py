@@ -28,6 +28,7 @@ def test_relay_backend_is_the_schedulers_tree_cache(server):
     assert relay["enabled"] is True
     assert relay["backend"] == "RelayRadixCache"
     assert relay["architecture"] == "LlamaForCausalLM"
+    assert relay["hicache"] is False  # no host tier unless --enable-hierarchical-cache
     # read from SGLang's published graph config (the CPU server runs without graphs)
     assert relay["cuda_graphs"] == {"decode": False, "prefill": False}
     assert relay["extend_attention"] == "torch"

@@ -231,6 +231,9 @@ class RelayRadixCache(UnifiedRadixCache):
             "enabled": True,
             "backend": type(self).__name__,
             "architecture": self.relay_architecture,
+            # SGLang's host tier is attached (--enable-hierarchical-cache): its load-backs
+            # stamp the slots they write (host_loaded_slots)
+            "hicache": getattr(self, "cache_controller", None) is not None,
             **self.relay_counters,
         }
         if self.relay is not None:
