@@ -178,16 +178,23 @@ def _after_kv_move(result, pool, tgt_loc, src_loc, *args, **kwargs):
     return result
 
 
-def _before_host_load(engine, transfers, *args, **kwargs):
+def _before_host_load(engine, *args, **kwargs):
     """HiCache is about to copy host KV into device slots (a tree load-back, a retracted
     request's restore), outside any forward: the served pool's slots it writes get fresh
-    stamps first, so no span recorded on them reads the loaded KV as its own."""
+    stamps first, so no span recorded on them reads the loaded KV as its own. The
+    transfers (positional or ``transfers=``) are handed on as a list, read once here."""
     from sglang_relay.runtime.sglang.pool import pool_runtime
 
+    if "transfers" in kwargs:
+        transfers = kwargs["transfers"] = list(kwargs["transfers"])
+    else:
+        transfers = list(args[0])
+        args = (transfers, *args[1:])
     for transfer in transfers:
         rt = pool_runtime(transfer.device_pool)
         if rt is not None and not transfer.is_draft:
             rt.kv_loaded(transfer.device_indices)
+    return (engine, *args), kwargs
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
