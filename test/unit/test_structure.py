@@ -100,3 +100,14 @@ def test_each_adapter_module_imports_first_in_a_fresh_interpreter():
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                               text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 0, (module, proc.stderr[-500:])
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders have no ``__init__.py``: pytest imports each test file by its base
+    name, and a second file of the same name fails collection ("import file mismatch")."""
+    root = PACKAGE.parents[1]
+    names: dict[str, list[str]] = {}
+    for folder in ("test", "kernels/tests"):
+        for path in (root / folder).rglob("test_*.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(root)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
