@@ -26,6 +26,7 @@ commands:
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
+  --relay-host-tokens N, --relay-host-ttl SECONDS, --relay-host-priority unconsumed|lru,
   --relay-allow-approx-prefix, --no-relay (plain SGLang, same defaults)
 """
 

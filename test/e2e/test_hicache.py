@@ -7,7 +7,9 @@ copy (``SGLANG_RELAY_CPU_HICACHE=1``, ``runtime/cpu.py``).
 A prefix loaded back from host gives what prefilling it gives; every load-back stamps the
 slots it writes (the relay counter says how many), so relay never reads loaded KV as a
 span's; and relay through a HiCache server computes what the reference executor computes,
-also after load-backs reused the device slots."""
+also after load-backs reused the device slots. Relay's own host tier keeps each recorded
+span's KV and side rows: a span whose device slots were reused comes back from host when
+a prompt pastes it, and relays as if it had never left."""
 
 from __future__ import annotations
 
@@ -97,3 +99,29 @@ def test_relay_through_a_hicache_server_computes_what_the_reference_computes(
     # a fresh upstream relays exactly again on the turned-over pool
     served, result, span = relay_one_upstream(url, ref, cfg)
     assert_matches_reference(served, result)
+
+
+def test_a_span_pushed_off_the_device_comes_back_from_the_relay_host_tier(
+    hicache_server, model_dir
+):
+    url = hicache_server.url
+    ref = R.load_model(str(model_dir))
+    cfg = settings_from_env(str(model_dir), {}).config
+    up_ids = list(range(1100, 1140))  # not relay_one_upstream's: a span of its own
+    upstream = generate_ids(url, up_ids, 96)
+    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+    assert record.output == upstream["output_ids"]
+    span = record.span_tokens
+    before = relay_info(url)
+    assert before["host_capacity_tokens"] > 0 and before["host_spans"] >= 1
+    _push_off_device(url, salt=2)  # the tree evicts the upstream; its slots are reused
+    head, tail = list(range(2100, 2123)), list(range(3100, 3111))
+    prompt = head + span + tail
+    served = generate_ids(url, prompt, 4, return_logprob=True, top_logprobs_num=5)
+    info = served["meta_info"]["relay"]
+    after = relay_info(url)
+    assert after["host_restores"] == before.get("host_restores", 0) + 1, after
+    assert info["fallback"] is None and info["reused_tokens"] == len(span), info
+    # the KV came back exactly: the relay is the reference executor's on the same prompt
+    occ = R.SpanOccurrence(len(head), record, 0, len(span))
+    assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kv_pools import cpu_kv_pools
 
 from sglang_relay.runtime.side_data import SlotLedger
 
@@ -22,44 +23,7 @@ LAYERS = 2
 
 @pytest.fixture()
 def tier():
-    from sglang_relay.runtime import cpu
-
-    cpu.activate()
-    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    cpu.host_tier_on_cpu()
-    pool = MHATokenToKVPool(
-        size=SLOTS,
-        page_size=1,
-        dtype=torch.float32,
-        head_num=2,
-        head_dim=8,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_kv_cache_copy=False,
-    )
-    gen = torch.Generator().manual_seed(0)
-    for layer in range(LAYERS):
-        pool.k_buffer[layer][:] = torch.randn(pool.k_buffer[layer].shape, generator=gen)
-        pool.v_buffer[layer][:] = torch.randn(pool.v_buffer[layer].shape, generator=gen)
-    info = pool.get_device_pool_infos()[0].buffer_info
-    with host_memory_budget_scope(1 << 30):
-        host = MHATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            1,
-            "layer_first",
-            pin_memory=False,
-            device_capacity_tokens=SLOTS,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-        )
-    return SimpleNamespace(pool=pool, host=host, engine=L2TransferEngine("direct"))
+    return cpu_kv_pools(slots=SLOTS, layers=LAYERS)
 
 
 def _transfer(tier, host_idx, dev_idx, *, is_draft=False):

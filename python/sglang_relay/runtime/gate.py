@@ -140,8 +140,9 @@ class RequestGate:
         return related
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, req: Any) -> None:
-        """After ``prepare_for_extend``: find spans in this extend chunk of ``req``."""
+    def plan(self, req: Any, written: Any = None) -> None:
+        """After ``prepare_for_extend``: find spans in this extend chunk of ``req``
+        (``written``: the slots the batch writes, ``out_cache_loc``)."""
         rt = self.rt
         if not self._req_checked:  # the first request is the first Req there is to check
             self._req_checked = True
@@ -192,6 +193,7 @@ class RequestGate:
             ns,
             related=(lambda: self.related(req, ns)) if self.settings.min_share > 0 else None,
             last_chunk=last_chunk,
+            written=written,
         )
         if unrelated:
             rt.counters["unrelated_matches"] += unrelated

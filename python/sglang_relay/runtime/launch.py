@@ -116,6 +116,9 @@ RELAY_FLAGS = {
     "--relay-min-share": "SGLANG_RELAY_MIN_SHARE",
     "--relay-reasoning-reuse": "SGLANG_RELAY_REASONING_REUSE",
     "--relay-span-tokens": "SGLANG_RELAY_SPAN_TOKENS",
+    "--relay-host-tokens": "SGLANG_RELAY_HOST_TOKENS",
+    "--relay-host-ttl": "SGLANG_RELAY_HOST_TTL",
+    "--relay-host-priority": "SGLANG_RELAY_HOST_PRIORITY",
     "--relay-guard-tokens": "SGLANG_RELAY_GUARD_TOKENS",
 }
 

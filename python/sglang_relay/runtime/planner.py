@@ -94,17 +94,22 @@ class Planner:
         related: Callable[[], set[int]] | None = None,
         *,
         last_chunk: bool = True,
+        written: torch.Tensor | None = None,
     ) -> tuple[bool, int]:
         """Find spans in this chunk's ``tokens`` (they start at row position
         ``prefix_len``), keeping those of spans in ``related()`` (None: all). Returns
         whether any was kept and the number of matches left out as unrelated.
-        ``last_chunk``: the chunk ends the prompt, whose last row follows ``tokens``."""
+        ``last_chunk``: the chunk ends the prompt, whose last row follows ``tokens``.
+        ``written``: the slots this batch writes; with a host tier, a span whose device
+        slots are gone (or among them) is copied back from host first."""
         sources = self.store.find(tokens, namespace)
         unrelated = 0
         if sources and related is not None:
             ids = related()
             kept = [s for s in sources if s.span_id in ids]
             unrelated, sources = len(sources) - len(kept), kept
+        if sources and self.store.tier is not None:
+            sources = [self._on_device(s, written) for s in sources]
         heads = [self._continued(stats, s, prefix_len) for s in sources]
         stats.open_run = None
         for s, head in zip(sources, heads, strict=True):
@@ -115,6 +120,21 @@ class Planner:
             return False, unrelated
         self.pending[rid] = RequestPlan(cfg, prefix_len, sources, heads, stats, last_chunk)
         return True, unrelated
+
+    def _on_device(self, s: SpanSource, written: torch.Tensor | None) -> SpanSource:
+        """``s`` on device: its span copied back from host if its recorded slots were
+        rewritten (or this batch writes them) and the tier holds it. Whether to copy is
+        decided on the stamps, which every TP rank shares."""
+        span = self.store.spans[s.span_id]
+        gone = not bool(self.ledger.unchanged(span.slots, span.stamps).all())
+        if not gone and written is not None:
+            gone = bool(torch.isin(span.slots, written.to(span.slots.device)).any())
+        if gone:
+            back = self.store.tier.restore(s.span_id)
+            if back is not None:
+                self.store.rehome(s.span_id, *back)
+        sl = slice(s.span_start, s.span_start + s.length)
+        return s._replace(slots=span.slots[sl], stamps=span.stamps[sl])
 
     @staticmethod
     def _continued(stats: RequestStats, s: SpanSource, prefix_len: int) -> int:

@@ -202,9 +202,10 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
     rt = getattr(batch.tree_cache, "relay", None)
     if rt is None or batch.forward_mode.name != "EXTEND":
         return result
+    written = batch.out_cache_loc
     for req in batch.reqs:
         try:
-            rt.gate.plan(req)
+            rt.gate.plan(req, written)
         except Exception:  # planning must never break scheduling
             logger.exception("relay planning failed; standard prefill")
             try:

@@ -11,12 +11,19 @@ import torch
 
 from sglang_relay.core.relatedness import answer_offset
 from sglang_relay.runtime import modes, server_options
+from sglang_relay.runtime.host_tier import HostTier, Retention
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
+from sglang_relay.runtime.sglang.host import build_host_pool, transfer_indices
 from sglang_relay.runtime.sglang.model import attach_runtime
 from sglang_relay.runtime.sglang.pool import attach_pool_runtime
-from sglang_relay.runtime.sglang.scheduling import beam_search, evict_result, guard_redo_of
+from sglang_relay.runtime.sglang.scheduling import (
+    beam_search,
+    evict_params,
+    evict_result,
+    guard_redo_of,
+)
 from sglang_relay.runtime.sglang.server import (
     attention_backend_name,
     live_kv_layout,
@@ -249,6 +256,39 @@ class RelayRadixCache(UnifiedRadixCache):
         return out
 
 
+def _host_tier(cache, runtime, allocator, page_size: int, tokens: int, settings) -> HostTier:
+    """The relay host tier of a HiCache server (:mod:`sglang_relay.runtime.host_tier`)."""
+    controller = cache.cache_controller
+    try:
+        host_pool = build_host_pool(runtime.kv_pool, page_size, tokens)
+    except (RuntimeError, ValueError, MemoryError) as exc:
+        raise ValueError(
+            f"sglang-relay: the relay host tier ({tokens} tokens) cannot be allocated "
+            f"({exc}); pass a smaller --relay-host-tokens, or --relay-host-tokens 0 to keep "
+            "no span copies in host memory"
+        ) from exc
+    tp = runtime.tp
+    tier = HostTier(
+        host_pool=host_pool,
+        kv_pool=runtime.kv_pool,
+        engine=controller.l2_transfer_engine,
+        move_indices=transfer_indices(controller, host_pool),
+        ledger=runtime.ledger,
+        allocator=allocator,
+        page_size=page_size,
+        retention=Retention(ttl=settings.host_ttl, priority=settings.host_priority),
+        make_room=lambda n: cache.evict(evict_params(n)),
+        agree=None if tp is None else (lambda ok: tp.bounds([int(ok)], "restore")[0][0] == 1),
+    )
+    logger.info(
+        "sglang-relay: host tier of %d tokens (ttl %.0f s, priority %s)",
+        tier.capacity,
+        settings.host_ttl,
+        settings.host_priority,
+    )
+    return tier
+
+
 def build_relay_cache(ctx: Any) -> Any:
     """Factory for ``register_radix_cache_backend`` (``ctx`` is a TreeCacheBuildContext).
     Refuses, with one message naming the option, every configuration relay cannot serve
@@ -298,6 +338,9 @@ def build_relay_cache(ctx: Any) -> Any:
         raise ValueError(graphs)
     cache.attach_runtime(runtime)
     cache.relay_model_config = ctx.model_config
+    host_tokens = 2 * budget if settings.host_tokens is None else settings.host_tokens
+    if getattr(cache, "cache_controller", None) is not None and host_tokens > 0:
+        runtime.store.tier = _host_tier(cache, runtime, allocator, tree_page, host_tokens, settings)
     check_hooks_installed()
     if not settings.profiled:
         logger.warning(

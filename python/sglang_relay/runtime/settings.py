@@ -29,6 +29,14 @@ set them directly:
   below the request's (default 0.60, measured: docs/fidelity.md "Reasoning answers");
   ``off``: answers get the request's target
 * ``SGLANG_RELAY_SPAN_TOKENS``: token budget of recorded spans (default 1/4 of the pool)
+* ``SGLANG_RELAY_HOST_TOKENS``: with HiCache (``--enable-hierarchical-cache``), the
+  relay host tier's capacity in tokens: recorded spans are copied there and come back
+  when their device slots are gone (default: twice the span budget; 0: no tier,
+  :mod:`sglang_relay.runtime.host_tier`)
+* ``SGLANG_RELAY_HOST_TTL``: seconds a host copy nobody used is kept first (default 600)
+* ``SGLANG_RELAY_HOST_PRIORITY``: which host copies give way when the tier is full, after
+  those past the TTL: ``unconsumed`` (default: spans no prompt used yet are kept longest)
+  or ``lru``
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)
 """
@@ -74,6 +82,11 @@ DEFAULT_GUARD_TOKENS = 4
 SCHEDULE_FIELDS = frozenset({"l_start", "l_det", "l_end", "signal"})
 ENV_SPAN_TOKENS = "SGLANG_RELAY_SPAN_TOKENS"
 ENV_ALLOW_APPROX = "SGLANG_RELAY_ALLOW_APPROX_PREFIX"
+ENV_HOST_TOKENS = "SGLANG_RELAY_HOST_TOKENS"
+ENV_HOST_TTL = "SGLANG_RELAY_HOST_TTL"
+ENV_HOST_PRIORITY = "SGLANG_RELAY_HOST_PRIORITY"
+DEFAULT_HOST_TTL = 600.0
+HOST_PRIORITIES = ("unconsumed", "lru")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,9 @@ class RelaySettings:
     lora: str = "adapter"  # SGLANG_RELAY_LORA
     min_share: float = DEFAULT_MIN_SHARE  # SGLANG_RELAY_MIN_SHARE
     reasoning_reuse: float | None = DEFAULT_REASONING_REUSE  # SGLANG_RELAY_REASONING_REUSE
+    host_tokens: int | None = None  # SGLANG_RELAY_HOST_TOKENS (None: 2x the span budget)
+    host_ttl: float = DEFAULT_HOST_TTL  # SGLANG_RELAY_HOST_TTL
+    host_priority: str = "unconsumed"  # SGLANG_RELAY_HOST_PRIORITY
 
     @property
     def profiled(self) -> bool:
@@ -176,6 +192,14 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         raise ValueError(f"{ENV_SPAN_TOKENS} must be an integer; got {span_tokens!r}") from exc
     if budget is not None and budget <= 0:
         raise ValueError(f"{ENV_SPAN_TOKENS} must be > 0; got {budget}")
+    host_tokens = _number(env, ENV_HOST_TOKENS, int, minimum=0)
+    host_ttl = _number(env, ENV_HOST_TTL, float, minimum=0, strict=True)
+    host_priority = env.get(ENV_HOST_PRIORITY) or "unconsumed"
+    if host_priority not in HOST_PRIORITIES:
+        raise ValueError(
+            f"{ENV_HOST_PRIORITY} must be one of {', '.join(HOST_PRIORITIES)}; "
+            f"got {host_priority!r}"
+        )
     return RelaySettings(
         config=config,
         span_tokens=budget,
@@ -188,7 +212,25 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         lora=lora,
         min_share=min_share,
         reasoning_reuse=reasoning,
+        host_tokens=host_tokens,
+        host_ttl=DEFAULT_HOST_TTL if host_ttl is None else host_ttl,
+        host_priority=host_priority,
     )
+
+
+def _number(env, name: str, kind: type, *, minimum: float, strict: bool = False):
+    """``env[name]`` as ``kind`` (None when unset); at least ``minimum`` (above it when
+    ``strict``); a ValueError naming the variable otherwise."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name} must be a {kind.__name__}; got {raw!r}") from exc
+    if value < minimum or (strict and value == minimum) or value != value:
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}; got {raw!r}")
+    return value
 
 
 def server_settings(model_path: str) -> RelaySettings:

@@ -98,6 +98,27 @@ class SlotLedger:
         fresh = self.generation * 2 + (old & HIDDEN_BIT)
         self.stamps.index_copy_(0, tgt, torch.where(old != 0, fresh, torch.zeros_like(old)))
 
+    def restore(
+        self,
+        loc: torch.Tensor,
+        has_hidden: torch.Tensor,
+        *,
+        hidden: torch.Tensor | None = None,
+        influence: torch.Tensor | None = None,
+    ) -> None:
+        """A span's KV was copied back into ``loc`` (``[n]`` slots) from host memory, with
+        the side rows it was recorded with: each slot takes its row and a fresh stamp whose
+        hidden bit is ``has_hidden`` (``[n]`` bool). Fresh, so no span recorded on these
+        slots before reads the copy as its own."""
+        loc = loc.to(torch.int64)
+        if hidden is not None and self.hidden is not None:
+            self.hidden.index_copy_(0, loc, hidden.to(self.hidden.device, self.hidden.dtype))
+        if influence is not None and self.influence is not None:
+            self.influence.index_copy_(0, loc, influence.to(self.influence.device))
+        self.generation.add_(1)
+        bits = has_hidden.to(torch.int64) if self.hidden is not None else torch.zeros_like(loc)
+        self.stamps.index_copy_(0, loc, self.generation * 2 + bits)
+
     # ---- checking (record time and use time) -----------------------------------------------
     def snapshot(self, slots: torch.Tensor) -> torch.Tensor:
         """The stamps of ``slots`` now (``[n]`` int64, a copy)."""

@@ -65,6 +65,13 @@ class SpanStore:
 
     Paired verbs: :meth:`add` / :meth:`drop`; :meth:`release_owned` drops owned spans for
     room; :meth:`clear` drops everything.
+
+    With a host tier (:class:`~sglang_relay.runtime.host_tier.HostTier`, under HiCache)
+    every span is copied to host when recorded; an owned span whose slots SGLang needs, or
+    that the device budget pushes out, is *demoted* (its slots go back, the span stays
+    indexed), and :meth:`rehome` gives a span copied back into fresh slots to the store.
+    The index then holds up to the device budget plus the tier's capacity. Which spans
+    are indexed never depends on the host tier's state (only on what every TP rank shares).
     """
 
     def __init__(
@@ -94,6 +101,9 @@ class SpanStore:
         self.reasoning_spans = 0  # spans recorded with a reasoning part before the answer
         self.pressure_spans = 0  # owned spans dropped because SGLang needed their slots
         self.pressure_tokens = 0  # ... and the slots they gave back
+        self.tier: Any = None  # the host tier (HiCache servers; host_tier.HostTier)
+        self.demoted_spans = 0  # owned spans whose slots went back, kept indexed (tier)
+        self.demoted_tokens = 0
 
     # ---- recording ------------------------------------------------------------------
     def add(
@@ -135,13 +145,55 @@ class SpanStore:
         self.owned_tokens += held
         if self.listener is not None:
             self.listener.added(span_id, tokens, namespace)
-        # the budget bounds the tokens indexed and the pool slots held (a span's whole
-        # pages: at page 128 a short span holds far more slots than tokens)
-        while (self.num_tokens > self.max_tokens or self.owned_tokens > self.max_tokens) and len(
+        if self.tier is not None:
+            self.tier.backup(span_id, slots, stamps)
+        self._within_budget(keep=span_id)
+        return span_id
+
+    def _within_budget(self, *, keep: int) -> None:
+        """The budget bounds the tokens indexed and the pool slots held (a span's whole
+        pages: at page 128 a short span holds far more slots than tokens). With a host
+        tier, owned spans over the budget are demoted and the index also holds what the
+        tier can hold."""
+        if self.tier is not None:
+            for span_id in [sid for sid, sp in self.spans.items() if sp.owned and sid != keep]:
+                if self.owned_tokens <= self.max_tokens:
+                    break
+                self._demote(self.spans[span_id])
+            indexed = self.max_tokens + int(self.tier.capacity)
+        else:
+            indexed = self.max_tokens
+        while (self.num_tokens > indexed or self.owned_tokens > self.max_tokens) and len(
             self.spans
         ) > 1:
             self.drop(next(iter(self.spans)))
-        return span_id
+
+    def _demote(self, span: Span) -> int:
+        """Give an owned span's slots back, keeping it indexed (its host copy, if any,
+        brings it back; until SGLang reuses the slots, their KV is still its own)."""
+        released = span.held
+        self.release_slots(span.held_slots)
+        self.owned_tokens -= span.held
+        span.owned, span.held, span.held_slots = False, 0, None
+        self.demoted_spans += 1
+        self.demoted_tokens += released
+        return released
+
+    def rehome(
+        self, span_id: int, slots: torch.Tensor, stamps: torch.Tensor, held_slots: torch.Tensor
+    ) -> None:
+        """Span ``span_id``'s KV was copied back into ``held_slots`` (whole pages; its
+        tokens on ``slots``, stamped ``stamps``): the store owns them from now on (what it
+        held of the span before goes back)."""
+        span = self.spans[span_id]
+        if span.owned:
+            self.release_slots(span.held_slots)
+            self.owned_tokens -= span.held
+        span.slots, span.stamps = slots, stamps
+        span.owned, span.held, span.held_slots = True, int(held_slots.numel()), held_slots
+        self.owned_tokens += span.held
+        self.spans.move_to_end(span_id)
+        self._within_budget(keep=span_id)
 
     def drop(self, span_id: int, *, release: bool = True) -> int:
         """Forget a span; an owned span's slots go back to the allocator (``release``).
@@ -153,6 +205,8 @@ class SpanStore:
         self.num_tokens -= span.num_tokens
         if self.listener is not None:
             self.listener.dropped_span(span_id)
+        if self.tier is not None:
+            self.tier.discard(span_id)
         if not span.owned:
             return 0
         self.owned_tokens -= span.held
@@ -162,13 +216,17 @@ class SpanStore:
         return 0
 
     def release_owned(self, num_tokens: int) -> int:
-        """Drop owned spans, least recently used first, until ``num_tokens`` slots are
-        released (or none is left). Returns the number released."""
+        """Drop owned spans (demote them, with a host tier), least recently used first,
+        until ``num_tokens`` slots are released (or none is left). Returns the number
+        released."""
         released = 0
         for span_id in [sid for sid, sp in self.spans.items() if sp.owned]:
             if released >= num_tokens:
                 break
-            released += self.drop(span_id)
+            if self.tier is not None:
+                released += self._demote(self.spans[span_id])
+            else:
+                released += self.drop(span_id)
             self.pressure_spans += 1
         self.pressure_tokens += released
         return released
@@ -202,6 +260,8 @@ class SpanStore:
             if span is None:
                 continue
             self.spans.move_to_end(m.span_id)  # LRU touch
+            if self.tier is not None:
+                self.tier.touch(m.span_id)
             sl = slice(m.span_start, m.span_start + m.length)
             out.append(
                 SpanSource(
@@ -228,4 +288,13 @@ class SpanStore:
             "owned_spans_released_for_room": self.pressure_spans,
             "owned_tokens_released_for_room": self.pressure_tokens,
             "reasoning_spans": self.reasoning_spans,
+            **(
+                {
+                    "demoted_spans": self.demoted_spans,
+                    "demoted_tokens": self.demoted_tokens,
+                    **self.tier.stats(),
+                }
+                if self.tier is not None
+                else {}
+            ),
         }

@@ -204,3 +204,10 @@ def set_request_info(req, info: dict) -> None:
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info["relay"] = [info]
+
+
+def evict_params(num_tokens: int):
+    """SGLang's ``EvictParams`` asking a tree cache for ``num_tokens`` device slots."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(num_tokens=num_tokens)

@@ -53,6 +53,7 @@ class ScheduleBatch(Protocol):
     reqs: list[Req]
     tree_cache: Any
     forward_mode: Any
+    out_cache_loc: torch.Tensor | None  # the slots an extend batch writes (host tier)
 
 
 class Req(Protocol):
@@ -202,6 +203,28 @@ class ReqTimeStats(Protocol):
     first_token_time: float
 
 
+class HiCacheController(Protocol):
+    """``sglang.srt.managers.cache_controller.HiCacheController`` (the relay host tier
+    moves span KV with its transfer engine, its index rule and its layer count)."""
+
+    l2_transfer_engine: Any
+    io_backend: str
+    device: Any
+    move_indices: Callable[..., Any]
+    transfer_layer_id_max: int
+
+
+class HostKVCache(Protocol):
+    """``sglang.srt.mem_cache.pool_host.base.HostKVCache``: the relay host tier's pool."""
+
+    size: int
+    page_size: int
+    layout: str
+    alloc: Callable[[int], torch.Tensor | None]
+    free: Callable[[torch.Tensor], int]
+    available_size: Callable[[], int]
+
+
 VIEWS: dict[str, type] = {
     view.__name__: view
     for view in (
@@ -209,7 +232,8 @@ VIEWS: dict[str, type] = {
         TorchNativeLoRABatchInfo, TokenizedGenerateReqInput, PrefillAdder, GroupCoordinator,
         KVCacheConfigurator, MemoryPoolConfig, DataParallelController,
         DataParallelControllerLoop, TreeCacheBuildContext, TokenizerManager,
-        TokenizerModelConfig, GenerateReqInput, ReqState, ReqTimeStats,
+        TokenizerModelConfig, GenerateReqInput, ReqState, ReqTimeStats, HiCacheController,
+        HostKVCache,
     )
 }  # fmt: skip
 

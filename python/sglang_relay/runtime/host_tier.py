@@ -1,0 +1,286 @@
+"""Spans that outlive device memory: a relay-owned host tier beside SGLang's HiCache.
+
+With ``--enable-hierarchical-cache`` a relay server keeps a copy of each recorded span's
+KV in host memory, with the side data the span needs (its stored hidden rows, influence
+scores and which rows have them; its context masses stay on the span), in a host pool of
+SGLang's own class and layout (``build_kv_host_pool``) moved by HiCache's own transfer
+engine (``L2TransferEngine``). When the device slots a span was recorded on are gone (the
+tree evicted and reused them, or SGLang took an owned span's slots back for room) and a
+prompt pastes the span again, the planner has it copied back into fresh device slots,
+which the span store then owns, and relays from there: a span evicted from the device is
+demoted, not dropped.
+
+The tier has its own pool, not HiCache's: the tree's acks pop every node id they carry,
+and its host eviction cannot free slots it does not own.
+
+Retention, when a new copy needs room (:class:`Retention`): first copies not used for
+``ttl`` seconds, then copies of spans a later prompt already used, least recently used
+first, then the rest, least recently used first (priority ``unconsumed``; ``lru`` is plain
+LRU). A chain's next agent is usually seconds away, so what it has not read yet is kept
+longest.
+
+Under tensor parallelism every rank runs this tier on its own pools. What the ranks agree
+on by construction (the index, the stamps, the device allocator) is never decided by the
+tier's clock; a copy back, which allocates device slots, runs only when every rank can
+run it (a MIN over the ranks), so a TTL that expired on one rank a moment before another
+costs that relay, never the schedulers' agreement.
+
+Not thread-safe: the scheduler thread owns it (like the radix tree).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_relay.runtime.side_data import SlotLedger
+
+logger = logging.getLogger(__name__)
+
+PRIORITIES = ("unconsumed", "lru")
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """A span's KV and side rows in host memory."""
+
+    host_idx: torch.Tensor  # host pool slots: the span's whole device pages, in page order
+    offsets: torch.Tensor  # [n] int64: where token j sits in that block
+    has_hidden: torch.Tensor  # [n] bool: the row came with a stored hidden state
+    hidden: torch.Tensor | None  # [n, hidden] (host), the ledger's rows
+    influence: torch.Tensor | None  # [n] float32 (host)
+    last_use: float
+    consumed: bool = False  # a later prompt matched the span
+
+
+class Retention:
+    """Which host copy gives way first (pure policy; the clock is passed in)."""
+
+    def __init__(self, *, ttl: float, priority: str = "unconsumed") -> None:
+        if ttl <= 0:
+            raise ValueError(f"host-tier TTL must be > 0 seconds; got {ttl}")
+        if priority not in PRIORITIES:
+            raise ValueError(f"host-tier priority must be one of {PRIORITIES}; got {priority!r}")
+        self.ttl = ttl
+        self.priority = priority
+
+    def victim(self, copies: OrderedDict[int, HostCopy], now: float, keep: int) -> tuple[int, str]:
+        """(span id, why) of the copy to free next; ``copies`` in LRU order (oldest first),
+        ``keep`` never chosen. Raises ``LookupError`` when nothing else is held."""
+        candidates = [(sid, c) for sid, c in copies.items() if sid != keep]
+        if not candidates:
+            raise LookupError("no host copy to free")
+        for sid, c in candidates:
+            if now - c.last_use > self.ttl:
+                return sid, "ttl"
+        if self.priority == "unconsumed":
+            for sid, c in candidates:
+                if c.consumed:
+                    return sid, "lru_consumed"
+        return candidates[0][0], "lru"
+
+    def expired(self, copies: OrderedDict[int, HostCopy], now: float) -> list[int]:
+        return [sid for sid, c in copies.items() if now - c.last_use > self.ttl]
+
+
+class HostTier:
+    """Host copies of recorded spans, and their way back into device slots.
+
+    ``host_pool``: an SGLang host KV pool (``alloc``/``free`` in pages); ``kv_pool``: the
+    served device pool; ``engine``: an ``L2TransferEngine``; ``move_indices(host, device)``:
+    the indices as the engine's io backend takes them (SGLang's controller's own rule);
+    ``allocator``: the device slot allocator; ``make_room(n)``: ask the cache to evict ``n``
+    device slots; ``agree(flag)``: the MIN of ``flag`` over the TP ranks (None: one rank).
+    """
+
+    def __init__(
+        self,
+        *,
+        host_pool: Any,
+        kv_pool: Any,
+        engine: Any,
+        move_indices: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        ledger: SlotLedger,
+        allocator: Any,
+        page_size: int,
+        retention: Retention,
+        make_room: Callable[[int], None] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host_pool = host_pool
+        self.kv_pool = kv_pool
+        self.engine = engine
+        self.move_indices = move_indices
+        self.ledger = ledger
+        self.allocator = allocator
+        self.page_size = page_size
+        self.retention = retention
+        self.make_room = make_room
+        self.agree = agree
+        self.clock = clock
+        self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
+        self.held_tokens = 0  # host slots held (whole pages)
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def capacity(self) -> int:
+        return int(self.host_pool.size)
+
+    # ---- device -> host ------------------------------------------------------------------
+    def backup(self, span_id: int, slots: torch.Tensor, stamps: torch.Tensor) -> bool:
+        """Copy the KV of a span just recorded on ``slots`` (with ``stamps``) to host,
+        freeing older copies by the retention order if the tier is full. False: it does
+        not fit (counted)."""
+        ps = self.page_size
+        pages = torch.unique(slots // ps)  # sorted
+        need = int(pages.numel()) * ps
+        now = self.clock()
+        self._expire(now)
+        host_idx = self._alloc(need, keep=span_id, now=now)
+        if host_idx is None:
+            self.counters["backups_declined_no_host"] += 1
+            return False
+        device_idx = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
+        self._copy_to_host(host_idx, device_idx)
+        offsets = torch.searchsorted(pages, slots // ps) * ps + slots % ps
+        rows = slots.to(torch.int64)
+        ledger = self.ledger
+        self.copies[span_id] = HostCopy(
+            host_idx=host_idx,
+            offsets=offsets.cpu(),
+            has_hidden=SlotLedger.has_hidden(stamps).cpu(),
+            hidden=ledger.hidden[rows].to("cpu") if ledger.hidden is not None else None,
+            influence=ledger.influence[rows].to("cpu") if ledger.influence is not None else None,
+            last_use=now,
+        )
+        self.held_tokens += need
+        self.counters["backups"] += 1
+        self.counters["backup_tokens"] += int(slots.numel())
+        return True
+
+    # ---- host -> device ------------------------------------------------------------------
+    def restore(self, span_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Copy span ``span_id``'s KV back into fresh device slots, with its hidden rows,
+        influence scores and fresh stamps carrying its hidden bits. Returns ``(slots,
+        stamps, held_slots)`` (the token slots, their stamps, every slot allocated: whole
+        pages), or None when the copy is gone or the device has no room on some rank."""
+        copy = self.copies.get(span_id)
+        have = copy is not None
+        if self.agree is not None and not self.agree(have):
+            self.counters["restores_declined_tp" if have else "restores_missed_no_copy"] += 1
+            return None
+        if copy is None:
+            self.counters["restores_missed_no_copy"] += 1
+            return None
+        # every rank holds the copy: from here on, only state the ranks share decides
+        device_idx = self._device_slots(int(copy.host_idx.numel()))
+        if device_idx is None:
+            self.counters["restores_declined_no_device"] += 1
+            return None
+        self._copy_to_device(copy.host_idx, device_idx)
+        slots = device_idx[copy.offsets.to(device_idx.device)]
+        self.ledger.restore(
+            slots,
+            copy.has_hidden.to(slots.device),
+            hidden=copy.hidden,
+            influence=copy.influence,
+        )
+        copy.last_use = self.clock()
+        self.copies.move_to_end(span_id)
+        self.counters["restores"] += 1
+        self.counters["restore_tokens"] += int(slots.numel())
+        return slots, self.ledger.snapshot(slots), device_idx
+
+    def _device_slots(self, need: int) -> torch.Tensor | None:
+        idx = self.allocator.alloc(need) if self.allocator.available_size() >= need else None
+        if idx is None and self.make_room is not None:
+            self.make_room(need)
+            if self.allocator.available_size() >= need:
+                idx = self.allocator.alloc(need)
+        return idx
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def has(self, span_id: int) -> bool:
+        return span_id in self.copies
+
+    def touch(self, span_id: int) -> None:
+        """A prompt matched the span: it is consumed, and recently used."""
+        copy = self.copies.get(span_id)
+        if copy is not None:
+            copy.consumed = True
+            copy.last_use = self.clock()
+            self.copies.move_to_end(span_id)
+
+    def discard(self, span_id: int) -> None:
+        """The span is gone from the store: free its copy."""
+        copy = self.copies.pop(span_id, None)
+        if copy is not None:
+            self.host_pool.free(copy.host_idx)
+            self.held_tokens -= int(copy.host_idx.numel())
+
+    def clear(self) -> None:
+        for span_id in list(self.copies):
+            self.discard(span_id)
+
+    def sweep(self) -> int:
+        """Free copies past the TTL (returns how many)."""
+        return self._expire(self.clock())
+
+    def _expire(self, now: float) -> int:
+        expired = self.retention.expired(self.copies, now)
+        for span_id in expired:
+            self.discard(span_id)
+        self.counters["host_evicted_ttl"] += len(expired)
+        return len(expired)
+
+    def _alloc(self, need: int, *, keep: int, now: float) -> torch.Tensor | None:
+        if need > self.capacity:
+            return None
+        while self.host_pool.available_size() < need:
+            try:
+                victim, why = self.retention.victim(self.copies, now, keep)
+            except LookupError:
+                return None
+            self.discard(victim)
+            self.counters[f"host_evicted_{why}"] += 1
+        return self.host_pool.alloc(need)
+
+    def _copy_to_host(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
+        from sglang_relay.runtime.sglang.host import l2_transfer
+
+        h, d = self.move_indices(host_idx, device_idx)
+        done = self.engine.submit_device_to_host([l2_transfer(self.host_pool, self.kv_pool, h, d)])
+        done.finish_event.synchronize()
+
+    def _copy_to_device(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
+        from sglang_relay.runtime.sglang.host import l2_transfer
+
+        h, d = self.move_indices(host_idx, device_idx)
+        done = self.engine.submit_host_to_device(
+            [l2_transfer(self.host_pool, self.kv_pool, h, d)],
+            transfer_layer_id_max=int(self.kv_pool.layer_num),
+        )
+        done.finish_event.synchronize()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "host_spans": len(self.copies),
+            "host_tokens": self.held_tokens,
+            "host_capacity_tokens": self.capacity,
+            "host_ttl_s": self.retention.ttl,
+            "host_priority": self.retention.priority,
+            "host_side_bytes": sum(
+                sum(t.numel() * t.element_size() for t in (c.hidden, c.influence) if t is not None)
+                for c in self.copies.values()
+            ),
+            **{
+                f"host_{k}" if not k.startswith("host_") else k: v for k, v in self.counters.items()
+            },
+        }
