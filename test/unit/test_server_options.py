@@ -56,7 +56,8 @@ def test_what_relay_cannot_serve_is_refused_by_the_table():
     # quantization: served per method, each classified (runtime/quant_methods.py)
     assert "awq" in table.served["quantization"].values
     assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
-    # HiCache: served with the write policies relay verified (modes.py), not write_back
+    # HiCache: served with the write policies relay verified (the table alone says), not
+    # write_back
     assert "write_back" not in table.served["hicache_write_policy"].values
 
 

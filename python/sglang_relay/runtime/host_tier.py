@@ -184,14 +184,18 @@ class HostTier:
         if device_idx is None:
             self.counters["restores_declined_no_device"] += 1
             return None
-        self._copy_to_device(copy.host_idx, device_idx)
-        slots = device_idx[copy.offsets.to(device_idx.device)]
-        self.ledger.restore(
-            slots,
-            copy.has_hidden.to(slots.device),
-            hidden=copy.hidden,
-            influence=copy.influence,
-        )
+        try:
+            self._copy_to_device(copy.host_idx, device_idx)
+            slots = device_idx[copy.offsets.to(device_idx.device)]
+            self.ledger.restore(
+                slots,
+                copy.has_hidden.to(slots.device),
+                hidden=copy.hidden,
+                influence=copy.influence,
+            )
+        except Exception:
+            self.allocator.free(device_idx)  # (stamped by the load hook: nobody reads them)
+            raise
         copy.last_use = self.clock()
         self.copies.move_to_end(span_id)
         self.counters["restores"] += 1

@@ -29,10 +29,6 @@ from sglang_relay.runtime.anatomy import SPARSE_MLP, SUPPORTED_ARCHITECTURES, an
 # attention reads the elements as SGLang's backends do). mxfp8 / nvfp4 / fp4_mx_block16
 # carry block scales relay does not read.
 SERVED_KV_CACHE_DTYPES = frozenset({"auto", None, "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"})
-# HiCache write policies relay serves: a backup copies device KV to host on insert; only a
-# load-back writes device slots, and relay stamps them (runtime/plugin.py). write_back
-# (backups at eviction) is not verified with relay
-SERVED_HICACHE_WRITE_POLICIES = frozenset({"write_through", "write_through_selective"})
 # the live KV buffer dtypes (torch names) relay serves, whatever the model's dtype
 SERVED_KV_BUFFER_DTYPES = frozenset(
     {"bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"}
@@ -62,7 +58,6 @@ class ServerView:
     enable_lora: bool = False
     lora_backend: str = "csgmv"
     enable_hierarchical_cache: bool = False
-    hicache_write_policy: str = "write_through"
     disaggregation_mode: str = "null"
     enable_deterministic_inference: bool = False
     enable_torch_compile: bool = False
@@ -188,12 +183,6 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "recomputes row subsets through LoRA layers; their per-row adapter info is built "
             "for torch_native only, runtime/lora_rows.py)",
             "add --lora-backend torch_native, or drop the LoRA flags",
-        ),
-        (
-            view.enable_hierarchical_cache
-            and view.hicache_write_policy not in SERVED_HICACHE_WRITE_POLICIES,
-            f"--hicache-write-policy {view.hicache_write_policy} (not verified with relay)",
-            "use --hicache-write-policy write_through",
         ),
         (
             view.disaggregation_mode not in ("null", None, ""),

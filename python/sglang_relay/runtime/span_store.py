@@ -277,7 +277,7 @@ class SpanStore:
             )
         return out
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {
             "spans": len(self.spans),
             "span_tokens": self.num_tokens,

@@ -177,7 +177,6 @@ def server_view(obj) -> ServerView:
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
         lora_backend=str(get("lora_backend", "csgmv") or "csgmv"),
         enable_hierarchical_cache=bool(get("enable_hierarchical_cache", False)),
-        hicache_write_policy=str(get("hicache_write_policy", "write_through")),
         disaggregation_mode=str(get("disaggregation_mode", "null")),
         enable_deterministic_inference=bool(get("enable_deterministic_inference", False)),
         enable_torch_compile=bool(get("enable_torch_compile", False)),
