@@ -38,11 +38,30 @@ def test_method_then_overrides():
         ({"SGLANG_RELAY_PROFILE": "/nonexistent.json"}, "cannot read relay profile"),
         ({"SGLANG_RELAY_MIN_SHARE": "half"}, "MIN_SHARE must be a number"),
         ({"SGLANG_RELAY_MIN_SHARE": "1.5"}, r"MIN_SHARE must be in \[0, 1\]"),
+        ({"SGLANG_RELAY_HOST_TOKENS": "-1"}, "HOST_TOKENS must be >= 0"),
+        ({"SGLANG_RELAY_HOST_TOKENS": "1e3"}, "HOST_TOKENS must be an integer"),
+        ({"SGLANG_RELAY_HOST_TTL": "0"}, "HOST_TTL must be > 0"),
+        ({"SGLANG_RELAY_HOST_TTL": "nan"}, "HOST_TTL must be > 0"),
+        ({"SGLANG_RELAY_HOST_PRIORITY": "fifo"}, "HOST_PRIORITY must be one of"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, needle):
     with pytest.raises(ValueError, match=needle):
         settings_from_env(EMBEDDED, env)
+
+
+def test_host_tier_settings_default_and_override():
+    default = settings_from_env(EMBEDDED, {})
+    assert (default.host_tokens, default.host_ttl, default.host_priority) == (
+        None,
+        600.0,
+        "unconsumed",
+    )
+    _, env = split_relay_flags(
+        ["--relay-host-tokens", "0", "--relay-host-ttl=30", "--relay-host-priority", "lru"]
+    )
+    got = settings_from_env(EMBEDDED, env)
+    assert (got.host_tokens, got.host_ttl, got.host_priority) == (0, 30.0, "lru")
 
 
 def test_min_share_default_and_override():

@@ -227,7 +227,8 @@ def _number(env, name: str, kind: type, *, minimum: float, strict: bool = False)
     try:
         value = kind(raw)
     except ValueError as exc:
-        raise ValueError(f"{name} must be a {kind.__name__}; got {raw!r}") from exc
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what}; got {raw!r}") from exc
     if value < minimum or (strict and value == minimum) or value != value:
         raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}; got {raw!r}")
     return value
