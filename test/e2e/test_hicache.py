@@ -125,3 +125,41 @@ def test_a_span_pushed_off_the_device_comes_back_from_the_relay_host_tier(
     # the KV came back exactly: the relay is the reference executor's on the same prompt
     occ = R.SpanOccurrence(len(head), record, 0, len(span))
     assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
+
+
+@pytest.mark.full  # a tp-2 server; the CI tier proves the copy back at tp 1 (above)
+def test_under_tp2_a_span_comes_back_from_host_on_both_ranks(model_dir, tmp_path):
+    """Two ranks over gloo, each with its own host tier: the copy back runs only when both
+    hold the span (a MIN over the ranks, counted as ``tp_restore_checks``), both ranks then
+    plan the same relay, and it computes what the reference executor computes. A small
+    random Llama (8 heads; the embedded model's 9 do not split over 2 ranks)."""
+    import json
+
+    from relay_helpers import CONTEXT_RULE_AT_2
+
+    from sglang_relay.bench.models import random_llama
+
+    path = random_llama(tmp_path / "RandomLlama-hicache", model_dir)
+    env = {"SGLANG_RELAY_CPU_HICACHE": "1", "SGLANG_RELAY_CONFIG": json.dumps(CONTEXT_RULE_AT_2)}
+    settings = settings_from_env(str(path), env)
+    args = ["--model-path", str(path), "--tp", "2", "--max-total-tokens", str(DEVICE_TOKENS)]
+    with running_server([*args, *HICACHE], env=env) as server:
+        url = server.url
+        ref = R.load_model(str(path))
+        cfg = settings.point(settings.reuse_target, ref.num_layers).config
+        up_ids = list(range(1100, 1140))
+        upstream = generate_ids(url, up_ids, 96)
+        record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+        assert record.output == upstream["output_ids"]
+        span = record.span_tokens
+        _push_off_device(url, salt=0)  # a server of its own
+        head, tail = list(range(2100, 2123)), list(range(3100, 3111))
+        prompt = head + span + tail
+        served = generate_ids(url, prompt, 4, return_logprob=True, top_logprobs_num=5)
+        info = relay_info(url)
+        assert info["tp_size"] == 2 and info["host_restores"] == 1, info
+        assert info["tp_restore_checks"] >= 1 and info.get("tp_restore_mismatches", 0) == 0
+        assert info.get("tp_plan_mismatches", 0) == 0
+        assert served["meta_info"]["relay"]["reused_tokens"] == len(span)
+        occ = R.SpanOccurrence(len(head), record, 0, len(span))
+        assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))

@@ -2,7 +2,7 @@
 pool (``MHATokenToKVPool``) and slot allocators (token and paged), a real host pool
 (``MHATokenToKVPoolHost``, layer_first) and HiCache's transfer engine (``L2TransferEngine``,
 io backend ``direct``), with SGLang's controller rule for the indices
-(``HiCacheController.move_indices``).
+(``HiCacheController.move_indices`` / ``_move_write_operation``).
 
 A span copied to host and back into fresh slots reads, slot for slot, the KV it was
 decoded with (checked against a clone taken at record time, after the device slots were
@@ -44,17 +44,16 @@ def _parts(page: int, host_tokens: int = 32):
     ledger = SlotLedger(
         SLOTS + page, "cpu", hidden_size=HIDDEN, dtype=torch.float32, influence=True
     )
-    # SGLang's own index rule, as the tier is given it on a server (sglang/host.py)
-    from sglang.srt.managers.cache_controller import HiCacheController
+    # SGLang's own index rules, as the tier is given them on a server (sglang/host.py)
+    from sglang_relay.runtime.sglang.host import transfer_indices
 
-    view = SimpleNamespace(io_backend="direct", mem_pool_host=host, device="cpu")
-
-    def move(h, d):
-        return HiCacheController.move_indices(view, h, d)
-
+    controller = SimpleNamespace(
+        l2_transfer_engine=p.engine, io_backend="direct", device="cpu", move_indices=None,
+        _move_op_indices=None, _move_write_operation=None, transfer_layer_id_max=LAYERS,
+    )  # fmt: skip
     return SimpleNamespace(
-        pool=pool, allocator=allocator, host=host, ledger=ledger, move=move,
-        engine=p.engine,
+        pool=pool, allocator=allocator, host=host, ledger=ledger, engine=p.engine,
+        indices=transfer_indices(controller, host),
     )  # fmt: skip
 
 
@@ -62,8 +61,8 @@ def _tier(p, **kwargs) -> HostTier:
     return HostTier(
         host_pool=p.host,
         kv_pool=p.pool,
-        engine=p.engine,
-        move_indices=p.move,
+        engine=kwargs.pop("engine", p.engine),
+        indices=p.indices,
         ledger=p.ledger,
         allocator=p.allocator,
         page_size=p.pool.page_size,
@@ -201,3 +200,42 @@ def test_the_store_demotes_owned_spans_and_owns_what_comes_back():
     assert sid in store.spans and not store.spans[sid].owned and store.spans[sid2].owned
     store.drop(sid)
     assert not store.tier.has(sid)  # a dropped span's copy is freed
+
+
+class _Broken:
+    """A transfer engine whose copies fail (a device error, say)."""
+
+    def submit_device_to_host(self, transfers):
+        raise RuntimeError("copy failed")
+
+    submit_host_to_device = submit_device_to_host
+
+
+def test_failed_copies_leave_nothing_held():
+    p = _parts(1)
+    slots = torch.arange(5, 10)
+    broken = _tier(p, engine=_Broken())
+    assert not broken.backup(1, slots, _decoded(p, slots, torch.zeros(5, HIDDEN)))
+    assert p.host.available_size() == p.host.size and broken.counters["backup_errors"] == 1
+    tier = _tier(p)
+    assert tier.backup(1, slots, _decoded(p, slots, torch.zeros(5, HIDDEN)))
+    tier.engine = _Broken()
+    free = p.allocator.available_size()
+    assert tier.restore(1) is None  # the copy back failed: its device slots go back
+    assert p.allocator.available_size() == free and tier.counters["restore_errors"] == 1
+
+
+def test_a_copy_past_the_ttl_does_not_come_back():
+    p = _parts(1)
+    clock = [0.0]
+    tier = _tier(p, retention=Retention(ttl=10.0), clock=lambda: clock[0])
+    slots = torch.arange(5, 10)
+    assert tier.backup(1, slots, _decoded(p, slots, torch.zeros(5, HIDDEN)))
+    clock[0] = 5.0
+    tier.touch(1)  # used at 5 s: the TTL counts from there
+    clock[0] = 14.0
+    assert tier.restore(1) is not None
+    clock[0] = 30.0
+    assert tier.restore(1) is None and not tier.has(1)
+    assert tier.counters["host_evicted_ttl"] == 1
+    assert tier.counters["restores_missed_no_copy"] == 1

@@ -13,11 +13,11 @@ demoted, not dropped.
 The tier has its own pool, not HiCache's: the tree's acks pop every node id they carry,
 and its host eviction cannot free slots it does not own.
 
-Retention, when a new copy needs room (:class:`Retention`): first copies not used for
-``ttl`` seconds, then copies of spans a later prompt already used, least recently used
-first, then the rest, least recently used first (priority ``unconsumed``; ``lru`` is plain
-LRU). A chain's next agent is usually seconds away, so what it has not read yet is kept
-longest.
+Retention (:class:`Retention`): a copy no prompt used for ``ttl`` seconds is freed
+(checked at every copy either way); when a new copy needs room, copies of spans a later
+prompt already used give way first, least recently used first, then the rest, least
+recently used first (priority ``unconsumed``; ``lru`` is plain LRU). A chain's next agent
+is usually seconds away, so what it has not read yet is kept longest.
 
 Under tensor parallelism every rank runs this tier on its own pools. What the ranks agree
 on by construction (the index, the stamps, the device allocator) is never decided by the
@@ -93,10 +93,16 @@ class HostTier:
     """Host copies of recorded spans, and their way back into device slots.
 
     ``host_pool``: an SGLang host KV pool (``alloc``/``free`` in pages); ``kv_pool``: the
-    served device pool; ``engine``: an ``L2TransferEngine``; ``move_indices(host, device)``:
-    the indices as the engine's io backend takes them (SGLang's controller's own rule);
-    ``allocator``: the device slot allocator; ``make_room(n)``: ask the cache to evict ``n``
-    device slots; ``agree(flag)``: the MIN of ``flag`` over the TP ranks (None: one rank).
+    served device pool; ``engine``: an ``L2TransferEngine``; ``indices(direction, host,
+    device)``: the indices as the engine's io backend takes them for a ``"write"`` (device
+    to host) or a ``"load"`` (SGLang's controller's own rules); ``load_fence()``: the event
+    a load must wait for (SGLang's: the forward stream, which may still write reclaimed
+    slots under overlap scheduling), or None; ``allocator``: the device slot allocator;
+    ``make_room(n)``: ask the cache to evict ``n`` device slots; ``agree(flag)``: the MIN
+    of ``flag`` over the TP ranks (None: one rank).
+
+    Never raises out of :meth:`backup` or :meth:`restore`: a failed copy is logged,
+    counted and undone (under TP, a copy back that failed on one rank is undone on all).
     """
 
     def __init__(
@@ -105,19 +111,21 @@ class HostTier:
         host_pool: Any,
         kv_pool: Any,
         engine: Any,
-        move_indices: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        indices: Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         ledger: SlotLedger,
         allocator: Any,
         page_size: int,
         retention: Retention,
         make_room: Callable[[int], None] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        load_fence: Callable[[], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.host_pool = host_pool
         self.kv_pool = kv_pool
         self.engine = engine
-        self.move_indices = move_indices
+        self.indices = indices
+        self.load_fence = load_fence
         self.ledger = ledger
         self.allocator = allocator
         self.page_size = page_size
@@ -148,18 +156,26 @@ class HostTier:
             self.counters["backups_declined_no_host"] += 1
             return False
         device_idx = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
-        self._copy_to_host(host_idx, device_idx)
-        offsets = torch.searchsorted(pages, slots // ps) * ps + slots % ps
         rows = slots.to(torch.int64)
         ledger = self.ledger
-        self.copies[span_id] = HostCopy(
-            host_idx=host_idx,
-            offsets=offsets.cpu(),
-            has_hidden=SlotLedger.has_hidden(stamps).cpu(),
-            hidden=ledger.hidden[rows].to("cpu") if ledger.hidden is not None else None,
-            influence=ledger.influence[rows].to("cpu") if ledger.influence is not None else None,
-            last_use=now,
-        )
+        try:
+            self._copy_to_host(host_idx, device_idx)
+            copy = HostCopy(
+                host_idx=host_idx,
+                offsets=(torch.searchsorted(pages, slots // ps) * ps + slots % ps).cpu(),
+                has_hidden=SlotLedger.has_hidden(stamps).cpu(),
+                hidden=ledger.hidden[rows].to("cpu") if ledger.hidden is not None else None,
+                influence=ledger.influence[rows].to("cpu")
+                if ledger.influence is not None
+                else None,
+                last_use=now,
+            )
+        except Exception:  # noqa: BLE001 - recording a span must never fail a request
+            logger.exception("sglang-relay: a span's copy to host failed; it stays device-only")
+            self.host_pool.free(host_idx)
+            self.counters["backup_errors"] += 1
+            return False
+        self.copies[span_id] = copy
         self.held_tokens += need
         self.counters["backups"] += 1
         self.counters["backup_tokens"] += int(slots.numel())
@@ -171,6 +187,7 @@ class HostTier:
         influence scores and fresh stamps carrying its hidden bits. Returns ``(slots,
         stamps, held_slots)`` (the token slots, their stamps, every slot allocated: whole
         pages), or None when the copy is gone or the device has no room on some rank."""
+        self._expire(self.clock())  # a copy past the TTL is gone
         copy = self.copies.get(span_id)
         have = copy is not None
         if self.agree is not None and not self.agree(have):
@@ -184,6 +201,7 @@ class HostTier:
         if device_idx is None:
             self.counters["restores_declined_no_device"] += 1
             return None
+        slots = None
         try:
             self._copy_to_device(copy.host_idx, device_idx)
             slots = device_idx[copy.offsets.to(device_idx.device)]
@@ -193,9 +211,16 @@ class HostTier:
                 hidden=copy.hidden,
                 influence=copy.influence,
             )
-        except Exception:
+        except Exception:  # noqa: BLE001 - planning goes on with standard prefill
+            logger.exception("sglang-relay: copying a span back from host failed")
+            slots = None
+        done = slots is not None
+        if self.agree is not None:
+            done = self.agree(done)  # undone on every rank if it failed on one
+        if not done:
             self.allocator.free(device_idx)  # (stamped by the load hook: nobody reads them)
-            raise
+            self.counters["restore_errors"] += 1
+            return None
         copy.last_use = self.clock()
         self.copies.move_to_end(span_id)
         self.counters["restores"] += 1
@@ -203,12 +228,10 @@ class HostTier:
         return slots, self.ledger.snapshot(slots), device_idx
 
     def _device_slots(self, need: int) -> torch.Tensor | None:
-        idx = self.allocator.alloc(need) if self.allocator.available_size() >= need else None
-        if idx is None and self.make_room is not None:
-            self.make_room(need)
-            if self.allocator.available_size() >= need:
-                idx = self.allocator.alloc(need)
-        return idx
+        available = self.allocator.available_size()
+        if available < need and self.make_room is not None:
+            self.make_room(need - available)
+        return self.allocator.alloc(need) if self.allocator.available_size() >= need else None
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def has(self, span_id: int) -> bool:
@@ -259,17 +282,18 @@ class HostTier:
     def _copy_to_host(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
         from sglang_relay.runtime.sglang.host import l2_transfer
 
-        h, d = self.move_indices(host_idx, device_idx)
+        h, d = self.indices("write", host_idx, device_idx)
         done = self.engine.submit_device_to_host([l2_transfer(self.host_pool, self.kv_pool, h, d)])
         done.finish_event.synchronize()
 
     def _copy_to_device(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
         from sglang_relay.runtime.sglang.host import l2_transfer
 
-        h, d = self.move_indices(host_idx, device_idx)
+        h, d = self.indices("load", host_idx, device_idx)
         done = self.engine.submit_host_to_device(
             [l2_transfer(self.host_pool, self.kv_pool, h, d)],
             transfer_layer_id_max=int(self.kv_pool.layer_num),
+            start_event=self.load_fence() if self.load_fence is not None else None,
         )
         done.finish_event.synchronize()
 

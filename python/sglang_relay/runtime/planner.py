@@ -125,7 +125,10 @@ class Planner:
         """``s`` on device: its span copied back from host if its recorded slots were
         rewritten (or this batch writes them) and the tier holds it. Whether to copy is
         decided on the stamps, which every TP rank shares."""
-        span = self.store.spans[s.span_id]
+        span = self.store.spans.get(s.span_id)
+        if span is None:  # dropped by the budget while an earlier source came back
+            return s
+        self.store.tier.touch(s.span_id)  # a related prompt pastes it: consumed
         gone = not bool(self.ledger.unchanged(span.slots, span.stamps).all())
         if not gone and written is not None:
             gone = bool(torch.isin(span.slots, written.to(span.slots.device)).any())

@@ -15,7 +15,7 @@ from sglang_relay.runtime.host_tier import HostTier, Retention
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
-from sglang_relay.runtime.sglang.host import build_host_pool, transfer_indices
+from sglang_relay.runtime.sglang.host import build_host_pool, load_fence, transfer_indices
 from sglang_relay.runtime.sglang.model import attach_runtime
 from sglang_relay.runtime.sglang.pool import attach_pool_runtime
 from sglang_relay.runtime.sglang.scheduling import (
@@ -272,13 +272,14 @@ def _host_tier(cache, runtime, allocator, page_size: int, tokens: int, settings)
         host_pool=host_pool,
         kv_pool=runtime.kv_pool,
         engine=controller.l2_transfer_engine,
-        move_indices=transfer_indices(controller, host_pool),
+        indices=transfer_indices(controller, host_pool),
         ledger=runtime.ledger,
         allocator=allocator,
         page_size=page_size,
         retention=Retention(ttl=settings.host_ttl, priority=settings.host_priority),
         make_room=lambda n: cache.evict(evict_params(n)),
         agree=None if tp is None else (lambda ok: tp.bounds([int(ok)], "restore")[0][0] == 1),
+        load_fence=load_fence(controller),
     )
     logger.info(
         "sglang-relay: host tier of %d tokens (ttl %.0f s, priority %s)",

@@ -33,9 +33,10 @@ set them directly:
   relay host tier's capacity in tokens: recorded spans are copied there and come back
   when their device slots are gone (default: twice the span budget; 0: no tier,
   :mod:`sglang_relay.runtime.host_tier`)
-* ``SGLANG_RELAY_HOST_TTL``: seconds a host copy nobody used is kept first (default 600)
-* ``SGLANG_RELAY_HOST_PRIORITY``: which host copies give way when the tier is full, after
-  those past the TTL: ``unconsumed`` (default: spans no prompt used yet are kept longest)
+* ``SGLANG_RELAY_HOST_TTL``: seconds after which a host copy no prompt used is freed
+  (default 600)
+* ``SGLANG_RELAY_HOST_PRIORITY``: which host copies give way when the tier is full:
+  ``unconsumed`` (default: spans no prompt used yet are kept longest)
   or ``lru``
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)

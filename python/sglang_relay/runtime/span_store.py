@@ -260,8 +260,6 @@ class SpanStore:
             if span is None:
                 continue
             self.spans.move_to_end(m.span_id)  # LRU touch
-            if self.tier is not None:
-                self.tier.touch(m.span_id)
             sl = slice(m.span_start, m.span_start + m.length)
             out.append(
                 SpanSource(

@@ -38,16 +38,46 @@ def build_host_pool(kv_pool: Any, page_size: int, tokens: int) -> Any:
 
 
 def transfer_indices(controller: Any, host_pool: Any):
-    """``(host, device) -> (host, device)`` as the engine's io backend takes them: SGLang's
-    own ``HiCacheController.move_indices``, run for ``host_pool`` (the relay tier's, of the
-    same layout as the tree's)."""
+    """``(direction, host, device) -> (host, device)`` as the engine's io backend takes
+    them: SGLang's own ``HiCacheController._move_write_operation`` for a ``"write"``
+    (device to host: CPU host indices for the staged page_first write-back) and
+    ``move_indices`` for a ``"load"``, run for ``host_pool`` (the relay tier's, of the
+    tree's layout) through a view of the controller that names it. The base class's
+    rules: the relay pool is one plain host pool, not the hybrid controller's pool group."""
+    from sglang.srt.managers.cache_controller import HiCacheController as cls
+
     check_surface("HiCacheController", controller)
     view = SimpleNamespace(
         io_backend=controller.io_backend, mem_pool_host=host_pool, device=controller.device
     )
-    move = type(controller).move_indices
+    view.move_indices = lambda h, d: cls.move_indices(view, h, d)
+    view._move_op_indices = lambda op: cls._move_op_indices(view, op)
 
-    def indices(host_idx: torch.Tensor, device_idx: torch.Tensor):
-        return move(view, host_idx, device_idx)
+    def indices(direction: str, host_idx: torch.Tensor, device_idx: torch.Tensor):
+        if direction == "write":
+            op = SimpleNamespace(
+                host_indices=host_idx, device_indices=device_idx, pool_transfers=None
+            )
+            h, d, _ = cls._move_write_operation(view, op)
+            return h, d
+        return view.move_indices(host_idx, device_idx)
 
     return indices
+
+
+def load_fence(controller: Any):
+    """The start event of a host-to-device copy into reclaimed slots: recorded on the
+    stream SGLang fences its own loads with (``load_fence_stream``, the forward stream,
+    set by the scheduler after the cache is built; None until then)."""
+
+    def event():
+        stream = getattr(controller, "load_fence_stream", None)
+        if stream is None:
+            return None
+        from sglang.srt.utils import get_device_module
+
+        ev = get_device_module().Event()
+        ev.record(stream)
+        return ev
+
+    return event

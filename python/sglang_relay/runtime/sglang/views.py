@@ -211,6 +211,8 @@ class HiCacheController(Protocol):
     io_backend: str
     device: Any
     move_indices: Callable[..., Any]
+    _move_op_indices: Callable[..., Any]
+    _move_write_operation: Callable[..., Any]
     transfer_layer_id_max: int
 
 
