@@ -120,7 +120,7 @@ def test_a_span_comes_back_from_host_with_its_kv_and_side_rows(page):
     assert tier.counters["restores"] == 1 and tier.counters["restore_tokens"] == n
 
 
-def test_retention_frees_expired_then_consumed_then_the_rest_oldest_first():
+def test_retention_expires_by_ttl_and_frees_consumed_then_the_rest_oldest_first():
     def copy(t, consumed=False):
         return HostCopy(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, None, t, consumed)
 
@@ -128,15 +128,15 @@ def test_retention_frees_expired_then_consumed_then_the_rest_oldest_first():
         [(1, copy(0.0)), (2, copy(5.0, consumed=True)), (3, copy(6.0)), (4, copy(7.0, True))]
     )
     rule = Retention(ttl=100.0)
-    assert rule.victim(copies, now=50.0, keep=0) == (2, "lru_consumed")
-    assert rule.victim(copies, now=50.0, keep=2) == (4, "lru_consumed")
-    assert rule.victim(copies, now=101.0, keep=0) == (1, "ttl")  # 1 unused for 101 s
+    assert rule.victim(copies, keep=0) == (2, "lru_consumed")
+    assert rule.victim(copies, keep=2) == (4, "lru_consumed")
+    assert rule.expired(copies, now=101.0) == [1]  # 1 unused for 101 s
     assert rule.expired(copies, now=106.5) == [1, 2, 3]
     no_consumed = OrderedDict((k, v) for k, v in copies.items() if not v.consumed)
-    assert rule.victim(no_consumed, now=50.0, keep=0) == (1, "lru")
-    assert Retention(ttl=100.0, priority="lru").victim(copies, now=50.0, keep=0) == (1, "lru")
+    assert rule.victim(no_consumed, keep=0) == (1, "lru")
+    assert Retention(ttl=100.0, priority="lru").victim(copies, keep=0) == (1, "lru")
     with pytest.raises(LookupError):
-        rule.victim(OrderedDict([(9, copy(0.0))]), now=0.0, keep=9)
+        rule.victim(OrderedDict([(9, copy(0.0))]), keep=9)
     for bad in ({"ttl": 0}, {"ttl": 5, "priority": "fifo"}):
         with pytest.raises(ValueError):
             Retention(**bad)
@@ -153,9 +153,9 @@ def test_a_full_tier_gives_way_by_the_retention_order():
     tier.touch(1)  # a prompt used span 1: it gives way before span 2, unused yet
     clock[0] += 1
     assert tier.backup(3, spans[3], _decoded(p, spans[3], torch.zeros(4, HIDDEN)))
-    assert list(tier.copies) == [2, 3] and tier.counters["host_evicted_lru_consumed"] == 1
+    assert list(tier.copies) == [2, 3] and tier.counters["evicted_lru_consumed"] == 1
     clock[0] += 200  # nobody used them for the TTL
-    assert tier.sweep() == 2 and not tier.copies and tier.held_tokens == 0
+    assert tier.sweep() == 2 and not tier.copies and tier.stats()["host_tokens"] == 0
     assert p.host.available_size() == 8
     assert not tier.backup(4, torch.arange(20), torch.ones(20, dtype=torch.int64) * 2)
     assert tier.counters["backups_declined_no_host"] == 1  # larger than the tier
@@ -237,5 +237,5 @@ def test_a_copy_past_the_ttl_does_not_come_back():
     assert tier.restore(1) is not None
     clock[0] = 30.0
     assert tier.restore(1) is None and not tier.has(1)
-    assert tier.counters["host_evicted_ttl"] == 1
+    assert tier.counters["evicted_ttl"] == 1
     assert tier.counters["restores_missed_no_copy"] == 1

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.runtime.sglang.host import l2_transfer
 from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
@@ -70,15 +71,13 @@ class Retention:
         self.ttl = ttl
         self.priority = priority
 
-    def victim(self, copies: OrderedDict[int, HostCopy], now: float, keep: int) -> tuple[int, str]:
-        """(span id, why) of the copy to free next; ``copies`` in LRU order (oldest first),
-        ``keep`` never chosen. Raises ``LookupError`` when nothing else is held."""
+    def victim(self, copies: OrderedDict[int, HostCopy], keep: int) -> tuple[int, str]:
+        """(span id, why) of the copy to free next for room (the expired ones are freed
+        before, :meth:`expired`); ``copies`` in LRU order (oldest first), ``keep`` never
+        chosen. Raises ``LookupError`` when nothing else is held."""
         candidates = [(sid, c) for sid, c in copies.items() if sid != keep]
         if not candidates:
             raise LookupError("no host copy to free")
-        for sid, c in candidates:
-            if now - c.last_use > self.ttl:
-                return sid, "ttl"
         if self.priority == "unconsumed":
             for sid, c in candidates:
                 if c.consumed:
@@ -134,7 +133,6 @@ class HostTier:
         self.agree = agree
         self.clock = clock
         self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
-        self.held_tokens = 0  # host slots held (whole pages)
         self.counters: Counter[str] = Counter()
 
     @property
@@ -150,24 +148,25 @@ class HostTier:
         pages = torch.unique(slots // ps)  # sorted
         need = int(pages.numel()) * ps
         now = self.clock()
-        self._expire(now)
-        host_idx = self._alloc(need, keep=span_id, now=now)
+        self.sweep(now)
+        host_idx = self._alloc(need, keep=span_id)
         if host_idx is None:
             self.counters["backups_declined_no_host"] += 1
             return False
         device_idx = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
         rows = slots.to(torch.int64)
-        ledger = self.ledger
+
+        def on_host(side: torch.Tensor | None) -> torch.Tensor | None:
+            return None if side is None else side[rows].to("cpu")
+
         try:
             self._copy_to_host(host_idx, device_idx)
             copy = HostCopy(
                 host_idx=host_idx,
                 offsets=(torch.searchsorted(pages, slots // ps) * ps + slots % ps).cpu(),
                 has_hidden=SlotLedger.has_hidden(stamps).cpu(),
-                hidden=ledger.hidden[rows].to("cpu") if ledger.hidden is not None else None,
-                influence=ledger.influence[rows].to("cpu")
-                if ledger.influence is not None
-                else None,
+                hidden=on_host(self.ledger.hidden),
+                influence=on_host(self.ledger.influence),
                 last_use=now,
             )
         except Exception:  # noqa: BLE001 - recording a span must never fail a request
@@ -176,7 +175,6 @@ class HostTier:
             self.counters["backup_errors"] += 1
             return False
         self.copies[span_id] = copy
-        self.held_tokens += need
         self.counters["backups"] += 1
         self.counters["backup_tokens"] += int(slots.numel())
         return True
@@ -187,7 +185,7 @@ class HostTier:
         influence scores and fresh stamps carrying its hidden bits. Returns ``(slots,
         stamps, held_slots)`` (the token slots, their stamps, every slot allocated: whole
         pages), or None when the copy is gone or the device has no room on some rank."""
-        self._expire(self.clock())  # a copy past the TTL is gone
+        self.sweep()  # a copy past the TTL is gone
         copy = self.copies.get(span_id)
         have = copy is not None
         if self.agree is not None and not self.agree(have):
@@ -250,45 +248,37 @@ class HostTier:
         copy = self.copies.pop(span_id, None)
         if copy is not None:
             self.host_pool.free(copy.host_idx)
-            self.held_tokens -= int(copy.host_idx.numel())
 
     def clear(self) -> None:
         for span_id in list(self.copies):
             self.discard(span_id)
 
-    def sweep(self) -> int:
-        """Free copies past the TTL (returns how many)."""
-        return self._expire(self.clock())
-
-    def _expire(self, now: float) -> int:
-        expired = self.retention.expired(self.copies, now)
+    def sweep(self, now: float | None = None) -> int:
+        """Free the copies no prompt used for the TTL (returns how many)."""
+        expired = self.retention.expired(self.copies, self.clock() if now is None else now)
         for span_id in expired:
             self.discard(span_id)
-        self.counters["host_evicted_ttl"] += len(expired)
+        self.counters["evicted_ttl"] += len(expired)
         return len(expired)
 
-    def _alloc(self, need: int, *, keep: int, now: float) -> torch.Tensor | None:
+    def _alloc(self, need: int, *, keep: int) -> torch.Tensor | None:
         if need > self.capacity:
             return None
         while self.host_pool.available_size() < need:
             try:
-                victim, why = self.retention.victim(self.copies, now, keep)
+                victim, why = self.retention.victim(self.copies, keep)
             except LookupError:
                 return None
             self.discard(victim)
-            self.counters[f"host_evicted_{why}"] += 1
+            self.counters[f"evicted_{why}"] += 1
         return self.host_pool.alloc(need)
 
     def _copy_to_host(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
-        from sglang_relay.runtime.sglang.host import l2_transfer
-
         h, d = self.indices("write", host_idx, device_idx)
         done = self.engine.submit_device_to_host([l2_transfer(self.host_pool, self.kv_pool, h, d)])
         done.finish_event.synchronize()
 
     def _copy_to_device(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
-        from sglang_relay.runtime.sglang.host import l2_transfer
-
         h, d = self.indices("load", host_idx, device_idx)
         done = self.engine.submit_host_to_device(
             [l2_transfer(self.host_pool, self.kv_pool, h, d)],
@@ -300,7 +290,7 @@ class HostTier:
     def stats(self) -> dict[str, Any]:
         return {
             "host_spans": len(self.copies),
-            "host_tokens": self.held_tokens,
+            "host_tokens": sum(int(c.host_idx.numel()) for c in self.copies.values()),
             "host_capacity_tokens": self.capacity,
             "host_ttl_s": self.retention.ttl,
             "host_priority": self.retention.priority,
@@ -308,7 +298,5 @@ class HostTier:
                 sum(t.numel() * t.element_size() for t in (c.hidden, c.influence) if t is not None)
                 for c in self.copies.values()
             ),
-            **{
-                f"host_{k}" if not k.startswith("host_") else k: v for k, v in self.counters.items()
-            },
+            **{f"host_{k}": v for k, v in self.counters.items()},
         }

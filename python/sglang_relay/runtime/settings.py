@@ -186,13 +186,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
             raise ValueError(
                 f"{ENV_REASONING_REUSE} must be a number in (0, 1) or off; got {raw_reasoning!r}"
             ) from exc
-    span_tokens = env.get(ENV_SPAN_TOKENS)
-    try:
-        budget = int(span_tokens) if span_tokens else None
-    except ValueError as exc:
-        raise ValueError(f"{ENV_SPAN_TOKENS} must be an integer; got {span_tokens!r}") from exc
-    if budget is not None and budget <= 0:
-        raise ValueError(f"{ENV_SPAN_TOKENS} must be > 0; got {budget}")
+    budget = _number(env, ENV_SPAN_TOKENS, int, minimum=0, strict=True)
     host_tokens = _number(env, ENV_HOST_TOKENS, int, minimum=0)
     host_ttl = _number(env, ENV_HOST_TTL, float, minimum=0, strict=True)
     host_priority = env.get(ENV_HOST_PRIORITY) or "unconsumed"

@@ -168,13 +168,18 @@ class SpanStore:
         ) > 1:
             self.drop(next(iter(self.spans)))
 
+    def _give_back(self, span: Span) -> int:
+        """An owned span's slots go back to the allocator; returns how many."""
+        released = span.held
+        self.release_slots(span.held_slots)
+        self.owned_tokens -= released
+        span.owned, span.held, span.held_slots = False, 0, None
+        return released
+
     def _demote(self, span: Span) -> int:
         """Give an owned span's slots back, keeping it indexed (its host copy, if any,
         brings it back; until SGLang reuses the slots, their KV is still its own)."""
-        released = span.held
-        self.release_slots(span.held_slots)
-        self.owned_tokens -= span.held
-        span.owned, span.held, span.held_slots = False, 0, None
+        released = self._give_back(span)
         self.demoted_spans += 1
         self.demoted_tokens += released
         return released
@@ -187,8 +192,7 @@ class SpanStore:
         held of the span before goes back)."""
         span = self.spans[span_id]
         if span.owned:
-            self.release_slots(span.held_slots)
-            self.owned_tokens -= span.held
+            self._give_back(span)
         span.slots, span.stamps = slots, stamps
         span.owned, span.held, span.held_slots = True, int(held_slots.numel()), held_slots
         self.owned_tokens += span.held
@@ -209,10 +213,9 @@ class SpanStore:
             self.tier.discard(span_id)
         if not span.owned:
             return 0
-        self.owned_tokens -= span.held
         if release:
-            self.release_slots(span.held_slots)
-            return span.held
+            return self._give_back(span)
+        self.owned_tokens -= span.held
         return 0
 
     def release_owned(self, num_tokens: int) -> int:
@@ -276,7 +279,7 @@ class SpanStore:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "spans": len(self.spans),
             "span_tokens": self.num_tokens,
             "owned_span_tokens": self.owned_tokens,
@@ -286,13 +289,8 @@ class SpanStore:
             "owned_spans_released_for_room": self.pressure_spans,
             "owned_tokens_released_for_room": self.pressure_tokens,
             "reasoning_spans": self.reasoning_spans,
-            **(
-                {
-                    "demoted_spans": self.demoted_spans,
-                    "demoted_tokens": self.demoted_tokens,
-                    **self.tier.stats(),
-                }
-                if self.tier is not None
-                else {}
-            ),
         }
+        if self.tier is not None:
+            out.update(demoted_spans=self.demoted_spans, demoted_tokens=self.demoted_tokens)
+            out.update(self.tier.stats())
+        return out
