@@ -27,6 +27,8 @@ commands:
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
   --relay-host-tokens N, --relay-host-ttl SECONDS, --relay-host-priority unconsumed|lru,
+  --relay-ship-to HOST:PORT[,...] (PD decode) / --relay-ship-listen HOST:PORT (PD prefill),
+  --relay-ship-lease SECONDS, --relay-ship-protocol tcp|rdma,
   --relay-allow-approx-prefix, --no-relay (plain SGLang, same defaults)
 """
 

@@ -43,7 +43,7 @@ def test_every_sglang_option_is_classified_once():
 MUST_REFUSE = [
     "enable_nvidia_megakernel", "enable_amd_monokernel", "moe_a2a_backend", "enable_lmcache",
     "enable_flexkv", "hicache_storage_backend", "speculative_algorithm",
-    "disaggregation_mode", "pp_size", "enable_dp_attention",
+    "pp_size", "enable_dp_attention",
     "enable_deterministic_inference", "dllm_algorithm", "enable_hisparse", "enable_pdmux",
     "attn_cp_size", "enable_prefill_cp", "dcp_size", "enable_attn_tp_input_scattered",
     "enable_layernorm_sp", "prefill_only_disable_kv_cache", "disable_radix_cache",

@@ -254,6 +254,16 @@ def host_tier_on_cpu() -> None:
     mha.transfer_kv_direct = transfer_kv_direct
 
 
+def pd_prefill_on_cpu() -> None:
+    """SGLang 0.5.23's PD prefill server on a CPU host: its Mooncake sender takes CPU page
+    indices (``supports_host_tensor_indices`` False: ``prefill.py:_send_kv_chunk`` then
+    builds no pinned index buffer and records no CUDA event), the path SGLang has for its
+    other senders."""
+    from sglang.srt.disaggregation.mooncake import conn
+
+    conn.MooncakeKVSender.supports_host_tensor_indices = False
+
+
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
     """``sgl_kernel.kvcacheio.transfer_kv_direct`` in torch: for each ``(src, dst)`` layer
     buffer pair (``[slots, ...]``), ``dst[dst_indices] = src[src_indices]`` (token rows;

@@ -58,6 +58,7 @@ class HostCopy:
     influence: torch.Tensor | None  # [n] float32 (host)
     last_use: float
     consumed: bool = False  # a later prompt matched the span
+    lease_until: float = 0.0  # a peer server is reading it (span shipping): kept till then
 
 
 class Retention:
@@ -71,11 +72,14 @@ class Retention:
         self.ttl = ttl
         self.priority = priority
 
-    def victim(self, copies: OrderedDict[int, HostCopy], keep: int) -> tuple[int, str]:
+    def victim(
+        self, copies: OrderedDict[int, HostCopy], keep: int, now: float = 0.0
+    ) -> tuple[int, str]:
         """(span id, why) of the copy to free next for room (the expired ones are freed
-        before, :meth:`expired`); ``copies`` in LRU order (oldest first), ``keep`` never
-        chosen. Raises ``LookupError`` when nothing else is held."""
-        candidates = [(sid, c) for sid, c in copies.items() if sid != keep]
+        before, :meth:`expired`); ``copies`` in LRU order (oldest first), ``keep`` and
+        copies leased past ``now`` never chosen. Raises ``LookupError`` when nothing else
+        is held."""
+        candidates = [(sid, c) for sid, c in copies.items() if sid != keep and c.lease_until <= now]
         if not candidates:
             raise LookupError("no host copy to free")
         if self.priority == "unconsumed":
@@ -85,7 +89,9 @@ class Retention:
         return candidates[0][0], "lru"
 
     def expired(self, copies: OrderedDict[int, HostCopy], now: float) -> list[int]:
-        return [sid for sid, c in copies.items() if now - c.last_use > self.ttl]
+        return [
+            sid for sid, c in copies.items() if now - c.last_use > self.ttl and c.lease_until <= now
+        ]
 
 
 class HostTier:
@@ -133,6 +139,7 @@ class HostTier:
         self.agree = agree
         self.clock = clock
         self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
+        self.orphans: list[HostCopy] = []  # dropped while leased: freed when the lease ends
         self.counters: Counter[str] = Counter()
 
     @property
@@ -244,10 +251,55 @@ class HostTier:
             self.copies.move_to_end(span_id)
 
     def discard(self, span_id: int) -> None:
-        """The span is gone from the store: free its copy."""
+        """The span is gone from the store: free its copy (a leased one when its lease
+        ends: a peer may be reading its pages)."""
         copy = self.copies.pop(span_id, None)
-        if copy is not None:
+        if copy is None:
+            return
+        if copy.lease_until > self.clock():
+            self.orphans.append(copy)
+        else:
             self.host_pool.free(copy.host_idx)
+
+    # ---- span shipping (runtime/ship): leases and copies that arrive from a peer ----------
+    def lease(self, span_id: int, seconds: float) -> HostCopy | None:
+        """Keep span ``span_id``'s copy (its host pages unchanged) for ``seconds``, while
+        a peer reads it; None when there is no copy."""
+        copy = self.copies.get(span_id)
+        if copy is not None:
+            copy.lease_until = self.clock() + seconds
+        return copy
+
+    def end_lease(self, span_id: int) -> None:
+        copy = self.copies.get(span_id)
+        if copy is not None:
+            copy.lease_until = 0.0
+        self._free_orphans()
+
+    def _free_orphans(self) -> None:
+        now = self.clock()
+        keep = []
+        for copy in self.orphans:
+            if copy.lease_until > now:
+                keep.append(copy)
+            else:
+                self.host_pool.free(copy.host_idx)
+        self.orphans = keep
+
+    def reserve(self, tokens: int) -> torch.Tensor | None:
+        """Host slots for a copy arriving from a peer (whole pages), making room by the
+        retention order; None when it cannot fit (counted)."""
+        self.sweep()
+        host_idx = self._alloc(tokens, keep=-1)
+        if host_idx is None:
+            self.counters["receives_declined_no_host"] += 1
+        return host_idx
+
+    def adopt(self, span_id: int, copy: HostCopy) -> None:
+        """A copy that arrived from a peer (on :meth:`reserve`'d slots) is span ``span_id``'s."""
+        self.copies[span_id] = copy
+        self.counters["received"] += 1
+        self.counters["received_tokens"] += int(copy.offsets.numel())
 
     def clear(self) -> None:
         for span_id in list(self.copies):
@@ -255,6 +307,8 @@ class HostTier:
 
     def sweep(self, now: float | None = None) -> int:
         """Free the copies no prompt used for the TTL (returns how many)."""
+        if self.orphans:
+            self._free_orphans()
         expired = self.retention.expired(self.copies, self.clock() if now is None else now)
         for span_id in expired:
             self.discard(span_id)
@@ -266,7 +320,7 @@ class HostTier:
             return None
         while self.host_pool.available_size() < need:
             try:
-                victim, why = self.retention.victim(self.copies, keep)
+                victim, why = self.retention.victim(self.copies, keep, self.clock())
             except LookupError:
                 return None
             self.discard(victim)
@@ -291,6 +345,7 @@ class HostTier:
         return {
             "host_spans": len(self.copies),
             "host_tokens": sum(int(c.host_idx.numel()) for c in self.copies.values()),
+            "host_leased": sum(c.lease_until > self.clock() for c in self.copies.values()),
             "host_capacity_tokens": self.capacity,
             "host_ttl_s": self.retention.ttl,
             "host_priority": self.retention.priority,

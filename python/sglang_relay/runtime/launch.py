@@ -120,6 +120,10 @@ RELAY_FLAGS = {
     "--relay-host-ttl": "SGLANG_RELAY_HOST_TTL",
     "--relay-host-priority": "SGLANG_RELAY_HOST_PRIORITY",
     "--relay-guard-tokens": "SGLANG_RELAY_GUARD_TOKENS",
+    "--relay-ship-to": "SGLANG_RELAY_SHIP_TO",
+    "--relay-ship-listen": "SGLANG_RELAY_SHIP_LISTEN",
+    "--relay-ship-lease": "SGLANG_RELAY_SHIP_LEASE",
+    "--relay-ship-protocol": "SGLANG_RELAY_SHIP_PROTOCOL",
 }
 
 
@@ -208,15 +212,19 @@ def check_server_mode(argv: list[str]) -> None:
         server_view,
     )
 
+    from sglang_relay.runtime.settings import ship_role
+
     typed = parse_server_args(argv)
+    role = ship_role()
     # the mode matrix's messages first (they say more about the options they know)
-    message = modes.refusal(parse_server_view(argv)) or server_options.refusal(vars(typed))
+    message = modes.refusal(parse_server_view(argv), ship_role=role)
+    message = message or server_options.refusal(vars(typed))
     if message is None:
         try:
             resolved = resolved_server_args(argv)
         except Exception as exc:  # SGLang refuses the options itself: say so, now
             raise RelayError(f"SGLang refuses these options: {type(exc).__name__}: {exc}") from exc
-        message = modes.refusal(server_view(resolved))
+        message = modes.refusal(server_view(resolved), ship_role=role)
     if message is not None:
         raise RelayError(message)
 
@@ -265,6 +273,12 @@ def prepare(argv: list[str]) -> list[str]:
     os.environ.update(relay_env)  # reaches the spawned scheduler
     if relay:
         check_server_mode(out)
+    if flag_value(out, "--disaggregation-mode") not in (None, "null") or relay_env.get(
+        "SGLANG_RELAY_SHIP_TO", relay_env.get("SGLANG_RELAY_SHIP_LISTEN")
+    ):
+        from sglang_relay.runtime.ship.mooncake import add_library_path
+
+        add_library_path()  # Mooncake's libibverbs/libnl, for SGLang's PD and relay's shipping
     if cpu_mode:
         out = apply_cpu_serve_defaults(out)
     port = flag_value(out, "--port")

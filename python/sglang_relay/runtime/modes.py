@@ -123,8 +123,65 @@ def quantization_note(view: ServerView, architecture: str | None) -> str:
     )
 
 
-def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
+def ship_refusal(view: ServerView, ship_role: str | None) -> str | None:
+    """Prefill/decode disaggregation is served with span shipping only (a decode server
+    publishes the spans it decodes, a prefill server receives them: runtime/ship); the
+    shipping itself is built for one scheduler per server, without LoRA."""
+    mode = view.disaggregation_mode if view.disaggregation_mode not in (None, "") else "null"
+    wanted = {"decode": "publisher", "prefill": "receiver"}.get(mode)
+    flag = {"publisher": "--relay-ship-to HOST:PORT", "receiver": "--relay-ship-listen HOST:PORT"}
+    checks = [
+        (
+            mode not in ("null", "decode", "prefill"),
+            f"--disaggregation-mode {mode}",
+            "use prefill or decode",
+        ),
+        (
+            wanted is not None and ship_role != wanted,
+            f"--disaggregation-mode {mode} without span shipping (an output decoded on a "
+            "decode server reaches a prefill server only as a prefix, never by content)",
+            f"add {flag.get(wanted or '', '')} (docs/scale-out.md), or drop --disaggregation-mode",
+        ),
+        (
+            mode == "decode" and view.disable_radix_cache,
+            "--disaggregation-mode decode without its radix cache (relay is a radix cache)",
+            "add --disaggregation-decode-enable-radix-cache",
+        ),
+        (
+            ship_role is not None and (view.tp_size != 1 or view.dp_size != 1),
+            f"span shipping at --tp-size {view.tp_size} --dp-size {view.dp_size} (built for "
+            "one scheduler per server: each rank would ship its own KV shard)",
+            "use --tp-size 1 --dp-size 1 on shipping servers, or drop --relay-ship-*",
+        ),
+        (
+            ship_role is not None and view.enable_lora,
+            "span shipping with LoRA (adapter ids are each server's own)",
+            "drop the LoRA flags or --relay-ship-*",
+        ),
+        (
+            ship_role == "publisher" and mode == "prefill",
+            "--relay-ship-to on a prefill server (it decodes nothing to publish)",
+            "use --relay-ship-listen on prefill servers",
+        ),
+        (
+            ship_role == "receiver" and mode == "decode",
+            "--relay-ship-listen on a decode server (it prefills nothing to relay)",
+            "use --relay-ship-to on decode servers",
+        ),
+    ]
+    for refused, what, way_out in checks:
+        if refused:
+            return f"sglang-relay cannot serve {what}; {way_out}, {OUT}"
+    return None
+
+
+def refusal(
+    view: ServerView, *, architecture: str | None = None, ship_role: str | None = None
+) -> str | None:
     """The one-line refusal for a server relay cannot serve correctly, else None."""
+    shipped = ship_refusal(view, ship_role)
+    if shipped is not None:
+        return shipped
     if architecture is not None and architecture not in SUPPORTED_ARCHITECTURES:
         return (
             f"sglang-relay does not support the {architecture} architecture yet (supported: "
@@ -183,12 +240,6 @@ def refusal(view: ServerView, *, architecture: str | None = None) -> str | None:
             "recomputes row subsets through LoRA layers; their per-row adapter info is built "
             "for torch_native only, runtime/lora_rows.py)",
             "add --lora-backend torch_native, or drop the LoRA flags",
-        ),
-        (
-            view.disaggregation_mode not in ("null", None, ""),
-            f"--disaggregation-mode {view.disaggregation_mode} (KV arrives by transfer, "
-            "outside model forwards)",
-            "drop --disaggregation-mode",
         ),
         (
             view.enable_deterministic_inference,

@@ -30,6 +30,7 @@ def register() -> None:
         ADD_ONE_REQ_TARGET,
         CAPTURE_DECODE_GRAPH_TARGET,
         CPU_GRAPH_FAKE_TARGET,
+        CPU_RESTORE_TARGET,
         DP_CONTROLLER_INIT_TARGET,
         DP_EVENT_LOOP_TARGET,
         DP_ROUTING_TARGET,
@@ -76,6 +77,7 @@ def register() -> None:
     register_hook(KV_BUDGET_TARGET, _config_from_budget, "around")
     register_hook(KV_MOVE_TARGET, _after_kv_move, "after")
     register_hook(HOST_LOAD_TARGET, _before_host_load, "before")
+    register_hook(CPU_RESTORE_TARGET, _before_cpu_restore, "before")
     from sglang_relay.runtime import cpu
 
     if cpu.cpu_engine_active():
@@ -197,10 +199,22 @@ def _before_host_load(engine, *args, **kwargs):
     return (engine, *args), kwargs
 
 
+def _before_cpu_restore(req, req_to_token_pool, allocator, *args, **kwargs):
+    """A retracted request's KV is about to be copied back from CPU tensors into its row's
+    slots (a PD decode server), outside any forward: they get fresh stamps first."""
+    from sglang_relay.runtime.sglang.pool import pool_runtime
+
+    rt = pool_runtime(allocator.get_kvcache())
+    if rt is not None:
+        slots = req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.seqlen - 1]
+        rt.kv_loaded(slots.long())
+    return (req, req_to_token_pool, allocator, *args), kwargs
+
+
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
     """Plan every request of an extend batch (mixed batches reuse nothing)."""
     rt = getattr(batch.tree_cache, "relay", None)
-    if rt is None or batch.forward_mode.name != "EXTEND":
+    if rt is None or batch.forward_mode.name != "EXTEND" or rt.publish_only:
         return result
     written = batch.out_cache_loc
     for req in batch.reqs:

@@ -15,7 +15,13 @@ from sglang_relay.runtime.host_tier import HostTier, Retention
 from sglang_relay.runtime.runtime import RelayRuntime
 from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
-from sglang_relay.runtime.sglang.host import build_host_pool, load_fence, transfer_indices
+from sglang_relay.runtime.sglang.host import (
+    build_host_pool,
+    load_fence,
+    transfer_engine,
+    transfer_indices,
+    transfer_indices_for,
+)
 from sglang_relay.runtime.sglang.model import attach_runtime
 from sglang_relay.runtime.sglang.pool import attach_pool_runtime
 from sglang_relay.runtime.sglang.scheduling import (
@@ -62,6 +68,7 @@ class RelayRadixCache(UnifiedRadixCache):
     """
 
     relay: RelayRuntime | None = None
+    ship: Any = None  # span shipping's publisher or receiver (runtime/ship), if any
 
     def __init__(self, params: Any, *, architecture: str | None = None) -> None:
         self._takeover: dict[int, tuple[int, int]] = {}  # req_pool_idx -> owned row range
@@ -77,6 +84,12 @@ class RelayRadixCache(UnifiedRadixCache):
             "guard_relayed_tokens_redone": 0,
             "held_tail_pages": 0,  # last partial pages of tree-kept outputs the store holds
         }
+
+    def match_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        # spans shipped from peers are taken before prompts are matched (scheduler thread)
+        if self.ship is not None:
+            self.ship.poll()
+        return super().match_prefix(*args, **kwargs)
 
     def attach_runtime(self, runtime: RelayRuntime) -> None:
         self.relay = runtime
@@ -133,6 +146,8 @@ class RelayRadixCache(UnifiedRadixCache):
         )
         if added is not None:
             self.relay_counters["recorded_spans"] += 1
+            if self.ship is not None and hasattr(self.ship, "offer"):
+                self.ship.offer(added, tokens)
             if owned:
                 self._takeover[req.kv.req_pool_idx] = (lo, hi)
                 self.relay_counters["held_tail_pages"] += int(not clamp)
@@ -245,6 +260,8 @@ class RelayRadixCache(UnifiedRadixCache):
         }
         if self.relay is not None:
             out.update(self.relay.stats())
+        if self.ship is not None:
+            out.update(self.ship.stats())
         allocator = self.token_to_kv_pool_allocator
         # SGLang's conservation law when idle: available + evictable + protected == total
         out["pool"] = {
@@ -256,9 +273,13 @@ class RelayRadixCache(UnifiedRadixCache):
         return out
 
 
-def _host_tier(cache, runtime, allocator, page_size: int, tokens: int, settings) -> HostTier:
-    """The relay host tier of a HiCache server (:mod:`sglang_relay.runtime.host_tier`)."""
-    controller = cache.cache_controller
+def _host_tier(
+    cache, runtime, allocator, page_size: int, tokens: int, settings, io_backend: str = ""
+) -> HostTier:
+    """The relay host tier (:mod:`sglang_relay.runtime.host_tier`): on a HiCache server
+    moved by the tree's own controller's engine and index rules; on a server that ships
+    spans without HiCache, by an engine of the same class on ``--hicache-io-backend``."""
+    controller = getattr(cache, "cache_controller", None)
     try:
         host_pool = build_host_pool(runtime.kv_pool, page_size, tokens)
     except (RuntimeError, ValueError, MemoryError) as exc:
@@ -268,18 +289,23 @@ def _host_tier(cache, runtime, allocator, page_size: int, tokens: int, settings)
             "no span copies in host memory"
         ) from exc
     tp = runtime.tp
+    if controller is not None:
+        engine, indices = controller.l2_transfer_engine, transfer_indices(controller, host_pool)
+    else:
+        engine = transfer_engine(io_backend)
+        indices = transfer_indices_for(io_backend, runtime.kv_pool.device, host_pool)
     tier = HostTier(
         host_pool=host_pool,
         kv_pool=runtime.kv_pool,
-        engine=controller.l2_transfer_engine,
-        indices=transfer_indices(controller, host_pool),
+        engine=engine,
+        indices=indices,
         ledger=runtime.ledger,
         allocator=allocator,
         page_size=page_size,
         retention=Retention(ttl=settings.host_ttl, priority=settings.host_priority),
         make_room=lambda n: cache.evict(evict_params(n)),
         agree=None if tp is None else (lambda ok: tp.bounds([int(ok)], "restore")[0][0] == 1),
-        load_fence=load_fence(controller),
+        load_fence=None if controller is None else load_fence(controller),
     )
     logger.info(
         "sglang-relay: host tier of %d tokens (ttl %.0f s, priority %s)",
@@ -296,12 +322,13 @@ def build_relay_cache(ctx: Any) -> Any:
     correctly (:mod:`sglang_relay.runtime.modes`)."""
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
-    refusal = modes.refusal(server_view(ctx), architecture=arch)
+    settings = server_settings(ctx.server_args.model_path)
+    view = server_view(ctx)
+    refusal = modes.refusal(view, architecture=arch, ship_role=settings.ship_role)
     refusal = refusal or server_options.refusal(server_options.typed_values(ctx.server_args))
     refusal = refusal or modes.kv_layout_refusal(*live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)
-    settings = server_settings(ctx.server_args.model_path)
     _, _, create_unified = radix_cache_api()
 
     def cache_class(params: Any) -> RelayRadixCache:
@@ -340,8 +367,26 @@ def build_relay_cache(ctx: Any) -> Any:
     cache.attach_runtime(runtime)
     cache.relay_model_config = ctx.model_config
     host_tokens = 2 * budget if settings.host_tokens is None else settings.host_tokens
-    if getattr(cache, "cache_controller", None) is not None and host_tokens > 0:
-        runtime.store.tier = _host_tier(cache, runtime, allocator, tree_page, host_tokens, settings)
+    hicache = getattr(cache, "cache_controller", None) is not None
+    if settings.ship_role is not None and host_tokens <= 0:
+        raise ValueError(
+            "sglang-relay: span shipping moves spans through the relay host tier; drop "
+            "--relay-host-tokens 0 (or give it room), or drop --relay-ship-*"
+        )
+    if (hicache or settings.ship_role is not None) and host_tokens > 0:
+        from sglang_relay.runtime.ship import prepare_tier
+
+        io_backend = "" if hicache else prepare_tier(ctx.server_args, view)
+        runtime.store.tier = _host_tier(
+            cache, runtime, allocator, tree_page, host_tokens, settings, io_backend
+        )
+    if settings.ship_role is not None:
+        from sglang_relay.runtime.ship import build_shipper
+
+        runtime.publish_only = view.disaggregation_mode == "decode"
+        cache.ship = build_shipper(
+            settings, tier=runtime.store.tier, runtime=runtime, model_config=ctx.model_config
+        )
     check_hooks_installed()
     if not settings.profiled:
         logger.warning(

@@ -171,6 +171,9 @@ class RelayRuntime:
         self.hook_forwards = 0
         self.runner_forwards = 0
         self.disabled: str | None = None
+        # a PD decode server's relay records and publishes spans, never relays (its
+        # prompts' KV arrives by transfer: runtime/ship)
+        self.publish_only = False
 
     def side_bytes(self) -> int:
         return self.ledger.nbytes()

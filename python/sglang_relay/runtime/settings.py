@@ -38,6 +38,14 @@ set them directly:
 * ``SGLANG_RELAY_HOST_PRIORITY``: which host copies give way when the tier is full:
   ``unconsumed`` (default: spans no prompt used yet are kept longest)
   or ``lru``
+* ``SGLANG_RELAY_SHIP_TO``: span shipping, publisher side (a PD decode server): the
+  ``HOST:PORT`` (comma-separated) of each receiver its recorded spans are offered to
+* ``SGLANG_RELAY_SHIP_LISTEN``: span shipping, receiver side (a PD prefill server): the
+  ``HOST:PORT`` it takes offers on (:mod:`sglang_relay.runtime.ship`)
+* ``SGLANG_RELAY_SHIP_LEASE``: seconds a publisher keeps an offered host copy unchanged
+  for its receivers (default 60)
+* ``SGLANG_RELAY_SHIP_PROTOCOL``: the transfer engine's protocol, ``tcp`` (default) or
+  ``rdma`` (not run here)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
   tree, where exact prefix hits may return it (default 0: exact stays exact)
 """
@@ -87,6 +95,11 @@ ENV_HOST_TOKENS = "SGLANG_RELAY_HOST_TOKENS"
 ENV_HOST_TTL = "SGLANG_RELAY_HOST_TTL"
 ENV_HOST_PRIORITY = "SGLANG_RELAY_HOST_PRIORITY"
 DEFAULT_HOST_TTL = 600.0
+ENV_SHIP_TO = "SGLANG_RELAY_SHIP_TO"
+ENV_SHIP_LISTEN = "SGLANG_RELAY_SHIP_LISTEN"
+ENV_SHIP_LEASE = "SGLANG_RELAY_SHIP_LEASE"
+ENV_SHIP_PROTOCOL = "SGLANG_RELAY_SHIP_PROTOCOL"
+SHIP_PROTOCOLS = ("tcp", "rdma")
 HOST_PRIORITIES = ("unconsumed", "lru")
 
 
@@ -106,6 +119,15 @@ class RelaySettings:
     host_tokens: int | None = None  # SGLANG_RELAY_HOST_TOKENS (None: 2x the span budget)
     host_ttl: float = DEFAULT_HOST_TTL  # SGLANG_RELAY_HOST_TTL
     host_priority: str = "unconsumed"  # SGLANG_RELAY_HOST_PRIORITY
+    ship_to: tuple[str, ...] = ()  # SGLANG_RELAY_SHIP_TO
+    ship_listen: str | None = None  # SGLANG_RELAY_SHIP_LISTEN
+    ship_lease: float = 60.0  # SGLANG_RELAY_SHIP_LEASE
+    ship_protocol: str = "tcp"  # SGLANG_RELAY_SHIP_PROTOCOL
+
+    @property
+    def ship_role(self) -> str | None:
+        """``publisher``, ``receiver`` or None (no span shipping)."""
+        return "publisher" if self.ship_to else "receiver" if self.ship_listen else None
 
     @property
     def profiled(self) -> bool:
@@ -195,6 +217,23 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
             f"{ENV_HOST_PRIORITY} must be one of {', '.join(HOST_PRIORITIES)}; "
             f"got {host_priority!r}"
         )
+    ship_to = tuple(a.strip() for a in (env.get(ENV_SHIP_TO) or "").split(",") if a.strip())
+    ship_listen = (env.get(ENV_SHIP_LISTEN) or "").strip() or None
+    for address in (*ship_to, *([ship_listen] if ship_listen else [])):
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"a ship address is HOST:PORT; got {address!r}")
+    if ship_to and ship_listen:
+        raise ValueError(
+            f"{ENV_SHIP_TO} (a publisher: a decode server) and {ENV_SHIP_LISTEN} (a "
+            "receiver: a prefill server) are two roles; give a server one"
+        )
+    ship_lease = _number(env, ENV_SHIP_LEASE, float, minimum=0, strict=True)
+    ship_protocol = env.get(ENV_SHIP_PROTOCOL) or "tcp"
+    if ship_protocol not in SHIP_PROTOCOLS:
+        raise ValueError(
+            f"{ENV_SHIP_PROTOCOL} must be one of {', '.join(SHIP_PROTOCOLS)}; got {ship_protocol!r}"
+        )
     return RelaySettings(
         config=config,
         span_tokens=budget,
@@ -210,7 +249,18 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         host_tokens=host_tokens,
         host_ttl=DEFAULT_HOST_TTL if host_ttl is None else host_ttl,
         host_priority=host_priority,
+        ship_to=ship_to,
+        ship_listen=ship_listen,
+        ship_lease=60.0 if ship_lease is None else ship_lease,
+        ship_protocol=ship_protocol,
     )
+
+
+def ship_role(env: dict[str, str] | None = None) -> str | None:
+    """The span-shipping role the environment asks for (before the full settings are read:
+    the launcher's mode check)."""
+    env = os.environ if env is None else env
+    return "publisher" if env.get(ENV_SHIP_TO) else "receiver" if env.get(ENV_SHIP_LISTEN) else None
 
 
 def _number(env, name: str, kind: type, *, minimum: float, strict: bool = False):

@@ -119,6 +119,7 @@ class SpanStore:
         answer_start: int = 0,
         held: int | None = None,
         held_slots: torch.Tensor | None = None,
+        host_copy: Any = None,
     ) -> int | None:
         """Record a span (``stamps``: its slots' stamps now; ``context``: its tokens'
         context masses, if the server ranks by them; ``answer_start``: where its answer
@@ -128,7 +129,8 @@ class SpanStore:
         whole pages under a paged allocator, whose free gives back every page a slot is
         in); ``held_slots``: the slots to free for them (default: all of ``slots``; the
         tail's, when the tree holds the span's whole pages and the store its last partial
-        one)."""
+        one); ``host_copy``: the span's KV is on host only, in this copy (a span shipped
+        from a peer server: its ``slots`` are placeholders, its ``stamps`` match none)."""
         if len(tokens) < self.index.min_match:
             return None
         span_id = self._next_id
@@ -145,7 +147,9 @@ class SpanStore:
         self.owned_tokens += held
         if self.listener is not None:
             self.listener.added(span_id, tokens, namespace)
-        if self.tier is not None:
+        if self.tier is not None and host_copy is not None:
+            self.tier.adopt(span_id, host_copy)
+        elif self.tier is not None:
             self.tier.backup(span_id, slots, stamps)
         self._within_budget(keep=span_id)
         return span_id

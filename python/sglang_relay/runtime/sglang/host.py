@@ -37,19 +37,32 @@ def build_host_pool(kv_pool: Any, page_size: int, tokens: int) -> Any:
     return pool
 
 
+def transfer_engine(io_backend: str) -> Any:
+    """HiCache's transfer engine for a server without HiCache (a relay tier that ships
+    spans between servers): the class the cache controller builds, with ``io_backend``
+    (``--hicache-io-backend``)."""
+    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
+
+    return L2TransferEngine(io_backend)
+
+
 def transfer_indices(controller: Any, host_pool: Any):
+    """The index rule of ``controller`` (a ``HiCacheController``) for ``host_pool``:
+    :func:`transfer_indices_for` its io backend and device."""
+    check_surface("HiCacheController", controller)
+    return transfer_indices_for(controller.io_backend, controller.device, host_pool)
+
+
+def transfer_indices_for(io_backend: str, device: Any, host_pool: Any):
     """``(direction, host, device) -> (host, device)`` as the engine's io backend takes
     them: SGLang's own ``HiCacheController._move_write_operation`` for a ``"write"``
     (device to host: CPU host indices for the staged page_first write-back) and
     ``move_indices`` for a ``"load"``, run for ``host_pool`` (the relay tier's, of the
-    tree's layout) through a view of the controller that names it. The base class's
+    tree's layout) through a view of a controller that names it. The base class's
     rules: the relay pool is one plain host pool, not the hybrid controller's pool group."""
     from sglang.srt.managers.cache_controller import HiCacheController as cls
 
-    check_surface("HiCacheController", controller)
-    view = SimpleNamespace(
-        io_backend=controller.io_backend, mem_pool_host=host_pool, device=controller.device
-    )
+    view = SimpleNamespace(io_backend=io_backend, mem_pool_host=host_pool, device=device)
     view.move_indices = lambda h, d: cls.move_indices(view, h, d)
     view._move_op_indices = lambda op: cls._move_op_indices(view, op)
 

@@ -111,3 +111,8 @@ KV_MOVE_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cach
 # written into device slots outside any model forward; every such slot is stamped fresh
 # first, so a span recorded on it before is seen as gone (side_data.py)
 HOST_LOAD_TARGET = "sglang.srt.mem_cache.l2_transfer.L2TransferEngine.submit_host_to_device"
+
+# A PD decode server's retracted request restored from CPU tensors
+# (``--disaggregation-decode-retraction-backup cpu_tensor``): KV copied into the row's
+# device slots outside any forward; stamped fresh first, as a host load
+CPU_RESTORE_TARGET = "sglang.srt.managers.schedule_batch.Req.load_kv_cache"

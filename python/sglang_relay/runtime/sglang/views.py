@@ -222,6 +222,11 @@ class HostKVCache(Protocol):
     size: int
     page_size: int
     layout: str
+    kv_buffer: torch.Tensor  # read by span shipping (runtime/ship/pages.py): [2, L, size, ...]
+    dtype: torch.dtype
+    layer_num: int
+    head_num: int
+    head_dim: int
     alloc: Callable[[int], torch.Tensor | None]
     free: Callable[[torch.Tensor], int]
     available_size: Callable[[], int]

@@ -1,0 +1,201 @@
+"""The messages span shipping exchanges, and their checks: everything a peer sends is
+treated as hostile until it passed them (a JSON header of known fields and bounded sizes,
+then raw tensor frames of the announced dtype and shape; never pickle).
+
+* ``hello`` (publisher -> receiver, once per connection): the publisher's transfer
+  session, its host pool's base address and size, and its :class:`~.pages.Geometry`.
+* ``offer`` (publisher -> receiver, per recorded span): the span (tokens, first position,
+  namespace, where its answer starts), its host slots and token offsets in the publisher's
+  pool, the digest of those pages, and its side rows as frames (which rows came with a
+  stored hidden state, the hidden rows, influence scores, context masses).
+* ``ack`` / ``refuse`` (receiver -> publisher): the span was taken (or not), so its lease
+  ends; a hello was refused, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VERSION = 1
+MAX_HEADER_BYTES = 4 << 20
+MAX_SPAN_TOKENS = 1 << 17
+MAX_SESSION = 256
+MAX_NAMESPACE_ITEM = 1024
+DTYPES = {"bool": torch.bool, "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}  # fmt: skip
+SIDE = ("has_hidden", "hidden", "influence", "context")
+
+
+class BadMessage(ValueError):
+    """A peer's message failed a check; it is dropped (and counted)."""
+
+
+def _int(d: dict, key: str, lo: int, hi: int) -> int:
+    v = d.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise BadMessage(f"{key}: an integer in [{lo}, {hi}] expected")
+    return v
+
+
+def _str(d: dict, key: str, limit: int = MAX_SESSION) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or len(v) > limit:
+        raise BadMessage(f"{key}: a string of at most {limit} characters expected")
+    return v
+
+
+def _ints(d: dict, key: str, n: int, lo: int, hi: int) -> list[int]:
+    v = d.get(key)
+    if not isinstance(v, list) or len(v) != n:
+        raise BadMessage(f"{key}: a list of {n} integers expected")
+    if not all(type(x) is int and lo <= x < hi for x in v):
+        raise BadMessage(f"{key}: integers in [{lo}, {hi}) expected")
+    return v
+
+
+def encode(header: dict[str, Any], frames: list[bytes] = ()) -> list[bytes]:
+    return [json.dumps({"v": VERSION, **header}).encode(), *frames]
+
+
+def decode(parts: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    if not parts or len(parts[0]) > MAX_HEADER_BYTES:
+        raise BadMessage("no header, or a header over the size limit")
+    try:
+        header = json.loads(parts[0])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadMessage(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        raise BadMessage(f"header of protocol version {VERSION} expected")
+    if header.get("kind") not in ("hello", "offer", "ack", "refuse"):
+        raise BadMessage("unknown message kind")
+    return header, list(parts[1:])
+
+
+# ---- hello -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Hello:
+    session: str
+    base: int
+    size: int
+    geometry: dict[str, Any]
+
+
+def hello(session: str, base: int, size: int, geometry: dict[str, Any]) -> list[bytes]:
+    return encode({"kind": "hello", "session": session, "base": base, "size": size,
+                   "geometry": geometry})  # fmt: skip
+
+
+def read_hello(header: dict[str, Any]) -> Hello:
+    geometry = header.get("geometry")
+    if not isinstance(geometry, dict) or len(json.dumps(geometry)) > 4096:
+        raise BadMessage("geometry: a small object expected")
+    return Hello(
+        session=_str(header, "session"),
+        base=_int(header, "base", 1, (1 << 64) - 1),
+        size=_int(header, "size", 1, 1 << 40),
+        geometry=geometry,
+    )
+
+
+# ---- offer -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Offer:
+    span: int  # the publisher's span id
+    tokens: list[int]
+    start: int  # position of the first token
+    namespace: tuple
+    answer_start: int
+    host_idx: list[int]  # publisher's host slots (whole pages, in page order)
+    offsets: list[int]  # token j sits at host_idx[offsets[j]]
+    digest: str
+    side: dict[str, torch.Tensor]  # SIDE names present
+
+
+def offer(span: int, tokens: list[int], start: int, namespace: tuple, answer_start: int,
+          host_idx: list[int], offsets: list[int], digest: str,
+          side: dict[str, torch.Tensor | None]) -> list[bytes]:  # fmt: skip
+    frames, shapes = [], {}
+    for name in SIDE:
+        t = side.get(name)
+        if t is None:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        shapes[name] = [str(t.dtype).removeprefix("torch."), list(t.shape)]
+        frames.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    header = {
+        "kind": "offer", "span": span, "tokens": tokens, "start": start,
+        "namespace": list(namespace), "answer_start": answer_start, "host_idx": host_idx,
+        "offsets": offsets, "digest": digest, "side": shapes,
+    }  # fmt: skip
+    return encode(header, frames)
+
+
+def read_offer(
+    header: dict[str, Any], frames: list[bytes], *, vocab: int, max_position: int, hidden: int
+) -> Offer:
+    """The offer in ``header`` + ``frames``, checked against the receiver's model (token
+    ids below ``vocab``, positions below ``max_position``, hidden rows ``hidden`` wide)."""
+    n = len(header.get("tokens") or [])
+    if not 1 <= n <= MAX_SPAN_TOKENS:
+        raise BadMessage(f"tokens: 1 to {MAX_SPAN_TOKENS} expected")
+    tokens = _ints(header, "tokens", n, 0, vocab)
+    start = _int(header, "start", 0, max(0, max_position - n))
+    answer_start = _int(header, "answer_start", 0, n)
+    pages = len(header.get("host_idx") or [])
+    if not n <= pages <= 2 * n + 4096:
+        raise BadMessage("host_idx: the span's whole pages expected")
+    host_idx = _ints(header, "host_idx", pages, 0, 1 << 40)
+    offsets = _ints(header, "offsets", n, 0, pages)
+    ns = header.get("namespace")
+    if not isinstance(ns, list) or len(ns) > 8:
+        raise BadMessage("namespace: a short list expected")
+    for item in ns:
+        if item is not None and not (
+            (isinstance(item, str) and len(item) <= MAX_NAMESPACE_ITEM) or type(item) is int
+        ):
+            raise BadMessage("namespace: strings, integers or nulls expected")
+    digest = _str(header, "digest", 64)
+    shapes = header.get("side")
+    if not isinstance(shapes, dict) or not set(shapes) <= set(SIDE):
+        raise BadMessage("side: known side rows expected")
+    if len(frames) != len(shapes):
+        raise BadMessage("one frame per side row expected")
+    side = {}
+    for name, frame in zip([s for s in SIDE if s in shapes], frames, strict=True):
+        side[name] = _tensor(name, shapes[name], frame, n, hidden)
+    if "has_hidden" not in side:
+        raise BadMessage("has_hidden: expected")
+    return Offer(header["span"] if type(header.get("span")) is int else -1, tokens, start,
+                 tuple(ns), answer_start, host_idx, offsets, digest, side)  # fmt: skip
+
+
+def _tensor(name: str, spec: Any, frame: bytes, n: int, hidden: int) -> torch.Tensor:
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES):
+        raise BadMessage(f"{name}: [dtype, shape] expected")
+    dtype, shape = DTYPES[spec[0]], spec[1]
+    want = {"has_hidden": [n], "hidden": [n, hidden], "influence": [n], "context": [n]}[name]
+    if shape != want:
+        raise BadMessage(f"{name}: shape {want} expected, got {shape}")
+    if name == "has_hidden" and dtype is not torch.bool:
+        raise BadMessage("has_hidden: bool expected")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for d in shape:
+        count *= d
+    if len(frame) != count * itemsize:
+        raise BadMessage(f"{name}: {count * itemsize} bytes expected, got {len(frame)}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def ack(span: int, ok: bool, why: str = "") -> list[bytes]:
+    return encode({"kind": "ack", "span": span, "ok": ok, "why": why[:200]})
+
+
+def refuse(why: str) -> list[bytes]:
+    return encode({"kind": "refuse", "why": why[:500]})
