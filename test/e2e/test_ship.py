@@ -77,6 +77,7 @@ def _pd(prefill, decode, bootstrap: int, body: dict) -> tuple[dict, dict]:
     return p.json(), d.json()
 
 
+@pytest.mark.full  # two more servers; the CI tier ships between two servers above
 def test_under_pd_disaggregation_the_prefill_server_relays_what_the_decode_server_decoded(
     model_dir,
 ):

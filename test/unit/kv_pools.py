@@ -12,7 +12,13 @@ import torch
 
 
 def cpu_kv_pools(
-    *, slots: int, layers: int, page: int = 1, seed: int = 0, host_tokens: int | None = None
+    *,
+    slots: int,
+    layers: int,
+    page: int = 1,
+    seed: int = 0,
+    host_tokens: int | None = None,
+    layout: str = "layer_first",
 ) -> SimpleNamespace:
     from sglang_relay.runtime import cpu
 
@@ -45,7 +51,7 @@ def cpu_kv_pools(
             2.0,
             0,
             page,
-            "layer_first",
+            layout,
             pin_memory=False,
             device_capacity_tokens=slots,
             start_layer=0,

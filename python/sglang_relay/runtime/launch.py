@@ -206,13 +206,12 @@ def check_server_mode(argv: list[str]) -> None:
     (:mod:`.modes`), then as SGLang resolves them (a backend may force a page size); an
     error of SGLang's own resolution is reported here, before any weights load."""
     from sglang_relay.runtime import modes, server_options
+    from sglang_relay.runtime.settings import ship_role
     from sglang_relay.runtime.sglang.server import (
         parse_server_args,
         resolved_server_args,
         server_view,
     )
-
-    from sglang_relay.runtime.settings import ship_role
 
     typed = parse_server_args(argv)
     role = ship_role()

@@ -374,14 +374,14 @@ def build_relay_cache(ctx: Any) -> Any:
             "--relay-host-tokens 0 (or give it room), or drop --relay-ship-*"
         )
     if (hicache or settings.ship_role is not None) and host_tokens > 0:
-        from sglang_relay.runtime.ship import prepare_tier
+        from sglang_relay.runtime.ship.build import prepare_tier
 
         io_backend = "" if hicache else prepare_tier(ctx.server_args, view)
         runtime.store.tier = _host_tier(
             cache, runtime, allocator, tree_page, host_tokens, settings, io_backend
         )
     if settings.ship_role is not None:
-        from sglang_relay.runtime.ship import build_shipper
+        from sglang_relay.runtime.ship.build import build_shipper
 
         runtime.publish_only = view.disaggregation_mode == "decode"
         cache.ship = build_shipper(

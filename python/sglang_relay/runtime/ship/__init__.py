@@ -6,78 +6,8 @@ relay host tier by a transfer engine, its side rows sent beside the offer.
 * :mod:`.pages`: the byte ranges of a span in a host pool, the pools' geometry, a digest;
 * :mod:`.wire`: the messages and their checks (every field from a peer is hostile);
 * :mod:`.mooncake`: the transfer engine (Mooncake's, as SGLang's PD uses);
-* :mod:`.peers`: the publisher and the receiver.
+* :mod:`.peers`: the publisher and the receiver;
+* :mod:`.build`: the one a server's settings ask for, built at cache start-up.
 
 Design and measurements: docs/scale-out.md ("Span shipping").
 """
-
-from __future__ import annotations
-
-import logging
-from typing import Any
-
-logger = logging.getLogger(__name__)
-
-
-def prepare_tier(server_args: Any, view: Any) -> str:
-    """The io backend of a shipping server's relay host tier (no HiCache: the tier's own
-    engine), after the CPU stand-ins it needs here (``runtime/cpu.py``)."""
-    from sglang_relay.runtime import cpu
-
-    io_backend = str(getattr(server_args, "hicache_io_backend", "") or "kernel")
-    if cpu.cpu_engine_active():
-        layout = getattr(server_args, "hicache_mem_layout", None)
-        if io_backend != "direct" or layout != "layer_first":
-            raise ValueError(
-                "sglang-relay: on a CPU host the relay host tier that ships spans copies "
-                "with --hicache-io-backend direct --hicache-mem-layout layer_first (got "
-                f"{io_backend}, {layout}); add them"
-            )
-        cpu.host_tier_on_cpu()
-        if view.disaggregation_mode == "prefill":
-            cpu.pd_prefill_on_cpu()
-    return io_backend
-
-
-def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) -> Any:
-    """The publisher or receiver ``settings.ship_role`` asks for, on ``tier`` (the server's
-    relay host tier) and ``runtime``'s store and ledger."""
-    from sglang_relay.runtime.ship.mooncake import MooncakeTransport
-    from sglang_relay.runtime.ship.pages import model_digest, pool_geometry
-    from sglang_relay.runtime.ship.peers import Publisher, Receiver
-
-    hf_config = model_config.hf_config
-    geometry = pool_geometry(
-        tier.host_pool, hidden=runtime.ledger.hidden, model=model_digest(hf_config)
-    )
-    role = settings.ship_role
-    address = settings.ship_listen if role == "receiver" else settings.ship_to[0]
-    host = address.rpartition(":")[0] if role == "receiver" else _local_host(address)
-    transport = MooncakeTransport(host, settings.ship_protocol)
-    if role == "publisher":
-        shipper = Publisher(
-            tier=tier, store=runtime.store, transport=transport, peers=list(settings.ship_to),
-            geometry=geometry, lease=settings.ship_lease,
-        )  # fmt: skip
-    else:
-        shipper = Receiver(
-            tier=tier, store=runtime.store, ledger=runtime.ledger, transport=transport,
-            listen=settings.ship_listen, geometry=geometry,
-            vocab=int(getattr(hf_config, "vocab_size", 0) or 1 << 31),
-            max_position=int(getattr(model_config, "context_len", 0) or 1 << 31),
-        )  # fmt: skip
-    logger.info(
-        "sglang-relay: span shipping as %s (%s, session %s)", role, address, transport.session
-    )
-    return shipper
-
-
-def _local_host(peer: str) -> str:
-    """This server's address as a peer at ``peer`` reaches it (the interface that routes
-    there; loopback for a loopback peer)."""
-    import socket
-
-    host, _, port = peer.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, int(port)))
-        return s.getsockname()[0]

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+import sglang_relay.runtime.ship.wire as wire
 from sglang_relay.runtime.host_tier import HostCopy, HostTier
-from sglang_relay.runtime.ship import wire
 from sglang_relay.runtime.ship.pages import Geometry, PoolAddress, digest, transfer_lists
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,198 @@
+"""Span shipping's pieces without servers (runtime/ship): the byte ranges a transfer
+engine moves between two of SGLang's real host pools, checked by copying them with a
+plain ``memmove`` against torch indexing of the same pools; and the offer checks, which
+must refuse every malformed or hostile field before anything is allocated or moved.
+(Two servers shipping over Mooncake: test/e2e/test_ship.py.)"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+from kv_pools import cpu_kv_pools
+
+from sglang_relay.runtime.ship import wire
+from sglang_relay.runtime.ship.pages import PoolAddress, digest, paired_runs, transfer_lists
+
+
+def test_paired_runs_are_the_runs_consecutive_on_both_sides():
+    a = torch.tensor([4, 5, 6, 9, 10, 11, 12])
+    b = torch.tensor([0, 1, 2, 3, 7, 8, 9])
+    assert paired_runs(a, b) == [(4, 0, 3), (9, 3, 1), (10, 7, 3)]
+
+
+def _rows(host, idx: torch.Tensor) -> torch.Tensor:
+    """[2, L, n, H, D]: the KV of host slots ``idx`` (plain indexing of the pool buffer)."""
+    buf = host.kv_buffer
+    return buf[:, :, idx] if host.layout == "layer_first" else buf[:, idx].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_transfer_lists_move_exactly_the_span_rows(layout):
+    src = cpu_kv_pools(slots=64, layers=3, seed=1, host_tokens=64, layout=layout).host
+    dst = cpu_kv_pools(slots=64, layers=3, seed=2, host_tokens=64, layout=layout).host
+    gen = torch.Generator().manual_seed(3)
+    src.kv_buffer.copy_(torch.randn(src.kv_buffer.shape, generator=gen))
+    dst.kv_buffer.copy_(torch.randn(dst.kv_buffer.shape, generator=gen))
+    before = dst.kv_buffer.clone()
+    remote = torch.tensor([8, 9, 10, 11, 40, 41, 42, 43, 17])
+    local = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 63])
+    lp, rp, ln = transfer_lists(PoolAddress.of(dst), local, PoolAddress.of(src), remote)
+    assert len(ln) < 2 * 3 * len(local)  # runs, not rows
+    for to, frm, n in zip(lp, rp, ln, strict=True):  # what the engine does, by hand
+        ctypes.memmove(to, frm, n)
+    assert torch.equal(_rows(dst, local), _rows(src, remote))
+    untouched = torch.ones(dst.size, dtype=torch.bool)
+    untouched[local] = False
+    assert torch.equal(_rows(dst, untouched.nonzero()[:, 0]), _rows_of(before, dst, untouched))
+    assert digest(dst, local) == digest(src, remote)
+    assert digest(dst, local) != digest(src, remote.flip(0))
+    with pytest.raises(ValueError):
+        PoolAddress.of(src).ranges(60, 8)
+
+
+def _rows_of(buf: torch.Tensor, host, mask: torch.Tensor) -> torch.Tensor:
+    idx = mask.nonzero()[:, 0]
+    return buf[:, :, idx] if host.layout == "layer_first" else buf[:, idx].transpose(1, 2)
+
+
+N, HIDDEN, VOCAB = 40, 6, 1000
+
+
+def _offer(**change) -> tuple[dict, list[bytes]]:
+    side = {
+        "has_hidden": torch.ones(N, dtype=torch.bool),
+        "hidden": torch.randn(N, HIDDEN),
+        "influence": None,
+        "context": torch.rand(N),
+    }
+    args = dict(span=3, tokens=list(range(100, 100 + N)), start=50, namespace=(None,) * 4,
+                answer_start=0, host_idx=list(range(N)), offsets=list(range(N)),
+                digest="ab" * 16, side=side)  # fmt: skip
+    header, frames = wire.decode(wire.offer(**args))
+    header.update(change)
+    return header, frames
+
+
+def _read(header, frames):
+    return wire.read_offer(header, frames, vocab=VOCAB, max_position=4096, hidden=HIDDEN)
+
+
+def test_a_well_formed_offer_reads_back_as_sent():
+    header, frames = _offer()
+    offer = _read(header, frames)
+    assert offer.tokens == list(range(100, 100 + N)) and offer.start == 50
+    assert offer.namespace == (None, None, None, None)
+    assert offer.side["hidden"].shape == (N, HIDDEN) and offer.side["has_hidden"].all()
+    assert set(offer.side) == {"has_hidden", "hidden", "context"}
+
+
+HOSTILE = [
+    {"tokens": list(range(VOCAB - 10, VOCAB + 30))},  # ids beyond the vocabulary
+    {"tokens": [1.5] * N},
+    {"tokens": []},
+    {"start": -1},
+    {"start": 4096},  # positions beyond the model's context
+    {"answer_start": N + 1},
+    {"offsets": [N + 5] * N},  # past the span's host pages
+    {"offsets": list(range(N - 1))},
+    {"host_idx": [-1] * N},
+    {"host_idx": list(range(10))},  # fewer slots than tokens
+    {"namespace": [{"a": 1}]},
+    {"namespace": ["x" * 5000]},
+    {"digest": 7},
+    {"side": {"hidden": ["float32", [N, HIDDEN]]}},  # no has_hidden, frame count off
+    {
+        "side": {
+            "has_hidden": ["bool", [N]],
+            "hidden": ["float32", [N, HIDDEN + 1]],
+            "context": ["float32", [N]],
+        }
+    },  # fmt: skip
+    {
+        "side": {
+            "has_hidden": ["int64", [N]],
+            "hidden": ["float32", [N, HIDDEN]],
+            "context": ["float32", [N]],
+        }
+    },  # fmt: skip
+    {
+        "side": {
+            "has_hidden": ["bool", [N]],
+            "hidden": ["object", [N, HIDDEN]],
+            "context": ["float32", [N]],
+        }
+    },  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("change", HOSTILE, ids=lambda c: next(iter(c)))
+def test_a_hostile_offer_is_refused(change):
+    header, frames = _offer(**change)
+    with pytest.raises(wire.BadMessage):
+        _read(header, frames)
+
+
+def test_truncated_frames_and_foreign_headers_are_refused():
+    header, frames = _offer()
+    with pytest.raises(wire.BadMessage):
+        _read(header, [frames[0], frames[1][:-4], frames[2]])
+    for raw in (b"\x80\x04pickle", b"[]", json.dumps({"v": 2, "kind": "offer"}).encode(),
+                json.dumps({"v": 1, "kind": "exec"}).encode(), b""):  # fmt: skip
+        with pytest.raises(wire.BadMessage):
+            wire.decode([raw])
+    with pytest.raises(wire.BadMessage):
+        wire.read_hello({"session": "x" * 1000, "base": 1, "size": 1, "geometry": {}})
+
+
+def test_ship_settings_take_one_role_and_host_port_addresses():
+    from sglang_relay.runtime.settings import settings_from_env
+
+    assert settings_from_env("", {"SGLANG_RELAY_SHIP_TO": "a:1,b:2"}).ship_to == ("a:1", "b:2")
+    assert settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "h:9"}).ship_role == "receiver"
+    assert settings_from_env("", {}).ship_role is None
+    for bad in (
+        {"SGLANG_RELAY_SHIP_TO": "nohost"},
+        {"SGLANG_RELAY_SHIP_LISTEN": "h:99999"},
+        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_LISTEN": "h:2"},
+        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_PROTOCOL": "udp"},
+        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_LEASE": "0"},
+    ):
+        with pytest.raises(ValueError):
+            settings_from_env("", bad)
+
+
+@pytest.mark.parametrize(
+    "view, role, named",
+    [
+        (dict(disaggregation_mode="decode"), None, "--relay-ship-to"),
+        (dict(disaggregation_mode="prefill"), None, "--relay-ship-listen"),
+        (dict(disaggregation_mode="prefill"), "publisher", "--relay-ship-listen"),
+        (
+            dict(disaggregation_mode="decode", disable_radix_cache=True),
+            "publisher",
+            "--disaggregation-decode-enable-radix-cache",
+        ),  # fmt: skip
+        (dict(tp_size=2), "receiver", "--tp-size 1"),
+        (dict(enable_lora=True, lora_backend="torch_native"), "publisher", "LoRA"),
+    ],
+)
+def test_pd_servers_are_served_only_with_span_shipping(view, role, named):
+    from sglang_relay.runtime import modes
+
+    message = modes.refusal(modes.ServerView(**view), ship_role=role)
+    assert message is not None and named in message, message
+
+
+def test_shipping_servers_of_the_right_role_are_served():
+    from sglang_relay.runtime import modes
+
+    for view, role in (
+        (dict(disaggregation_mode="decode"), "publisher"),
+        (dict(disaggregation_mode="prefill"), "receiver"),
+        ({}, "publisher"),
+        ({}, "receiver"),
+    ):
+        assert modes.refusal(modes.ServerView(**view), ship_role=role) is None, view
