@@ -196,3 +196,22 @@ def test_shipping_servers_of_the_right_role_are_served():
         ({}, "receiver"),
     ):
         assert modes.refusal(modes.ServerView(**view), ship_role=role) is None, view
+
+
+def test_a_publisher_of_other_pools_or_without_the_secret_is_refused():
+    geometry = {"layout": "layer_first", "layer_num": 30, "head_num": 3, "head_dim": 64,
+                "dtype": "torch.bfloat16", "page_size": 1, "hidden": 576,
+                "hidden_dtype": "torch.bfloat16", "model": "m"}  # fmt: skip
+
+    def hello(secret: str = "s", **change) -> wire.Hello:
+        header, _ = wire.decode(wire.hello("h:1", 4096, 64, {**geometry, **change}, secret))
+        return wire.read_hello(header)
+
+    assert wire.hello_refusal(hello(), geometry, "s") is None
+    assert wire.hello_refusal(hello(secret=""), geometry, "") is None
+    assert "secret" in wire.hello_refusal(hello(secret="t"), geometry, "s")
+    assert "secret" in wire.hello_refusal(hello(secret=""), geometry, "s")
+    for change in ({"page_size": 16}, {"model": "other"}, {"dtype": "torch.float32"},
+                   {"hidden": 0}, {"layout": "page_first"}, {"extra": 1}):  # fmt: skip
+        why = wire.hello_refusal(hello(**change), geometry, "s")
+        assert why is not None and next(iter(change)) in why, why

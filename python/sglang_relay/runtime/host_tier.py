@@ -139,7 +139,10 @@ class HostTier:
         self.agree = agree
         self.clock = clock
         self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
-        self.orphans: list[HostCopy] = []  # dropped while leased: freed when the lease ends
+        # dropped while leased (by span id), or slots a failed transfer may still write (by
+        # negative keys): freed when their lease ends
+        self.orphans: dict[int, HostCopy] = {}
+        self._quarantined = 0
         self.counters: Counter[str] = Counter()
 
     @property
@@ -257,7 +260,7 @@ class HostTier:
         if copy is None:
             return
         if copy.lease_until > self.clock():
-            self.orphans.append(copy)
+            self.orphans[span_id] = copy
         else:
             self.host_pool.free(copy.host_idx)
 
@@ -271,20 +274,26 @@ class HostTier:
         return copy
 
     def end_lease(self, span_id: int) -> None:
-        copy = self.copies.get(span_id)
-        if copy is not None:
-            copy.lease_until = 0.0
+        for copy in (self.copies.get(span_id), self.orphans.get(span_id)):
+            if copy is not None:
+                copy.lease_until = 0.0
         self._free_orphans()
+
+    def quarantine(self, host_idx: torch.Tensor, seconds: float) -> None:
+        """Slots a transfer that failed (or timed out) may still write: freed only after
+        ``seconds``, never handed to another copy before."""
+        self._quarantined += 1
+        self.orphans[-self._quarantined] = HostCopy(
+            host_idx=host_idx, offsets=host_idx[:0], has_hidden=host_idx[:0].bool(),
+            hidden=None, influence=None, last_use=self.clock(),
+            lease_until=self.clock() + seconds,
+        )  # fmt: skip
+        self.counters["quarantined_slots"] += int(host_idx.numel())
 
     def _free_orphans(self) -> None:
         now = self.clock()
-        keep = []
-        for copy in self.orphans:
-            if copy.lease_until > now:
-                keep.append(copy)
-            else:
-                self.host_pool.free(copy.host_idx)
-        self.orphans = keep
+        for key in [k for k, c in self.orphans.items() if c.lease_until <= now]:
+            self.host_pool.free(self.orphans.pop(key).host_idx)
 
     def reserve(self, tokens: int) -> torch.Tensor | None:
         """Host slots for a copy arriving from a peer (whole pages), making room by the
@@ -317,6 +326,14 @@ class HostTier:
 
     def _alloc(self, need: int, *, keep: int) -> torch.Tensor | None:
         if need > self.capacity:
+            return None
+        now = self.clock()
+        freeable = sum(
+            int(c.host_idx.numel())
+            for sid, c in self.copies.items()
+            if sid != keep and c.lease_until <= now
+        )
+        if self.host_pool.available_size() + freeable < need:  # leases hold the rest
             return None
         while self.host_pool.available_size() < need:
             try:

@@ -17,6 +17,7 @@ from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
 from sglang_relay.runtime.sglang.host import (
     build_host_pool,
+    forward_fence,
     load_fence,
     transfer_engine,
     transfer_indices,
@@ -102,6 +103,11 @@ class RelayRadixCache(UnifiedRadixCache):
         if rt is None:
             return super().checkpoint(req, up_to=up_to, **kwargs)
         relayed_from = rt.relayed_from(req.rid)
+        if rt.publish_only:
+            # a PD decode server: the prompt's KV came from a prefill server that may have
+            # relayed it (approximate), which this server cannot know: none of it enters
+            # the tree, and the output is the store's (as a relayed request's)
+            relayed_from = 0
         clamp = relayed_from is not None and not rt.settings.allow_approx_prefix
         tree_up_to = min(up_to, relayed_from) if clamp else up_to
         span = namespace = None
@@ -146,11 +152,11 @@ class RelayRadixCache(UnifiedRadixCache):
         )
         if added is not None:
             self.relay_counters["recorded_spans"] += 1
-            if self.ship is not None and hasattr(self.ship, "offer"):
-                self.ship.offer(added, tokens)
             if owned:
                 self._takeover[req.kv.req_pool_idx] = (lo, hi)
                 self.relay_counters["held_tail_pages"] += int(not clamp)
+            if self.ship is not None and hasattr(self.ship, "offer"):
+                self.ship.offer(added, tokens)  # never raises
 
     def _span_of(self, req: Any, up_to: int, *, with_context: bool):
         """The output tokens that have KV in the row (all but the last sampled one), and
@@ -274,8 +280,9 @@ class RelayRadixCache(UnifiedRadixCache):
 
 
 def _host_tier(
-    cache, runtime, allocator, page_size: int, tokens: int, settings, io_backend: str = ""
-) -> HostTier:
+    cache, runtime, allocator, page_size: int, tokens: int, settings, model_runner,
+    io_backend: str = "",
+) -> HostTier:  # fmt: skip
     """The relay host tier (:mod:`sglang_relay.runtime.host_tier`): on a HiCache server
     moved by the tree's own controller's engine and index rules; on a server that ships
     spans without HiCache, by an engine of the same class on ``--hicache-io-backend``."""
@@ -305,7 +312,9 @@ def _host_tier(
         retention=Retention(ttl=settings.host_ttl, priority=settings.host_priority),
         make_room=lambda n: cache.evict(evict_params(n)),
         agree=None if tp is None else (lambda ok: tp.bounds([int(ok)], "restore")[0][0] == 1),
-        load_fence=None if controller is None else load_fence(controller),
+        load_fence=load_fence(controller)
+        if controller is not None
+        else forward_fence(model_runner),
     )
     logger.info(
         "sglang-relay: host tier of %d tokens (ttl %.0f s, priority %s)",
@@ -378,7 +387,7 @@ def build_relay_cache(ctx: Any) -> Any:
 
         io_backend = "" if hicache else prepare_tier(ctx.server_args, view)
         runtime.store.tier = _host_tier(
-            cache, runtime, allocator, tree_page, host_tokens, settings, io_backend
+            cache, runtime, allocator, tree_page, host_tokens, settings, model_runner, io_backend
         )
     if settings.ship_role is not None:
         from sglang_relay.runtime.ship.build import build_shipper

@@ -44,6 +44,8 @@ set them directly:
   ``HOST:PORT`` it takes offers on (:mod:`sglang_relay.runtime.ship`)
 * ``SGLANG_RELAY_SHIP_LEASE``: seconds a publisher keeps an offered host copy unchanged
   for its receivers (default 60)
+* ``SGLANG_RELAY_SHIP_SECRET``: a secret every shipping server of a deployment shares; a
+  receiver refuses publishers that do not present it (not encrypted: a trusted network)
 * ``SGLANG_RELAY_SHIP_PROTOCOL``: the transfer engine's protocol, ``tcp`` (default) or
   ``rdma`` (not run here)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -99,6 +101,7 @@ ENV_SHIP_TO = "SGLANG_RELAY_SHIP_TO"
 ENV_SHIP_LISTEN = "SGLANG_RELAY_SHIP_LISTEN"
 ENV_SHIP_LEASE = "SGLANG_RELAY_SHIP_LEASE"
 ENV_SHIP_PROTOCOL = "SGLANG_RELAY_SHIP_PROTOCOL"
+ENV_SHIP_SECRET = "SGLANG_RELAY_SHIP_SECRET"
 SHIP_PROTOCOLS = ("tcp", "rdma")
 HOST_PRIORITIES = ("unconsumed", "lru")
 
@@ -123,6 +126,7 @@ class RelaySettings:
     ship_listen: str | None = None  # SGLANG_RELAY_SHIP_LISTEN
     ship_lease: float = 60.0  # SGLANG_RELAY_SHIP_LEASE
     ship_protocol: str = "tcp"  # SGLANG_RELAY_SHIP_PROTOCOL
+    ship_secret: str = field(default="", repr=False)  # SGLANG_RELAY_SHIP_SECRET
 
     @property
     def ship_role(self) -> str | None:
@@ -253,6 +257,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         ship_listen=ship_listen,
         ship_lease=60.0 if ship_lease is None else ship_lease,
         ship_protocol=ship_protocol,
+        ship_secret=env.get(ENV_SHIP_SECRET) or "",
     )
 
 

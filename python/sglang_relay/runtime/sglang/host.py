@@ -82,9 +82,18 @@ def load_fence(controller: Any):
     """The start event of a host-to-device copy into reclaimed slots: recorded on the
     stream SGLang fences its own loads with (``load_fence_stream``, the forward stream,
     set by the scheduler after the cache is built; None until then)."""
+    return stream_fence(lambda: getattr(controller, "load_fence_stream", None))
 
+
+def forward_fence(model_runner: Any):
+    """The same fence without HiCache (a tier that ships spans): the model runner's
+    ``forward_stream``, the stream SGLang gives the controller as ``load_fence_stream``."""
+    return stream_fence(lambda: getattr(model_runner, "forward_stream", None))
+
+
+def stream_fence(stream_of):
     def event():
-        stream = getattr(controller, "load_fence_stream", None)
+        stream = stream_of()
         if stream is None:
             return None
         from sglang.srt.utils import get_device_module

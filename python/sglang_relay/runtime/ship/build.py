@@ -36,8 +36,13 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
     from sglang_relay.runtime.ship.peers import Publisher, Receiver
 
     hf_config = model_config.hf_config
+    layers = {
+        "capture_layer": runtime.capture_layer if runtime.ledger.hidden is not None else None,
+        "influence_layer": runtime.influence_layer,
+        "context_layer": runtime.context_layer,
+    }
     geometry = pool_geometry(
-        tier.host_pool, hidden=runtime.ledger.hidden, model=model_digest(hf_config)
+        tier.host_pool, hidden=runtime.ledger.hidden, model=model_digest(hf_config), layers=layers
     )
     role = settings.ship_role
     address = settings.ship_listen if role == "receiver" else settings.ship_to[0]
@@ -46,7 +51,7 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
     if role == "publisher":
         shipper = Publisher(
             tier=tier, store=runtime.store, transport=transport, peers=list(settings.ship_to),
-            geometry=geometry, lease=settings.ship_lease,
+            geometry=geometry, lease=settings.ship_lease, secret=settings.ship_secret,
         )  # fmt: skip
     else:
         shipper = Receiver(
@@ -54,7 +59,15 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
             listen=settings.ship_listen, geometry=geometry,
             vocab=int(getattr(hf_config, "vocab_size", 0) or 1 << 31),
             max_position=int(getattr(model_config, "context_len", 0) or 1 << 31),
+            secret=settings.ship_secret,
         )  # fmt: skip
+        if not settings.ship_secret:
+            logger.warning(
+                "sglang-relay: span shipping receiver on %s without SGLANG_RELAY_SHIP_SECRET: "
+                "any host that reaches this address can offer spans; bind it to a trusted "
+                "network or set the same secret on every shipping server",
+                settings.ship_listen,
+            )
     logger.info(
         "sglang-relay: span shipping as %s (%s, session %s)", role, address, transport.session
     )

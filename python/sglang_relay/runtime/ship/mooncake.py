@@ -71,8 +71,8 @@ class MooncakeTransport:
     def __init__(self, host: str, protocol: str = "tcp") -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"ship protocol must be one of {PROTOCOLS}; got {protocol!r}")
-        if protocol == "tcp":
-            os.environ.setdefault("MC_FORCE_TCP", "1")
+        # the protocol is this engine's alone: no process-wide MC_FORCE_TCP, which SGLang's
+        # own PD engine in the same process would read too
         self.engine = engine_class()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:

@@ -31,12 +31,20 @@ class Geometry:
     hidden: int  # the stored hidden row's width (0: none stored)
     hidden_dtype: str
     model: str  # digest of the model's configuration (weights: the operator pairs them)
+    # where the side rows come from (-1: none): the stored hidden row's layer, the
+    # influence scores' and the context masses' (two servers of other relay settings
+    # would read each other's rows as their own)
+    capture_layer: int = -1
+    influence_layer: int = -1
+    context_layer: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def pool_geometry(host_pool: Any, *, hidden: torch.Tensor | None, model: str) -> Geometry:
+def pool_geometry(
+    host_pool: Any, *, hidden: torch.Tensor | None, model: str, layers: dict[str, int | None]
+) -> Geometry:
     """The geometry of ``host_pool`` (ValueError for a layout or pool shipping cannot read)."""
     layout = str(host_pool.layout)
     buf = host_pool.kv_buffer
@@ -57,6 +65,7 @@ def pool_geometry(host_pool: Any, *, hidden: torch.Tensor | None, model: str) ->
         hidden=0 if hidden is None else int(hidden.shape[1]),
         hidden_dtype="" if hidden is None else str(hidden.dtype),
         model=model,
+        **{k: -1 if v is None else int(v) for k, v in layers.items()},
     )
 
 

@@ -31,18 +31,26 @@ from sglang_relay.runtime.ship.pages import Geometry, PoolAddress, digest, trans
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 512 << 20
-POLL_BATCH = 64
+POLL_BATCH = 64  # messages read per poll
+PULLS_PER_POLL = 8  # spans pulled per poll (each blocks the scheduler for its transfer)
+MAX_PEERS = 256
+QUARANTINE_S = 120.0  # slots of a failed pull: past Mooncake's transfer timeout (30 s)
 
 
-def _socket(kind: int) -> Any:
+def _socket(kind: int, *, max_frame: int) -> Any:
     import zmq
 
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)  # per frame: larger ones drop the connection
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.RCVHWM, 64)
     return sock
+
+
+def max_frame_bytes(geometry: Geometry, tokens: int) -> int:
+    """The largest frame an offer of up to ``tokens`` tokens needs (its hidden rows)."""
+    return max(wire.MAX_HEADER_BYTES, tokens * max(geometry.hidden, 1) * 4 + 4096)
 
 
 def _endpoint(address: str) -> str:
@@ -64,27 +72,44 @@ class Publisher:
         peers: list[str],
         geometry: Geometry,
         lease: float = 60.0,
+        secret: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import zmq
 
         self.tier, self.store, self.transport = tier, store, transport
         self.lease = lease
+        self.clock = clock
         self.address = PoolAddress.of(tier.host_pool)
         transport.register(self.address.base, self.address.nbytes)
         self.counters: Counter[str] = Counter()
-        self.pending: dict[int, int] = {}  # span id -> receivers yet to answer
+        # span id -> (receivers yet to answer, when the lease ends)
+        self.pending: dict[int, tuple[int, float]] = {}
+        self.hello = wire.hello(transport.session, self.address.base, self.address.size,
+                                geometry.to_dict(), secret)  # fmt: skip
         self.sockets = []
-        for peer in peers:
-            sock = _socket(zmq.DEALER)
+        self.refused: set[int] = set()  # receivers that refused this publisher
+        frame = max_frame_bytes(geometry, tier.capacity)
+        for i, peer in enumerate(peers):
+            sock = _socket(zmq.DEALER, max_frame=frame)
+            # one identity per connection across reconnects: the receiver knows it
+            sock.setsockopt(zmq.ROUTING_ID, f"{transport.session}/{i}".encode())
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a receiver not connected
             sock.connect(_endpoint(peer))
-            sock.send_multipart(
-                wire.hello(transport.session, self.address.base, self.address.size,
-                           geometry.to_dict())
-            )  # fmt: skip
+            sock.send_multipart(self.hello)
             self.sockets.append(sock)
 
     def offer(self, span_id: int, tokens: list[int]) -> None:
-        """Offer span ``span_id`` (just recorded, of ``tokens``) to every receiver."""
+        """Offer span ``span_id`` (just recorded, of ``tokens``) to every receiver. Never
+        raises: recording a span must not fail a request."""
+        try:
+            self._offer(span_id, tokens)
+            self._poll()
+        except Exception:  # noqa: BLE001
+            self.counters["offer_errors"] += 1
+            logger.exception("sglang-relay: offering a span failed")
+
+    def _offer(self, span_id: int, tokens: list[int]) -> None:
         import zmq
 
         span = self.store.spans.get(span_id)
@@ -100,24 +125,33 @@ class Publisher:
             copy.offsets.tolist(), digest(self.tier.host_pool, copy.host_idx), side,
         )  # fmt: skip
         sent = 0
-        for sock in self.sockets:
+        for i, sock in enumerate(self.sockets):
+            if i in self.refused:
+                continue
             try:
                 sock.send_multipart(message, flags=zmq.NOBLOCK)
                 sent += 1
-            except zmq.Again:
-                self.counters["offers_dropped_queue_full"] += 1
+            except zmq.Again:  # not connected, or its queue is full
+                self.counters["offers_not_sent"] += 1
         self.counters["offers"] += 1
         if sent:
-            self.pending[span_id] = sent
+            self.pending[span_id] = (sent, self.clock() + self.lease)
         else:
             self.tier.end_lease(span_id)
-        self.poll()
 
     def poll(self) -> None:
-        """Read the receivers' answers: an ack ends the lease once every receiver answered."""
+        """Read the receivers' answers: an ack ends the lease once every receiver answered.
+        Never raises (the scheduler calls it while matching prompts)."""
+        try:
+            self._poll()
+        except Exception:  # noqa: BLE001
+            self.counters["poll_errors"] += 1
+            logger.exception("sglang-relay: reading ship answers failed")
+
+    def _poll(self) -> None:
         import zmq
 
-        for sock in self.sockets:
+        for i, sock in enumerate(self.sockets):
             for _ in range(POLL_BATCH):
                 try:
                     parts = sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -128,19 +162,27 @@ class Publisher:
                 except wire.BadMessage:
                     self.counters["bad_messages"] += 1
                     continue
-                if header["kind"] == "refuse":
+                if header["kind"] == "refuse" and header.get("resend_hello") is True:
+                    self.counters["hellos_resent"] += 1
+                    sock.send_multipart(self.hello, flags=zmq.NOBLOCK)
+                elif header["kind"] == "refuse":
+                    self.refused.add(i)
                     self.counters["refused_by_receiver"] += 1
                     logger.warning("sglang-relay: a ship receiver refused: %s", header.get("why"))
                 elif header["kind"] == "ack" and type(header.get("span")) is int:
                     self._answered(header["span"], bool(header.get("ok")))
+        now = self.clock()
+        for span_id in [k for k, (_, end) in self.pending.items() if end <= now]:
+            del self.pending[span_id]  # the lease ended by itself
+            self.counters["offers_unanswered"] += 1
 
     def _answered(self, span_id: int, ok: bool) -> None:
         self.counters["acks_taken" if ok else "acks_declined"] += 1
-        left = self.pending.get(span_id)
-        if left is None:
+        left, end = self.pending.get(span_id, (0, 0.0))
+        if left == 0:
             return
         if left > 1:
-            self.pending[span_id] = left - 1
+            self.pending[span_id] = (left - 1, end)
             return
         del self.pending[span_id]
         self.tier.end_lease(span_id)
@@ -171,25 +213,31 @@ class Receiver:
         geometry: Geometry,
         vocab: int,
         max_position: int,
+        secret: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import zmq
 
         self.tier, self.store, self.ledger, self.transport = tier, store, ledger, transport
         self.geometry = geometry
+        self.secret = secret
         self.vocab, self.max_position = vocab, max_position
         self.clock = clock
         self.address = PoolAddress.of(tier.host_pool)
         transport.register(self.address.base, self.address.nbytes)
-        self.sock = _socket(zmq.ROUTER)
+        self.sock = _socket(zmq.ROUTER, max_frame=max_frame_bytes(geometry, tier.capacity))
         self.sock.bind(_endpoint(listen))
         self.peers: dict[bytes, wire.Hello] = {}
         self.counters: Counter[str] = Counter()
+        self.pulls = 0  # in this poll
 
     def poll(self) -> None:
         import zmq
 
+        self.pulls = 0
         for _ in range(POLL_BATCH):
+            if self.pulls >= PULLS_PER_POLL:  # the rest wait in the socket for the next poll
+                return
             try:
                 identity, *parts = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -212,21 +260,24 @@ class Receiver:
                 logger.exception("sglang-relay: taking a shipped span failed")
 
     def _hello(self, identity: bytes, hello: wire.Hello) -> None:
-        mine = self.geometry.to_dict()
-        if hello.geometry != mine:
-            diff = sorted(k for k in mine if hello.geometry.get(k) != mine[k])
+        why = wire.hello_refusal(hello, self.geometry.to_dict(), self.secret)
+        if why is not None:
             self.counters["peers_refused"] += 1
-            why = f"geometry differs in {', '.join(diff) or 'its fields'}"
             logger.warning("sglang-relay: refused a ship publisher (%s): %s", hello.session, why)
             self._send(identity, wire.refuse(why))
             return
+        if identity not in self.peers and len(self.peers) >= MAX_PEERS:
+            self.peers.pop(next(iter(self.peers)))  # the oldest connection
         self.peers[identity] = hello
         self.counters["peers"] = len(self.peers)
 
     def _offer(self, identity: bytes, header: dict[str, Any], frames: list[bytes]) -> None:
         peer = self.peers.get(identity)
-        if peer is None:
-            raise wire.BadMessage("an offer from a publisher that said no hello")
+        if peer is None:  # a connection this receiver does not know (it restarted)
+            self.counters["offers_before_hello"] += 1
+            self._send(identity, wire.refuse("hello first", resend_hello=True))
+            return
+        self.pulls += 1
         offer = wire.read_offer(
             header, frames, vocab=self.vocab, max_position=self.max_position,
             hidden=self.geometry.hidden,
@@ -237,19 +288,32 @@ class Receiver:
 
     def _take(self, peer: wire.Hello, offer: wire.Offer) -> tuple[bool, str]:
         g = self.geometry
-        if len(offer.host_idx) % g.page_size or max(offer.host_idx) >= peer.size:
-            raise wire.BadMessage("host_idx: whole pages inside the publisher's pool expected")
-        has_hidden = offer.side["has_hidden"]
+        ps = g.page_size
+        idx = torch.tensor(offer.host_idx, dtype=torch.int64)
+        pages = idx.view(-1, ps) if idx.numel() % ps == 0 else None
+        if pages is None or not torch.equal(
+            pages, pages[:, :1] - pages[:, :1] % ps + torch.arange(ps)
+        ):
+            raise wire.BadMessage("host_idx: whole aligned pages expected")
+        if int(idx.max()) >= peer.size:
+            raise wire.BadMessage("host_idx: inside the publisher's pool expected")
+        ledger = self.ledger
+        has_hidden = offer.side["has_hidden"].to(ledger.stamps.device)
         hidden = offer.side.get("hidden")
-        if (hidden is None) != (self.ledger.hidden is None) or (
+        if (hidden is None) != (ledger.hidden is None) or (
             hidden is None and bool(has_hidden.any())
         ):
             raise wire.BadMessage("hidden rows: present exactly when the server stores them")
-        if hidden is not None and hidden.dtype != self.ledger.hidden.dtype:
-            raise wire.BadMessage(f"hidden rows: {self.ledger.hidden.dtype} expected")
+        if hidden is not None and hidden.dtype != ledger.hidden.dtype:
+            raise wire.BadMessage(f"hidden rows: {ledger.hidden.dtype} expected")
         influence = offer.side.get("influence")
-        if (influence is None) != (self.ledger.influence is None):
-            raise wire.BadMessage("influence: present exactly when the server keeps it")
+        if (influence is None) != (ledger.influence is None) or (
+            influence is not None and influence.dtype != ledger.influence.dtype
+        ):
+            raise wire.BadMessage("influence: as the server keeps it expected")
+        context = offer.side.get("context")
+        if context is not None and context.dtype != torch.float32:
+            raise wire.BadMessage("context: float32 expected")
         local = self.tier.reserve(len(offer.host_idx))
         if local is None:
             return False, "no_host_room"
@@ -257,43 +321,44 @@ class Receiver:
                              self.address.row_bytes)  # fmt: skip
         t0 = self.clock()
         try:
-            lists = transfer_lists(self.address, local, remote, torch.tensor(offer.host_idx))
+            lists = transfer_lists(self.address, local, remote, idx)
             moved = self.transport.read(peer.session, *lists)
         except Exception:  # noqa: BLE001 - counted below
             logger.exception("sglang-relay: pulling a shipped span failed")
             moved = False
-        if not moved:
-            self.tier.host_pool.free(local)
+        if not moved:  # a late write may still land: the slots wait past the timeout
+            self.tier.quarantine(local, QUARANTINE_S)
             return False, "transfer_failed"
-        if digest(self.tier.host_pool, local) != offer.digest:
-            self.tier.host_pool.free(local)  # its pages changed before the read ended
-            return False, "digest_mismatch"
-        self.counters["pull_bytes"] += sum(lists[2])
-        self.counters["pull_ms"] += int(1000 * (self.clock() - t0))
-        n = len(offer.tokens)
-        device = self.ledger.stamps.device
-        copy = HostCopy(
-            host_idx=local,
-            offsets=torch.tensor(offer.offsets, dtype=torch.int64),
-            has_hidden=has_hidden,
-            hidden=hidden,
-            influence=influence,
-            last_use=self.clock(),
-        )
-        span_id = self.store.add(
-            offer.tokens,
-            torch.zeros(n, dtype=torch.int64, device=device),  # no device slots: on host only
-            torch.arange(offer.start, offer.start + n, dtype=torch.int64, device=device),
-            torch.full((n,), -1, dtype=torch.int64, device=device),  # no slot has stamp -1
-            offer.namespace,
-            context=offer.side.get("context"),
-            answer_start=offer.answer_start,
-            host_copy=copy,
-        )
-        if span_id is None:
-            self.tier.host_pool.free(local)
-            return False, "too_short"
-        return True, ""
+        span_id = None
+        try:
+            if digest(self.tier.host_pool, local) != offer.digest:
+                return False, "digest_mismatch"  # its pages changed before the read ended
+            self.counters["pull_bytes"] += sum(lists[2])
+            self.counters["pull_ms"] += int(1000 * (self.clock() - t0))
+            n = len(offer.tokens)
+            device = ledger.stamps.device
+            copy = HostCopy(
+                host_idx=local,
+                offsets=torch.tensor(offer.offsets, dtype=torch.int64),
+                has_hidden=has_hidden,
+                hidden=hidden,
+                influence=influence,
+                last_use=self.clock(),
+            )
+            span_id = self.store.add(
+                offer.tokens,
+                torch.zeros(n, dtype=torch.int64, device=device),  # no device slots: host only
+                torch.arange(offer.start, offer.start + n, dtype=torch.int64, device=device),
+                torch.full((n,), -1, dtype=torch.int64, device=device),  # no slot has stamp -1
+                offer.namespace,
+                context=None if context is None else context.to(device),
+                answer_start=offer.answer_start,
+                host_copy=copy,
+            )
+            return (True, "") if span_id is not None else (False, "too_short")
+        finally:
+            if span_id is None or not self.tier.has(span_id):
+                self.tier.host_pool.free(local)
 
     def _send(self, identity: bytes, message: list[bytes]) -> None:
         import zmq

@@ -14,6 +14,7 @@ then raw tensor frames of the announced dtype and shape; never pickle).
 
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +67,8 @@ def decode(parts: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         raise BadMessage("no header, or a header over the size limit")
     try:
         header = json.loads(parts[0])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadMessage(f"header is not JSON ({exc})") from exc
+    except Exception as exc:  # noqa: BLE001 - not JSON, or nested past the recursion limit
+        raise BadMessage(f"header is not JSON ({type(exc).__name__})") from exc
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise BadMessage(f"header of protocol version {VERSION} expected")
     if header.get("kind") not in ("hello", "offer", "ack", "refuse"):
@@ -82,22 +83,41 @@ class Hello:
     base: int
     size: int
     geometry: dict[str, Any]
+    secret: str = ""
 
 
-def hello(session: str, base: int, size: int, geometry: dict[str, Any]) -> list[bytes]:
+def hello(
+    session: str, base: int, size: int, geometry: dict[str, Any], secret: str = ""
+) -> list[bytes]:
     return encode({"kind": "hello", "session": session, "base": base, "size": size,
-                   "geometry": geometry})  # fmt: skip
+                   "geometry": geometry, "secret": secret})  # fmt: skip
+
+
+def hello_refusal(hello: Hello, geometry: dict[str, Any], secret: str) -> str | None:
+    """Why a receiver of ``geometry`` (and shared ``secret``, "" for none) refuses a
+    publisher's hello, else None: a wrong secret, or pools whose pages are not each
+    other's KV (layout, shape, dtype, page size, stored hidden rows, model)."""
+    if secret and not hmac.compare_digest(hello.secret.encode(), secret.encode()):
+        return "the shared secret (SGLANG_RELAY_SHIP_SECRET) differs"
+    diff = sorted(k for k in geometry if hello.geometry.get(k) != geometry[k])
+    diff += sorted(k for k in hello.geometry if k not in geometry)
+    return f"geometry differs in {', '.join(diff)}" if diff else None
 
 
 def read_hello(header: dict[str, Any]) -> Hello:
     geometry = header.get("geometry")
     if not isinstance(geometry, dict) or len(json.dumps(geometry)) > 4096:
         raise BadMessage("geometry: a small object expected")
+    session = _str(header, "session")
+    host, sep, port = session.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise BadMessage("session: HOST:PORT expected")
     return Hello(
-        session=_str(header, "session"),
+        session=session,
         base=_int(header, "base", 1, (1 << 64) - 1),
         size=_int(header, "size", 1, 1 << 40),
         geometry=geometry,
+        secret=_str(header, "secret") if "secret" in header else "",
     )
 
 
@@ -139,13 +159,15 @@ def read_offer(
 ) -> Offer:
     """The offer in ``header`` + ``frames``, checked against the receiver's model (token
     ids below ``vocab``, positions below ``max_position``, hidden rows ``hidden`` wide)."""
-    n = len(header.get("tokens") or [])
+    tokens_field = header.get("tokens")
+    n = len(tokens_field) if isinstance(tokens_field, list) else 0
     if not 1 <= n <= MAX_SPAN_TOKENS:
         raise BadMessage(f"tokens: 1 to {MAX_SPAN_TOKENS} expected")
     tokens = _ints(header, "tokens", n, 0, vocab)
     start = _int(header, "start", 0, max(0, max_position - n))
     answer_start = _int(header, "answer_start", 0, n)
-    pages = len(header.get("host_idx") or [])
+    host_field = header.get("host_idx")
+    pages = len(host_field) if isinstance(host_field, list) else 0
     if not n <= pages <= 2 * n + 4096:
         raise BadMessage("host_idx: the span's whole pages expected")
     host_idx = _ints(header, "host_idx", pages, 0, 1 << 40)
@@ -190,12 +212,17 @@ def _tensor(name: str, spec: Any, frame: bytes, n: int, hidden: int) -> torch.Te
         raise BadMessage(f"{name}: {count * itemsize} bytes expected, got {len(frame)}")
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).reshape(shape)
+    raw = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    if dtype is torch.bool:  # any byte: a bool is 0 or 1
+        return (raw != 0).reshape(shape)
+    return raw.view(dtype).reshape(shape)
 
 
 def ack(span: int, ok: bool, why: str = "") -> list[bytes]:
     return encode({"kind": "ack", "span": span, "ok": ok, "why": why[:200]})
 
 
-def refuse(why: str) -> list[bytes]:
-    return encode({"kind": "refuse", "why": why[:500]})
+def refuse(why: str, *, resend_hello: bool = False) -> list[bytes]:
+    """A receiver refuses a publisher (``resend_hello``: it does not know this connection,
+    e.g. after its restart: the publisher should say hello again)."""
+    return encode({"kind": "refuse", "why": why[:500], "resend_hello": resend_hello})
