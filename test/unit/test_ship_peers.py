@@ -40,22 +40,29 @@ def _side(seed: int, **geometry_change):
     return p, tier, store, geometry
 
 
-@pytest.fixture()
-def pair():
+def _peers(**publisher_geometry):
+    """A receiver and a publisher pointed at it (the publisher's geometry changed by
+    ``publisher_geometry``)."""
     port = free_port()
     rp, rtier, rstore, rgeo = _side(0)
     receiver = Receiver(
         tier=rtier, store=rstore, ledger=rp.ledger, transport=MooncakeTransport("127.0.0.1"),
         listen=f"127.0.0.1:{port}", geometry=rgeo, vocab=1000, max_position=4096,
     )  # fmt: skip
-    pp, ptier, pstore, pgeo = _side(1)
+    pp, ptier, pstore, pgeo = _side(1, **publisher_geometry)
     publisher = Publisher(
         tier=ptier, store=pstore, transport=MooncakeTransport("127.0.0.1"),
         peers=[f"127.0.0.1:{port}"], geometry=pgeo, lease=30.0,
     )  # fmt: skip
-    yield pp, pstore, publisher, rp, rstore, receiver, port
-    publisher.close()
-    receiver.close()
+    return pp, pstore, publisher, rp, rstore, receiver
+
+
+@pytest.fixture()
+def pair():
+    parts = _peers()
+    yield parts
+    parts[2].close()
+    parts[5].close()
 
 
 def _record(pp, pstore, slots: torch.Tensor) -> int:
@@ -80,7 +87,7 @@ def _until(cond, receiver=None, publisher=None, timeout=10.0):
 
 
 def test_a_shipped_span_arrives_with_the_publishers_kv_and_side_rows(pair):
-    pp, pstore, publisher, rp, rstore, receiver, _ = pair
+    pp, pstore, publisher, rp, rstore, receiver = pair
     slots = torch.tensor([9, 3, 17, 40, 41, 42, 11])
     span_id, tokens = _record(pp, pstore, slots)
     want_k = [pp.pool.k_buffer[i][slots].clone() for i in range(LAYERS)]
@@ -108,7 +115,7 @@ def test_a_shipped_span_arrives_with_the_publishers_kv_and_side_rows(pair):
 
 
 def test_pages_rewritten_before_the_pull_are_caught_by_the_digest(pair):
-    pp, pstore, publisher, rp, rstore, receiver, _ = pair
+    pp, pstore, publisher, rp, rstore, receiver = pair
     slots = torch.tensor([5, 6, 7, 8, 20, 21])
     span_id, tokens = _record(pp, pstore, slots)
     publisher.offer(span_id, tokens)
@@ -120,7 +127,7 @@ def test_pages_rewritten_before_the_pull_are_caught_by_the_digest(pair):
 
 
 def test_a_receiver_that_restarted_gets_the_hello_again(pair):
-    pp, pstore, publisher, rp, rstore, receiver, port = pair
+    pp, pstore, publisher, rp, rstore, receiver = pair
     assert _until(lambda: len(receiver.peers) == 1, receiver=receiver)  # the hello arrived
     receiver.peers.clear()  # as after a restart: the connection is unknown
     span_id, tokens = _record(pp, pstore, torch.tensor([30, 31, 32, 33, 34]))
@@ -133,17 +140,8 @@ def test_a_receiver_that_restarted_gets_the_hello_again(pair):
 
 
 def test_a_publisher_of_other_pools_is_refused_and_stops_offering():
-    port = free_port()
-    rp, rtier, rstore, rgeo = _side(0)
-    receiver = Receiver(
-        tier=rtier, store=rstore, ledger=rp.ledger, transport=MooncakeTransport("127.0.0.1"),
-        listen=f"127.0.0.1:{port}", geometry=rgeo, vocab=1000, max_position=4096,
-    )  # fmt: skip
-    pp, ptier, pstore, pgeo = _side(1, capture_layer=2)  # hidden rows of another layer
-    publisher = Publisher(
-        tier=ptier, store=pstore, transport=MooncakeTransport("127.0.0.1"),
-        peers=[f"127.0.0.1:{port}"], geometry=pgeo,
-    )  # fmt: skip
+    pp, pstore, publisher, rp, rstore, receiver = _peers(capture_layer=2)  # other layer's rows
+    ptier = pstore.tier
     try:
         assert _until(lambda: receiver.counters["peers_refused"] == 1, receiver=receiver)
         assert _until(lambda: publisher.refused == {0}, publisher=publisher)
