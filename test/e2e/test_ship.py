@@ -13,6 +13,7 @@ upstream's own greedy decode."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import random
 
 import pytest
@@ -44,25 +45,35 @@ def test_a_span_decoded_on_one_server_relays_on_another(model_dir):
     port = free_port()
     args = ["--model-path", model, "--max-total-tokens", "4096", *TIER]
     receiver_args = [*args, "--relay-ship-listen", f"127.0.0.1:{port}"]
-    with running_server(receiver_args) as receiver:
-        with running_server([*args, "--relay-ship-to", f"127.0.0.1:{port}"]) as publisher:
-            upstream = generate_ids(publisher.url, UP_IDS, 96)
-            pub = relay_info(publisher.url)
-            assert pub["ship_role"] == "publisher" and pub["ship_offers"] == 1, pub
-            ref = R.load_model(model)
-            cfg = settings_from_env(model, {}).config
-            prompt, span, occ = _downstream(ref, upstream["output_ids"])
-            served = generate_ids(receiver.url, prompt, 4, return_logprob=True, top_logprobs_num=5)
-            info = served["meta_info"]["relay"]
-            got = relay_info(receiver.url)
-            assert got["ship_received_spans"] == 1 and got["host_restores"] == 1, got
-            assert info["fallback"] is None and info["reused_tokens"] == len(span), info
-            # the pulled KV and side rows relay as the reference executor's own span
-            assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
-            # the publisher reads acks when its scheduler next matches a prompt: the lease ends
-            generate_ids(publisher.url, [7, 8, 9], 1)
-            pub = relay_info(publisher.url)
-            assert pub["ship_acks_taken"] == 1 and pub["host_leased"] == 0, pub
+    publisher_args = [*args, "--relay-ship-to", f"127.0.0.1:{port}"]
+    # started together: a publisher may come up before its receiver (it says hello later)
+    with both_servers(publisher_args, receiver_args) as (publisher, receiver):
+        upstream = generate_ids(publisher.url, UP_IDS, 96)
+        pub = relay_info(publisher.url)
+        assert pub["ship_role"] == "publisher" and pub["ship_offers"] == 1, pub
+        ref = R.load_model(model)
+        cfg = settings_from_env(model, {}).config
+        prompt, span, occ = _downstream(ref, upstream["output_ids"])
+        served = generate_ids(receiver.url, prompt, 4, return_logprob=True, top_logprobs_num=5)
+        info = served["meta_info"]["relay"]
+        got = relay_info(receiver.url)
+        assert got["ship_received_spans"] == 1 and got["host_restores"] == 1, got
+        assert info["fallback"] is None and info["reused_tokens"] == len(span), info
+        # the pulled KV and side rows relay as the reference executor's own span
+        assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
+        # the publisher reads acks when its scheduler next matches a prompt: the lease ends
+        generate_ids(publisher.url, [7, 8, 9], 1)
+        pub = relay_info(publisher.url)
+        assert pub["ship_acks_taken"] == 1 and pub["host_leased"] == 0, pub
+
+
+@contextlib.contextmanager
+def both_servers(first: list[str], second: list[str], env=None):
+    """Two servers started at once (each as ``running_server`` does)."""
+    with contextlib.ExitStack() as stack, cf.ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(stack.enter_context, running_server(a, env=env))
+                for a in (first, second)]  # fmt: skip
+        yield tuple(j.result() for j in jobs)
 
 
 def _pd(prefill, decode, bootstrap: int, body: dict) -> tuple[dict, dict]:
@@ -95,23 +106,22 @@ def test_under_pd_disaggregation_the_prefill_server_relays_what_the_decode_serve
                    "--disaggregation-decode-retraction-backup", "cpu_tensor",
                    "--relay-ship-to", f"127.0.0.1:{ship}"]  # fmt: skip
     greedy = {"temperature": 0, "ignore_eos": True}
-    with running_server(prefill_args, env=env) as prefill:
-        with running_server(decode_args, env=env) as decode:
-            up = {"input_ids": UP_IDS, "sampling_params": {"max_new_tokens": 96, **greedy}}
-            _, upstream = _pd(prefill, decode, bootstrap, up)
-            assert relay_info(decode.url)["ship_offers"] == 1
-            ref = R.load_model(model)
-            cfg = settings_from_env(model, {}).config
-            prompt, span, occ = _downstream(ref, upstream["output_ids"])
-            down = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, **greedy},
-                    "return_logprob": True, "top_logprobs_num": 5}  # fmt: skip
-            on_prefill, on_decode = _pd(prefill, decode, bootstrap, down)
-            got = relay_info(prefill.url)
-            assert got["ship_received_spans"] == 1 and got["host_restores"] == 1, got
-            assert got["relayed_tokens"] >= 1, got
-            served = on_prefill if "relay" in on_prefill["meta_info"] else on_decode
-            info = served["meta_info"]["relay"]
-            assert info["fallback"] is None and info["reused_tokens"] == len(span), info
-            assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
-            # the decode server never relays: its prompts' KV arrives by transfer
-            assert relay_info(decode.url).get("relay_extends", 0) == 0
+    with both_servers(prefill_args, decode_args, env=env) as (prefill, decode):
+        up = {"input_ids": UP_IDS, "sampling_params": {"max_new_tokens": 96, **greedy}}
+        _, upstream = _pd(prefill, decode, bootstrap, up)
+        assert relay_info(decode.url)["ship_offers"] == 1
+        ref = R.load_model(model)
+        cfg = settings_from_env(model, {}).config
+        prompt, span, occ = _downstream(ref, upstream["output_ids"])
+        down = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, **greedy},
+                "return_logprob": True, "top_logprobs_num": 5}  # fmt: skip
+        on_prefill, on_decode = _pd(prefill, decode, bootstrap, down)
+        got = relay_info(prefill.url)
+        assert got["ship_received_spans"] == 1 and got["host_restores"] == 1, got
+        assert got["relayed_tokens"] >= 1, got
+        served = on_prefill if "relay" in on_prefill["meta_info"] else on_decode
+        info = served["meta_info"]["relay"]
+        assert info["fallback"] is None and info["reused_tokens"] == len(span), info
+        assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
+        # the decode server never relays: its prompts' KV arrives by transfer
+        assert relay_info(decode.url).get("relay_extends", 0) == 0

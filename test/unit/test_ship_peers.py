@@ -60,6 +60,7 @@ def _peers(**publisher_geometry):
 @pytest.fixture()
 def pair():
     parts = _peers()
+    assert _until(lambda: len(parts[5].peers) == 1, parts[5], parts[2])  # connected, greeted
     yield parts
     parts[2].close()
     parts[5].close()
@@ -128,12 +129,12 @@ def test_pages_rewritten_before_the_pull_are_caught_by_the_digest(pair):
 
 def test_a_receiver_that_restarted_gets_the_hello_again(pair):
     pp, pstore, publisher, rp, rstore, receiver = pair
-    assert _until(lambda: len(receiver.peers) == 1, receiver=receiver)  # the hello arrived
+    assert _until(lambda: len(receiver.peers) == 1, receiver, publisher)  # the hello arrived
     receiver.peers.clear()  # as after a restart: the connection is unknown
     span_id, tokens = _record(pp, pstore, torch.tensor([30, 31, 32, 33, 34]))
     publisher.offer(span_id, tokens)
     assert _until(lambda: publisher.counters["hellos_resent"] == 1, receiver, publisher)
-    assert _until(lambda: len(receiver.peers) == 1, receiver=receiver)
+    assert _until(lambda: len(receiver.peers) == 1, receiver, publisher)
     span2, tokens2 = _record(pp, pstore, torch.tensor([50, 51, 52, 53, 54]))
     publisher.offer(span2, tokens2)
     assert _until(lambda: receiver.counters["received_spans"] == 1, receiver=receiver)
@@ -143,7 +144,7 @@ def test_a_publisher_of_other_pools_is_refused_and_stops_offering():
     pp, pstore, publisher, rp, rstore, receiver = _peers(capture_layer=2)  # other layer's rows
     ptier = pstore.tier
     try:
-        assert _until(lambda: receiver.counters["peers_refused"] == 1, receiver=receiver)
+        assert _until(lambda: receiver.counters["peers_refused"] == 1, receiver, publisher)
         assert _until(lambda: publisher.refused == {0}, publisher=publisher)
         span_id, tokens = _record(pp, pstore, torch.tensor([1, 2, 3, 4, 5]))
         publisher.offer(span_id, tokens)

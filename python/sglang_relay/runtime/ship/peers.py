@@ -96,8 +96,21 @@ class Publisher:
             sock.setsockopt(zmq.ROUTING_ID, f"{transport.session}/{i}".encode())
             sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a receiver not connected
             sock.connect(_endpoint(peer))
-            sock.send_multipart(self.hello)
             self.sockets.append(sock)
+        self.greeted: set[int] = set()  # receivers the hello reached (they may start later)
+        self._greet()
+
+    def _greet(self) -> None:
+        import zmq
+
+        for i, sock in enumerate(self.sockets):
+            if i in self.greeted:
+                continue
+            try:
+                sock.send_multipart(self.hello, flags=zmq.NOBLOCK)
+                self.greeted.add(i)
+            except zmq.Again:  # not connected yet
+                pass
 
     def offer(self, span_id: int, tokens: list[int]) -> None:
         """Offer span ``span_id`` (just recorded, of ``tokens``) to every receiver. Never
@@ -125,8 +138,10 @@ class Publisher:
             copy.offsets.tolist(), digest(self.tier.host_pool, copy.host_idx), side,
         )  # fmt: skip
         sent = 0
+        self._greet()
         for i, sock in enumerate(self.sockets):
-            if i in self.refused:
+            if i in self.refused or i not in self.greeted:
+                self.counters["offers_not_sent"] += int(i not in self.refused)
                 continue
             try:
                 sock.send_multipart(message, flags=zmq.NOBLOCK)
@@ -151,6 +166,7 @@ class Publisher:
     def _poll(self) -> None:
         import zmq
 
+        self._greet()
         for i, sock in enumerate(self.sockets):
             for _ in range(POLL_BATCH):
                 try:
