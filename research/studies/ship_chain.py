@@ -50,7 +50,7 @@ def _ask(url: str, prompt: str, tokens: int, **extra: Any) -> dict[str, Any]:
     gen = generate(url, prompt, params, return_logprob=True, top_logprobs_num=TOP, **extra)
     top = (gen.meta.get("output_top_logprobs") or [[]])[0]
     return {
-        "ttft_s": gen.ttft,
+        "ttft_s": gen.ttft_s,
         "text": gen.text,
         "relay": gen.relay or {},
         "first_top": [[lp, tid] for lp, tid, _ in top],
