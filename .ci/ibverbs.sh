@@ -12,6 +12,6 @@ if ! command -v apt-get >/dev/null || ! command -v dpkg >/dev/null; then
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-(cd "$tmp" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null)
+(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null)
 mkdir -p "$dest"
 for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$dest"; done
