@@ -179,8 +179,9 @@ class Publisher:
                     self.counters["bad_messages"] += 1
                     continue
                 if header["kind"] == "refuse" and header.get("resend_hello") is True:
+                    self.greeted.discard(i)  # said again now, or at the next greeting
                     self.counters["hellos_resent"] += 1
-                    sock.send_multipart(self.hello, flags=zmq.NOBLOCK)
+                    self._greet()
                 elif header["kind"] == "refuse":
                     self.refused.add(i)
                     self.counters["refused_by_receiver"] += 1
