@@ -17,7 +17,7 @@ setup: $(STAMP)
 	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
 
 # Re-run the install only when the package metadata changes.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[test,bench,examples]"
