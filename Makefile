@@ -16,7 +16,7 @@ BENCH_OUT ?= bench-results
 setup: $(STAMP)
 	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
 
-# Re-run the install only when the package metadata changes.
+# Re-run the install only when the package metadata or these install steps change.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
