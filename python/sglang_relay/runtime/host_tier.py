@@ -139,9 +139,9 @@ class HostTier:
         self.agree = agree
         self.clock = clock
         self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
-        # dropped while leased (by span id), or slots a failed transfer may still write (by
-        # negative keys): freed when their lease ends
-        self.orphans: dict[int, HostCopy] = {}
+        # host slots no copy owns that must not be reused before a time: a copy dropped
+        # while leased (by span id), slots a failed transfer may still write (negative keys)
+        self.orphans: dict[int, tuple[torch.Tensor, float]] = {}
         self._quarantined = 0
         self.counters: Counter[str] = Counter()
 
@@ -260,7 +260,7 @@ class HostTier:
         if copy is None:
             return
         if copy.lease_until > self.clock():
-            self.orphans[span_id] = copy
+            self.orphans[span_id] = (copy.host_idx, copy.lease_until)
         else:
             self.host_pool.free(copy.host_idx)
 
@@ -274,26 +274,24 @@ class HostTier:
         return copy
 
     def end_lease(self, span_id: int) -> None:
-        for copy in (self.copies.get(span_id), self.orphans.get(span_id)):
-            if copy is not None:
-                copy.lease_until = 0.0
-        self._free_orphans()
+        copy = self.copies.get(span_id)
+        if copy is not None:
+            copy.lease_until = 0.0
+        orphan = self.orphans.pop(span_id, None)
+        if orphan is not None:
+            self.host_pool.free(orphan[0])
 
     def quarantine(self, host_idx: torch.Tensor, seconds: float) -> None:
         """Slots a transfer that failed (or timed out) may still write: freed only after
         ``seconds``, never handed to another copy before."""
         self._quarantined += 1
-        self.orphans[-self._quarantined] = HostCopy(
-            host_idx=host_idx, offsets=host_idx[:0], has_hidden=host_idx[:0].bool(),
-            hidden=None, influence=None, last_use=self.clock(),
-            lease_until=self.clock() + seconds,
-        )  # fmt: skip
+        self.orphans[-self._quarantined] = (host_idx, self.clock() + seconds)
         self.counters["quarantined_slots"] += int(host_idx.numel())
 
     def _free_orphans(self) -> None:
         now = self.clock()
-        for key in [k for k, c in self.orphans.items() if c.lease_until <= now]:
-            self.host_pool.free(self.orphans.pop(key).host_idx)
+        for key in [k for k, (_, until) in self.orphans.items() if until <= now]:
+            self.host_pool.free(self.orphans.pop(key)[0])
 
     def reserve(self, tokens: int) -> torch.Tensor | None:
         """Host slots for a copy arriving from a peer (whole pages), making room by the
