@@ -31,6 +31,7 @@ def register() -> None:
         CAPTURE_DECODE_GRAPH_TARGET,
         CPU_GRAPH_FAKE_TARGET,
         CPU_RESTORE_TARGET,
+        CPU_VERIFY_ATTENTION_TARGET,
         DP_CONTROLLER_INIT_TARGET,
         DP_EVENT_LOOP_TARGET,
         DP_ROUTING_TARGET,
@@ -91,6 +92,9 @@ def register() -> None:
         register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
         # SGLang's DP controller spins on its socket: one of the stand-in's two cores
         register_hook(DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
+        from sglang_relay.runtime import cpu_spec
+
+        register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_spec.torch_native_with_verify, "around")
         if cpu.cpu_fp8_kv_opted_in():
             register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
         if cpu.cpu_hicache_opted_in():

@@ -88,6 +88,14 @@ DP_EVENT_LOOP_TARGET = (
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
 
 
+# CPU stand-in only (runtime/cpu_spec.py): torch_native attention has no TARGET_VERIFY path
+# (it reads a verify batch as a stale extend and ignores the tree mask); speculative verify
+# batches take the stand-in's tree attention, every other batch SGLang's own path
+CPU_VERIFY_ATTENTION_TARGET = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+)
+
+
 # CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
 # a CPU here; the stand-in lets its pool hold FP8 as on a GPU, to test relay on FP8 pools
 KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype"
