@@ -149,6 +149,22 @@ def test_graph_settings_that_would_skip_relay_are_refused():
     assert graph_refusal(decode | {"decode": False}, capture_in_graph=False, influence=True) is None
     refused = graph_refusal(prefill, capture_in_graph=True, influence=False)
     assert refused is not None and "--disable-prefill-cuda-graph" in refused
+    # a speculative server's decode graphs are verify graphs: not verified with relay
+    spec = graph_refusal(decode, capture_in_graph=True, influence=False, speculative=True)
+    assert spec is not None and "--cuda-graph-backend-decode disabled" in spec
+    assert graph_refusal(prefill | {"prefill": False}, capture_in_graph=True,
+                         influence=False, speculative=True) is None  # fmt: skip
+
+
+def test_speculative_servers_carry_no_influence_scores():
+    """Influence scores accumulate in plain decode forwards, which a speculative server
+    never runs: the two together are refused."""
+    from sglang_relay.runtime.modes import spec_influence_refusal
+
+    refused = spec_influence_refusal(speculative=True, influence=True)
+    assert refused is not None and "tau_inf" in refused and "--speculative-algorithm" in refused
+    assert spec_influence_refusal(speculative=True, influence=False) is None
+    assert spec_influence_refusal(speculative=False, influence=True) is None
 
 
 def test_settings_that_need_eager_decode_turn_decode_graphs_off_on_a_gpu(model_dir):

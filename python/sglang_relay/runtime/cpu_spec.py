@@ -142,8 +142,8 @@ def reconstruct_indices_from_tree_mask(
     below = torch.ones(n, n, dtype=torch.bool).tril(-1)  # j < i
     anc = mask & below  # anc[b, i, j]: j is a strict ancestor of i
     depth = anc.sum(-1)
-    positions.view(-1)[: bs * n] = (depth + verified_seq_len[:bs].view(bs, 1)).reshape(-1).to(
-        positions.dtype
+    positions.view(-1)[: bs * n] = (
+        (depth + verified_seq_len[:bs].view(bs, 1)).reshape(-1).to(positions.dtype)
     )
     rows = torch.arange(bs * n, dtype=retrieve_index.dtype).view(bs, n)
     retrieve_index.view(bs, -1)[:, :n] = rows
@@ -193,7 +193,8 @@ def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True)
     if save_kv_cache and k is not None and v is not None:
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-        pool.set_kv_buffer(layer, KVWriteLoc(loc, getattr(backend, "swa_out_cache_loc", None)), k, v)
+        where = KVWriteLoc(loc, getattr(backend, "swa_out_cache_loc", None))
+        pool.set_kv_buffer(layer, where, k, v)
     k_cache = pool.get_key_buffer(layer.layer_id)
     v_cache = pool.get_value_buffer(layer.layer_id)
     qh, kh = layer.tp_q_head_num, layer.tp_k_head_num

@@ -180,8 +180,9 @@ def check_relay_settings(env: dict[str, str], model_path: str) -> bool:
 
 def eager_decode_flags(argv: list[str], *, cpu: bool) -> list[str]:
     """Flags that turn decode graphs off, for settings that need eager decode (influence
-    scores accumulate in a per-request host loop no graph can hold), unless the user chose
-    the decode graph mode. On the CPU decode graphs are opt-in (--enable-torch-compile)."""
+    scores accumulate in a per-request host loop no graph can hold; a speculative server's
+    verify graphs are not verified with relay), unless the user chose the decode graph
+    mode. On the CPU decode graphs are opt-in (--enable-torch-compile)."""
     chosen = ("--cuda-graph-backend-decode", "--disable-cuda-graph", "--cuda-graph-config")
     if cpu or any(has_flag(argv, f) for f in chosen):
         return []
@@ -267,7 +268,10 @@ def prepare(argv: list[str]) -> list[str]:
     relay = flag_value(out, "--radix-cache-backend") == "relay"
     model_path = flag_value(out, "--model-path") or ""
     check_model_path(model_path, relay=relay)
-    if relay and check_relay_settings(relay_env, model_path):
+    eager = check_relay_settings(relay_env, model_path) if relay else False
+    # speculative verify graphs are not verified with relay (modes.graph_refusal)
+    speculative = flag_value(out, "--speculative-algorithm") not in (None, "NONE", "None")
+    if relay and (eager or speculative):
         out += eager_decode_flags(out, cpu=cpu_mode)
     os.environ.update(relay_env)  # reaches the spawned scheduler
     if relay:

@@ -175,13 +175,77 @@ def ship_refusal(view: ServerView, ship_role: str | None) -> str | None:
     return None
 
 
+# speculative algorithms relay serves: NGRAM has no draft model, its verify forwards are
+# the target's own (captured like decode), its compaction is followed (KV_MOVE_TARGET)
+SERVED_SPECULATIVE = frozenset({"NGRAM"})
+
+
+def speculating(view: ServerView) -> bool:
+    return view.speculative_algorithm not in (None, "", "NONE")
+
+
+def spec_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
+    """Speculative decoding relay serves: NGRAM, on the shapes its end-to-end test runs
+    (test/e2e/test_speculative.py: one scheduler, token pages, eager verify). A draft-model
+    algorithm would need the draft model's KV (and EAGLE3's auxiliary hidden states) for
+    every relayed span; research/design-speculative.md says what it takes."""
+    if not speculating(view):
+        return None
+    algo = str(view.speculative_algorithm)
+    checks = [
+        (
+            algo.upper() not in SERVED_SPECULATIVE,
+            f"--speculative-algorithm {algo} (a draft model keeps its own KV, which relay "
+            "does not bring to a span's new positions)",
+            "use --speculative-algorithm NGRAM",
+        ),
+        (
+            view.tp_size != 1 or view.dp_size != 1,
+            f"speculative decoding at --tp-size {view.tp_size} --dp-size {view.dp_size} (not "
+            "verified with relay)",
+            "use --tp-size 1 --dp-size 1 with --speculative-algorithm",
+        ),
+        (
+            view.page_size != 1,
+            f"speculative decoding with --page-size {view.page_size} (verify windows are "
+            "allocated past the committed page; not verified with relay)",
+            "use --page-size 1 with --speculative-algorithm",
+        ),
+        (
+            view.enable_torch_compile,
+            "speculative decoding with --enable-torch-compile (verify graphs are not "
+            "verified with relay)",
+            "drop --enable-torch-compile",
+        ),
+        (
+            view.enable_lora,
+            "speculative decoding with LoRA (not verified with relay)",
+            "drop the LoRA flags or --speculative-algorithm",
+        ),
+        (
+            view.enable_hierarchical_cache,
+            "speculative decoding with --enable-hierarchical-cache (not verified with relay)",
+            "drop --enable-hierarchical-cache or --speculative-algorithm",
+        ),
+        (
+            ship_role is not None or view.disaggregation_mode not in (None, "", "null"),
+            "speculative decoding with disaggregation or span shipping (not verified with relay)",
+            "drop --speculative-algorithm on shipping servers",
+        ),
+    ]
+    for refused, what, way_out in checks:
+        if refused:
+            return f"sglang-relay cannot serve {what}; {way_out}, {OUT}"
+    return None
+
+
 def refusal(
     view: ServerView, *, architecture: str | None = None, ship_role: str | None = None
 ) -> str | None:
     """The one-line refusal for a server relay cannot serve correctly, else None."""
-    shipped = ship_refusal(view, ship_role)
-    if shipped is not None:
-        return shipped
+    for check in (ship_refusal(view, ship_role), spec_refusal(view, ship_role)):
+        if check is not None:
+            return check
     if architecture is not None and architecture not in SUPPORTED_ARCHITECTURES:
         return (
             f"sglang-relay does not support the {architecture} architecture yet (supported: "
@@ -226,13 +290,6 @@ def refusal(
             view.load_format == "gguf" or view.model_path.endswith(".gguf"),
             "GGUF checkpoints (--load-format gguf)",
             "serve the Hugging Face checkpoint",
-        ),
-        (
-            view.speculative_algorithm not in (None, "", "NONE"),
-            f"--speculative-algorithm {view.speculative_algorithm} (never run with relay: "
-            "SGLang's verify path needs GPU kernels; docs/gpu.md lists what a GPU run must "
-            "confirm)",
-            "drop --speculative-algorithm",
         ),
         (
             view.enable_lora and view.lora_backend != "torch_native",
@@ -329,14 +386,33 @@ def kv_layout_refusal(
     return None
 
 
+def spec_influence_refusal(*, speculative: bool, influence: bool) -> str | None:
+    """Influence scores (the profile's ``tau_inf``) accumulate in plain decode forwards; a
+    speculative server decodes through verify forwards only, so its spans would carry none."""
+    if speculative and influence:
+        return (
+            "sglang-relay accumulates influence scores (the profile's tau_inf) in plain "
+            "decode forwards, and a speculative server verifies drafts instead; use a profile "
+            f"without tau_inf, or drop --speculative-algorithm, {OUT}"
+        )
+    return None
+
+
 def graph_refusal(
-    graphs: dict[str, bool], *, capture_in_graph: bool, influence: bool
+    graphs: dict[str, bool], *, capture_in_graph: bool, influence: bool, speculative: bool = False
 ) -> str | None:
     """Refuse captured graphs that would skip relay's work. ``graphs``: whether ``decode`` /
     ``prefill`` batches may replay a graph (CUDA graphs, the CPU graph runner);
     ``capture_in_graph``: the decode capture (stamps, hidden states) was installed before
     SGLang captured its decode graphs, so replays run it; ``influence``: the profile
-    accumulates influence scores, a per-request host loop no graph can hold."""
+    accumulates influence scores, a per-request host loop no graph can hold;
+    ``speculative``: the server verifies drafts (its decode graphs are verify graphs, not
+    verified with relay)."""
+    if graphs.get("decode") and speculative:
+        return (
+            "sglang-relay has not verified speculative decoding's captured verify graphs; add "
+            f"--cuda-graph-backend-decode disabled (on a CPU: drop --enable-torch-compile), {OUT}"
+        )
     if graphs.get("decode") and influence:
         return (
             "sglang-relay accumulates influence scores (the profile's tau_inf) in eager "

@@ -366,13 +366,19 @@ def build_relay_cache(ctx: Any) -> Any:
         release_slots=allocator.free,
         prometheus=bool(getattr(ctx.params, "enable_metrics", False)),
     )
-    graphs = modes.graph_refusal(
-        runtime.graphs,
-        capture_in_graph=runtime.capture_in_graph,
-        influence=runtime.influence_layer is not None,
-    )
-    if graphs is not None:
-        raise ValueError(graphs)
+    speculative = modes.speculating(view)
+    influence = runtime.influence_layer is not None
+    for refused in (
+        modes.graph_refusal(
+            runtime.graphs,
+            capture_in_graph=runtime.capture_in_graph,
+            influence=influence,
+            speculative=speculative,
+        ),
+        modes.spec_influence_refusal(speculative=speculative, influence=influence),
+    ):
+        if refused is not None:
+            raise ValueError(refused)
     cache.attach_runtime(runtime)
     cache.relay_model_config = ctx.model_config
     host_tokens = 2 * budget if settings.host_tokens is None else settings.host_tokens

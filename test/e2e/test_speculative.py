@@ -1,0 +1,82 @@
+"""Relay on a server that decodes speculatively (``--speculative-algorithm NGRAM``).
+
+NGRAM drafts from an n-gram corpus and verifies the drafts in one target forward per step
+(``TARGET_VERIFY``: tree attention over the drafts); the accepted tokens' KV is compacted to
+the front of each verify window by the KV pool's ``move_kv_cache``, outside any forward.
+On the CPU, SGLang runs it with the stand-in's torch versions of sgl-kernel's CPU ops and
+tree-verify attention (runtime/cpu_spec.py). Here, on a real server:
+
+* greedy speculative decoding gives what the reference executor's plain greedy decode
+  gives, with drafts really accepted and moved;
+* an output decoded speculatively relays whole into the next prompt, and the relay equals
+  the reference executor's relay of that prompt (its span's hidden rows and stamps came
+  from verify forwards and were carried by the moves: a row left behind by a move would
+  change the selection and the logprobs);
+* the options relay does not serve with speculation are refused (unit:
+  test/unit/test_modes_spec.py)."""
+
+from __future__ import annotations
+
+import pytest
+from relay_helpers import assert_matches_reference, chat, generate_ids, relay_info, running_server
+
+from sglang_relay.core import reference as R
+from sglang_relay.runtime.settings import settings_from_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+HEAD, TAIL = list(range(2100, 2123)), list(range(3100, 3111))
+
+
+@pytest.fixture(scope="module")
+def spec_server(model_dir):
+    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
+    with running_server([*args, "--speculative-algorithm", "NGRAM"]) as server:
+        yield server
+
+
+def _upstream_ids(tok) -> list[int]:
+    # a list the model writes with repeated n-grams: NGRAM's drafts get accepted
+    text = chat(tok, "Writer.", "List the steps to bake bread, numbered, in detail.")
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_span_decoded_speculatively_relays_as_the_reference_computes(spec_server, model_dir, tok):
+    model = str(model_dir)
+    up_ids = _upstream_ids(tok)
+    before = relay_info(spec_server.url)
+    upstream = generate_ids(spec_server.url, up_ids, 128)
+    meta = upstream["meta_info"]
+    # drafts were verified and accepted (more than one token per verify step) ...
+    assert meta["spec_verify_ct"] > 0 and meta["spec_num_correct_drafts"] > 0, meta
+    assert meta["spec_accept_length"] > 1.5, meta
+    after = relay_info(spec_server.url)
+    # ... and the pool's compaction ran, each move followed by relay's side data
+    assert after["kv_moves_followed"] and after["kv_moves"] > before.get("kv_moves", 0), after
+    ref = R.load_model(model)
+    record = R.generate(ref, [up_ids], 128)[0]
+    assert record.output == upstream["output_ids"]  # speculation changed no token
+    span = record.span_tokens
+    prompt = HEAD + span + TAIL
+    served = generate_ids(spec_server.url, prompt, 4, return_logprob=True, top_logprobs_num=5)
+    info = served["meta_info"]["relay"]
+    assert info["fallback"] is None and info["reused_tokens"] == len(span), info
+    cfg = settings_from_env(model, {}).config
+    occ = R.SpanOccurrence(len(HEAD), record, 0, len(span))
+    assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
+    # the downstream decodes speculatively too, and its greedy tokens are standard's
+    std = generate_ids(spec_server.url, prompt, 4, "standard")
+    assert served["output_ids"] == std["output_ids"]
+
+
+def test_speculative_batches_decode_what_plain_greedy_decodes(spec_server, model_dir, tok):
+    """Three requests verified in one batch (windows of different committed lengths, moves
+    of several requests at once) give the reference executor's greedy tokens."""
+    import concurrent.futures as cf
+
+    prompts = [_upstream_ids(tok), list(range(1100, 1140)), list(range(1500, 1517)) * 3]
+    with cf.ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda p: generate_ids(spec_server.url, p, 48), prompts))
+    ref = R.load_model(str(model_dir))
+    want = [r.output for r in R.generate(ref, prompts, 48)]
+    assert [o["output_ids"] for o in outs] == want
