@@ -96,9 +96,9 @@ def verify_tree_greedy_cpu(
     bs, n = candidates.shape
     steps = accept_index.shape[1]
     cand = candidates.tolist()
-    ridx = retrive_index.reshape(bs, n).tolist()
-    nxt = retrive_next_token.reshape(bs, n).tolist()
-    sib = retrive_next_sibling.reshape(bs, n).tolist()
+    ridx = _rows(retrive_index, bs, n).tolist()
+    nxt = _rows(retrive_next_token, bs, n).tolist()
+    sib = _rows(retrive_next_sibling, bs, n).tolist()
     target = target_predict.reshape(-1).tolist()
     pred = predicts.reshape(-1)
     acc = accept_index.view(bs, steps)
@@ -119,6 +119,12 @@ def verify_tree_greedy_cpu(
             acc[b, j] = last
         accept_token_num[b] = accepted
         pred[last] = target[last]
+
+
+def _rows(buffer: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+    """Request b's ``n`` entries of a per-node buffer, addressed flat from ``b * n`` as
+    SGLang's kernels do (a preallocated buffer may have more rows than the batch)."""
+    return buffer.view(-1)[: bs * n].view(bs, n)
 
 
 def reconstruct_indices_from_tree_mask(
@@ -146,7 +152,7 @@ def reconstruct_indices_from_tree_mask(
         (depth + verified_seq_len[:bs].view(bs, 1)).reshape(-1).to(positions.dtype)
     )
     rows = torch.arange(bs * n, dtype=retrieve_index.dtype).view(bs, n)
-    retrieve_index.view(bs, -1)[:, :n] = rows
+    _rows(retrieve_index, bs, n).copy_(rows)
     col = torch.arange(n)
     # parent: the deepest strict ancestor (highest index), -1 for the root
     parent = torch.where(anc.any(-1), (anc * col).amax(-1), torch.full_like(depth, -1))
@@ -159,12 +165,8 @@ def reconstruct_indices_from_tree_mask(
     sibling = torch.where(same & later, col.view(1, 1, n).expand(bs, n, n), big).amin(-1)
     sibling = torch.where(parent < 0, torch.full_like(sibling, n), sibling)
     none = torch.full_like(child, -1)
-    retrieve_next_token.view(bs, -1)[:, :n] = torch.where(child < n, child, none).to(
-        retrieve_next_token.dtype
-    )
-    retrieve_next_sibling.view(bs, -1)[:, :n] = torch.where(sibling < n, sibling, none).to(
-        retrieve_next_sibling.dtype
-    )
+    _rows(retrieve_next_token, bs, n).copy_(torch.where(child < n, child, none))
+    _rows(retrieve_next_sibling, bs, n).copy_(torch.where(sibling < n, sibling, none))
 
 
 def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
