@@ -13,7 +13,7 @@ tree-verify attention (runtime/cpu_spec.py). Here, on a real server:
   from verify forwards and were carried by the moves: a row left behind by a move would
   change the selection and the logprobs);
 * the options relay does not serve with speculation are refused (unit:
-  test/unit/test_modes_spec.py)."""
+  test/unit/test_server_options.py, test/unit/test_launch.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def test_a_span_decoded_speculatively_relays_as_the_reference_computes(spec_serv
     after = relay_info(spec_server.url)
     # ... and the pool's compaction ran, each move followed by relay's side data
     assert after["kv_moves_followed"] and after["kv_moves"] > before.get("kv_moves", 0), after
+    # some moves were real copies (a branch's draft moved to the front), not the identity
+    assert after["kv_moved_slots"] > before.get("kv_moved_slots", 0), after
     ref = R.load_model(model)
     record = R.generate(ref, [up_ids], 128)[0]
     assert record.output == upstream["output_ids"]  # speculation changed no token

@@ -55,7 +55,7 @@ def test_what_relay_cannot_serve_is_refused_by_the_table():
     table = server_options.load_table()
     assert [d for d in MUST_REFUSE if d not in table.refused] == []
     # speculative decoding: NGRAM only (no draft model); modes.spec_refusal narrows it
-    assert table.served["speculative_algorithm"].values == ("NGRAM",)
+    assert table.served["speculative_algorithm"].values == ("NGRAM", "ngram")
     # quantization: served per method, each classified (runtime/quant_methods.py)
     assert "awq" in table.served["quantization"].values
     assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
@@ -103,6 +103,13 @@ def test_the_launchers_own_arguments_pass(model_dir):
         assert server_options.refusal(vars(parse_server_args(argv))) is None, argv
     ngram = _argv(model_dir, "--speculative-algorithm", "NGRAM")
     check_server_mode(ngram)  # the mode matrix serves NGRAM on its tested shape too
+    check_server_mode(_argv(model_dir, "--speculative-algorithm", "ngram"))  # SGLang upper-cases
+    # on a GPU SGLang verifies overlapped, which relay has not verified
+    gpu = _argv(model_dir, "--speculative-algorithm", "NGRAM", "--device", "cuda", cpu=False)
+    with pytest.raises(RelayError, match="overlap schedule") as exc:
+        check_server_mode(gpu)
+    assert "--disable-overlap-schedule" in str(exc.value)
+    check_server_mode([*gpu, "--disable-overlap-schedule"])
 
 
 @pytest.mark.parametrize(
@@ -124,6 +131,12 @@ def test_the_launchers_own_arguments_pass(model_dir):
         (["--speculative-algorithm", "NGRAM", "--page-size", "16"], "--page-size 16"),
         (["--speculative-algorithm", "NGRAM", "--enable-torch-compile"], "torch-compile"),
         (["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "2"], "eagle-topk"),
+        (["--speculative-algorithm", "NGRAM", "--dp-size", "2"], "--dp-size 2"),
+        (["--speculative-algorithm", "ngram", "--enable-hierarchical-cache"], "hierarchical"),
+        (
+            ["--speculative-algorithm", "NGRAM", "--enable-lora", "--lora-backend", "torch_native"],
+            "with LoRA",
+        ),  # fmt: skip
     ],
 )
 def test_refused_options_are_named_before_anything_loads(model_dir, extra, named):

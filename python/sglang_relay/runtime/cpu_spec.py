@@ -1,7 +1,7 @@
 """Speculative decoding (NGRAM) on the CPU stand-in: sgl_kernel's CPU ops in pure torch,
 and a tree-verify path for the ``torch_native`` attention backend.
 
-SGLang 0.5.23 runs NGRAM on a CPU through eight ops of sgl-kernel's CPU build (not on
+SGLang 0.5.23 runs NGRAM on a CPU through seven ops of sgl-kernel's CPU build (not on
 PyPI; relay's stand-in ``sgl_kernel`` resolves these names here) and an attention backend
 with a ``TARGET_VERIFY`` path (``torch_native`` reads a verify batch as a stale extend and
 ignores its tree mask). Each op below keeps the contract of SGLang's own Triton kernel of
@@ -175,6 +175,10 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
     if tgt_loc.numel() == 0:
         return
     tgt, src = tgt_loc.reshape(-1).long(), src_loc.reshape(-1).long()
+    if int(torch.minimum(tgt.min(), src.min())) < 0:
+        raise IndexError("copy_all_layer_kv_cache_cpu: a negative slot index")
+    # the raw views reach only as far as the largest index (SGLang's move_kv_cache checks
+    # indices against the pool with SGLANG_ENABLE_ASYNC_ASSERT; its callers pass pool slots)
     slots = int(torch.maximum(tgt.max(), src.max())) + 1
     for ptr, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
         raw = (ctypes.c_uint8 * (slots * int(stride))).from_address(int(ptr))
@@ -244,6 +248,13 @@ def torch_native_with_verify(original, backend, q, k, v, layer, forward_batch, *
     if not (hasattr(mode, "is_target_verify") and mode.is_target_verify()):
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     why = verify_attention_unsupported(layer)
+    spec, bs = forward_batch.spec_info, forward_batch.batch_size
+    n = int(getattr(spec, "draft_token_num", 0) or 0)
+    mask = getattr(spec, "custom_mask", None)
+    if why is None and (mask is None or mask.numel() != bs * n * n):
+        # NGRAM's CPU mask is [bs, N, N] over the drafts (QLEN); any other layout (a
+        # prefix-wide mask, another algorithm's verify input) is not what this reads
+        why = "a verify input other than NGRAM's [bs, N, N] draft mask"
     if why is not None:
         raise NotImplementedError(
             f"speculative verify on the CPU stand-in does not serve {why} (layer "

@@ -270,7 +270,7 @@ def prepare(argv: list[str]) -> list[str]:
     check_model_path(model_path, relay=relay)
     eager = check_relay_settings(relay_env, model_path) if relay else False
     # speculative verify graphs are not verified with relay (modes.graph_refusal)
-    speculative = flag_value(out, "--speculative-algorithm") not in (None, "NONE", "None")
+    speculative = str(flag_value(out, "--speculative-algorithm") or "").upper() not in ("", "NONE")
     if relay and (eager or speculative):
         out += eager_decode_flags(out, cpu=cpu_mode)
     os.environ.update(relay_env)  # reaches the spawned scheduler

@@ -55,6 +55,8 @@ class ServerView:
     bnb_8bit: bool = False  # a bitsandbytes checkpoint quantized to 8 bits (LLM.int8)
     load_format: str = "auto"
     speculative_algorithm: str | None = None
+    device: str = ""
+    disable_overlap_schedule: bool = False
     enable_lora: bool = False
     lora_backend: str = "csgmv"
     enable_hierarchical_cache: bool = False
@@ -181,12 +183,14 @@ SERVED_SPECULATIVE = frozenset({"NGRAM"})
 
 
 def speculating(view: ServerView) -> bool:
-    return view.speculative_algorithm not in (None, "", "NONE")
+    return str(view.speculative_algorithm or "").upper() not in ("", "NONE")
 
 
 def spec_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
     """Speculative decoding relay serves: NGRAM, on the shapes its end-to-end test runs
-    (test/e2e/test_speculative.py: one scheduler, token pages, eager verify). A draft-model
+    (test/e2e/test_speculative.py: one scheduler, token pages, eager verify, no overlap
+    schedule: SGLang turns it off for NGRAM on a CPU, and a GPU's overlapped verify is not
+    verified with relay). A draft-model
     algorithm would need the draft model's KV (and EAGLE3's auxiliary hidden states) for
     every relayed span; research/design-speculative.md says what it takes."""
     if not speculating(view):
@@ -198,6 +202,12 @@ def spec_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
             f"--speculative-algorithm {algo} (a draft model keeps its own KV, which relay "
             "does not bring to a span's new positions)",
             "use --speculative-algorithm NGRAM",
+        ),
+        (
+            view.device != "cpu" and not view.disable_overlap_schedule,
+            "speculative decoding with the overlap schedule (SGLang runs NGRAM overlapped on "
+            "GPUs; relay's end-to-end test runs it on a CPU, where SGLang turns overlap off)",
+            "add --disable-overlap-schedule",
         ),
         (
             view.tp_size != 1 or view.dp_size != 1,

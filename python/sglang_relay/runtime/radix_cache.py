@@ -376,6 +376,13 @@ def build_relay_cache(ctx: Any) -> Any:
             speculative=speculative,
         ),
         modes.spec_influence_refusal(speculative=speculative, influence=influence),
+        None
+        if not speculative or runtime.moves_followed
+        else (
+            "sglang-relay: this KV pool moves KV with its own move_kv_cache, which relay's "
+            "side data does not follow (speculative decoding's compaction); drop "
+            f"--speculative-algorithm, {modes.OUT}"
+        ),
     ):
         if refused is not None:
             raise ValueError(refused)

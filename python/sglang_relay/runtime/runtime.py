@@ -164,6 +164,7 @@ class RelayRuntime:
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self.counters = RelayCounters(prometheus=prometheus)
+        self._moved_slots: torch.Tensor | None = None  # kv_moved's device-side count
         # the scheduler's side: admission, options, per-request plans and fallbacks
         self.gate = RequestGate(self, admit_window=chunk_size(model_runner))
         # the runtime invariant: every eager forward of SGLang's runner that writes KV came
@@ -252,6 +253,10 @@ class RelayRuntime:
         moved slot carries its source's hidden row under a fresh stamp."""
         self.ledger.move(tgt, src)
         self.counters["kv_moves"] += 1
+        # slots whose KV really changed place (not the identity pairs of a chain or the
+        # 0 -> 0 padding), summed on the device: no host sync per verify step
+        moved = (tgt.reshape(-1) != src.reshape(-1)).sum()
+        self._moved_slots = moved if self._moved_slots is None else self._moved_slots + moved
 
     def kv_loaded(self, slots: torch.Tensor) -> None:
         """HiCache copies host KV into ``slots`` outside any forward (a load-back of a tree
@@ -404,6 +409,7 @@ class RelayRuntime:
             "cuda_graphs": self.graphs,
             "capture_in_graph": self.capture_in_graph,
             "kv_moves_followed": self.moves_followed,
+            "kv_moved_slots": 0 if self._moved_slots is None else int(self._moved_slots),
             "linear_method": self.linear_method,
             "linear_rows": self.linear_rows,
             "kernels": kernel_family(self.device),

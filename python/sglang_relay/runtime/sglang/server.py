@@ -174,6 +174,8 @@ def server_view(obj) -> ServerView:
         bnb_8bit=bool(checkpoint_quantization(str(get("model_path", ""))).get("load_in_8bit")),
         load_format=str(get("load_format", "auto")),
         speculative_algorithm=get("speculative_algorithm", None),
+        device=str(get("device", "") or ""),
+        disable_overlap_schedule=bool(get("disable_overlap_schedule", False)),
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),
         lora_backend=str(get("lora_backend", "csgmv") or "csgmv"),
         enable_hierarchical_cache=bool(get("enable_hierarchical_cache", False)),
