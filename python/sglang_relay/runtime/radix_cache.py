@@ -155,7 +155,7 @@ class RelayRadixCache(UnifiedRadixCache):
             if owned:
                 self._takeover[req.kv.req_pool_idx] = (lo, hi)
                 self.relay_counters["held_tail_pages"] += int(not clamp)
-            if self.ship is not None and hasattr(self.ship, "offer"):
+            if self.ship is not None and self.ship.role == "publisher":
                 self.ship.offer(added, tokens)  # never raises
 
     def _span_of(self, req: Any, up_to: int, *, with_context: bool):

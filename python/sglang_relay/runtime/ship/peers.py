@@ -63,6 +63,8 @@ def _endpoint(address: str) -> str:
 class Publisher:
     """Offers recorded spans to receivers (``peers``: HOST:PORT of each)."""
 
+    role = "publisher"
+
     def __init__(
         self,
         *,
@@ -218,6 +220,8 @@ class Publisher:
 
 class Receiver:
     """Takes spans offered by publishers into this server's tier and store."""
+
+    role = "receiver"
 
     def __init__(
         self,
