@@ -150,7 +150,7 @@ def test_speculative_compaction_through_the_served_pool_keeps_side_data_with_kv(
     monkeypatch.setattr(spec_utils, "fill_accept_out_cache_loc_func", _accepted)
     loc = torch.tensor(windows, dtype=torch.int64).reshape(-1)
     ledger = _ledger(loc, torch.ones(loc.numel(), dtype=torch.bool))  # the verify's rows
-    rt = SimpleNamespace(ledger=ledger, counters={"kv_moves": 0})
+    rt = SimpleNamespace(ledger=ledger, counters={"kv_moves": 0}, _moved_slots=None)
     rt.kv_moved = lambda tgt, src: RelayRuntime.kv_moved(rt, tgt, src)
     attach_pool_runtime(pool, rt)
     assert moves_reach_hook(pool)
@@ -170,6 +170,13 @@ def test_speculative_compaction_through_the_served_pool_keeps_side_data_with_kv(
     spec_utils.move_accept_tokens_to_target_kvcache(batch, accept, correct, allocator)
 
     assert rt.counters["kv_moves"] == 1
+    # the slots whose KV changed place: accepted nodes not already at their depth's slot
+    moved = sum(
+        int(loc[i]) != window[depth]
+        for b, window in enumerate(windows)
+        for depth, i in enumerate(int(i) for i in accept[b] if i != -1)
+    )
+    assert int(rt._moved_slots) == moved
     for b, window in enumerate(windows):
         nodes = [int(i) for i in accept[b] if i != -1]
         for depth, i in enumerate(nodes):  # node i was written to slot loc[i]
