@@ -159,12 +159,13 @@ def test_graph_settings_that_would_skip_relay_are_refused():
 def test_speculative_servers_carry_no_influence_scores():
     """Influence scores accumulate in plain decode forwards, which a speculative server
     never runs: the two together are refused."""
-    from sglang_relay.runtime.modes import spec_influence_refusal
+    from sglang_relay.runtime.modes import ServerView, spec_refusal
 
-    refused = spec_influence_refusal(speculative=True, influence=True)
+    ngram, plain = ServerView(speculative_algorithm="NGRAM", device="cpu"), ServerView()
+    refused = spec_refusal(ngram, influence=True)
     assert refused is not None and "tau_inf" in refused and "--speculative-algorithm" in refused
-    assert spec_influence_refusal(speculative=True, influence=False) is None
-    assert spec_influence_refusal(speculative=False, influence=True) is None
+    assert spec_refusal(ngram, influence=False) is None
+    assert spec_refusal(plain, influence=True) is None
 
 
 def test_settings_that_need_eager_decode_turn_decode_graphs_off_on_a_gpu(model_dir):

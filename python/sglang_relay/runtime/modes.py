@@ -186,13 +186,13 @@ def speculating(view: ServerView) -> bool:
     return str(view.speculative_algorithm or "").upper() not in ("", "NONE")
 
 
-def spec_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
-    """Speculative decoding relay serves: NGRAM, on the shapes its end-to-end test runs
-    (test/e2e/test_speculative.py: one scheduler, token pages, eager verify, no overlap
-    schedule: SGLang turns it off for NGRAM on a CPU, and a GPU's overlapped verify is not
-    verified with relay). A draft-model
-    algorithm would need the draft model's KV (and EAGLE3's auxiliary hidden states) for
-    every relayed span; research/design-speculative.md says what it takes."""
+def spec_refusal(
+    view: ServerView, ship_role: str | None = None, *, influence: bool = False
+) -> str | None:
+    """Speculative decoding relay serves: NGRAM, on the shapes test_speculative.py runs (one
+    scheduler, token pages, eager verify, no overlap: SGLang turns it off on a CPU). A draft
+    model's KV (and EAGLE3's aux states) for spans is not built (research/design-
+    speculative.md). ``influence``: ``tau_inf`` scores accumulate in plain decode only."""
     if not speculating(view):
         return None
     algo = str(view.speculative_algorithm)
@@ -208,6 +208,12 @@ def spec_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
             "speculative decoding with the overlap schedule (SGLang runs NGRAM overlapped on "
             "GPUs; relay's end-to-end test runs it on a CPU, where SGLang turns overlap off)",
             "add --disable-overlap-schedule",
+        ),
+        (
+            influence,
+            "speculative decoding with influence scores (the profile's tau_inf: they "
+            "accumulate in plain decode forwards, a speculative server verifies drafts)",
+            "use a profile without tau_inf, or drop --speculative-algorithm",
         ),
         (
             view.tp_size != 1 or view.dp_size != 1,
@@ -392,18 +398,6 @@ def kv_layout_refusal(
             f"sglang-relay cannot serve a {kv_dtype} KV cache for a {model_dtype} model "
             "(relay's splice and attention read plain float or FP8 elements); use "
             f"--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2, {OUT}"
-        )
-    return None
-
-
-def spec_influence_refusal(*, speculative: bool, influence: bool) -> str | None:
-    """Influence scores (the profile's ``tau_inf``) accumulate in plain decode forwards; a
-    speculative server decodes through verify forwards only, so its spans would carry none."""
-    if speculative and influence:
-        return (
-            "sglang-relay accumulates influence scores (the profile's tau_inf) in plain "
-            "decode forwards, and a speculative server verifies drafts instead; use a profile "
-            f"without tau_inf, or drop --speculative-algorithm, {OUT}"
         )
     return None
 

@@ -375,7 +375,7 @@ def build_relay_cache(ctx: Any) -> Any:
             influence=influence,
             speculative=speculative,
         ),
-        modes.spec_influence_refusal(speculative=speculative, influence=influence),
+        modes.spec_refusal(view, settings.ship_role, influence=influence),
         None
         if not speculative or runtime.moves_followed
         else (
