@@ -32,12 +32,15 @@ OPS = (
 )
 
 
-def _windows(start_offset: torch.Tensor, end_offset: torch.Tensor):
-    """(request i, start, end, packed offset) of each request's [start, end) window, packed
-    in request order (the Triton kernels' ``sum(end - start)`` over earlier requests)."""
+def _windows(req_pool_indices, start_offset, end_offset):
+    """(req_to_token row, window slice, packed slice) of each request's non-empty
+    [start, end) window, packed in request order (the Triton kernels' ``sum(end - start)``
+    over earlier requests)."""
     offset = 0
-    for i, (s, e) in enumerate(zip(start_offset.tolist(), end_offset.tolist(), strict=True)):
-        yield i, s, e, offset
+    rows, starts, ends = req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    for row, s, e in zip(rows, starts, ends, strict=True):
+        if e > s:
+            yield row, slice(s, e), slice(offset, offset + e - s)
         offset += e - s
 
 
@@ -45,20 +48,16 @@ def assign_req_to_token_pool_cpu(
     req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
 ) -> None:
     """``req_to_token[req_i, start_i:end_i] = out_cache_loc[packed window i]``."""
-    rows = req_pool_indices.tolist()
-    for i, s, e, off in _windows(start_offset, end_offset):
-        if e > s:
-            req_to_token[rows[i], s:e] = out_cache_loc[off : off + e - s].to(req_to_token.dtype)
+    for row, window, packed in _windows(req_pool_indices, start_offset, end_offset):
+        req_to_token[row, window] = out_cache_loc[packed].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
     req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
 ) -> None:
     """``out_cache_loc[packed window i] = req_to_token[req_i, start_i:end_i]``."""
-    rows = req_pool_indices.tolist()
-    for i, s, e, off in _windows(start_offset, end_offset):
-        if e > s:
-            out_cache_loc[off : off + e - s] = req_to_token[rows[i], s:e].to(out_cache_loc.dtype)
+    for row, window, packed in _windows(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[packed] = req_to_token[row, window].to(out_cache_loc.dtype)
 
 
 def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc) -> None:
