@@ -3,6 +3,8 @@
 * A model forward that skips relay's hook (as an option that replaced SGLang's forward
   would) writes KV relay never stamped: the runtime invariant turns relay off for the rest
   of the server's life; every later request runs standard prefill and says why.
+* A scheduler killed outright takes the whole server down (SGLang's watchdog sees it through
+  the CPU stand-in's forkserver as through a spawn): no server is left up that answers nothing.
 * Under ``--tp-size 2``, planning fails on rank 1 only: every rank falls back together
   (no rank left waiting in a collective) and the answer equals standard prefill."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 from relay_helpers import chat, generate, generate_ids, relay_info, running_server
 
@@ -44,6 +47,16 @@ def test_a_forward_past_the_hook_turns_relay_off(model_dir, tok):
         generate(url, chat(tok, "Writer.", "Describe a market in detail."), n=48)
         assert relay_info(url)["recorded_spans"] == spans  # nothing stored any more
         assert healthy(url)
+        # a scheduler that dies takes the whole server down (SGLang's watchdog, also when
+        # the scheduler was forked by the CPU stand-in's forkserver): no server left up
+        # answering nothing
+        launcher = psutil.Process(server.proc.pid)
+        (scheduler,) = [
+            c for c in launcher.children(recursive=True) if c.name() == "sglang::scheduler"
+        ]
+        scheduler.kill()
+        server.proc.wait(timeout=120)
+        assert not healthy(url, wait_s=1)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,26 @@ def test_health(server):
     assert healthy(server.url)
 
 
+def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server):
+    """CPU stand-in (runtime/cpu.py): the scheduler and detokenizer are forked by
+    multiprocessing's forkserver, one child of the launcher that imported their modules
+    once, instead of each being spawned and importing SGLang again."""
+    import psutil
+
+    from sglang_relay.runtime import cpu
+
+    if cpu.cuda_available():
+        pytest.skip("on a GPU SGLang spawns its processes")
+    launcher = psutil.Process(server.proc.pid)
+    (fork_server,) = [
+        c for c in launcher.children() if "multiprocessing.forkserver" in " ".join(c.cmdline())
+    ]
+    assert all(module in " ".join(fork_server.cmdline()) for module in cpu.FORKSERVER_PRELOAD)
+    forked = {c.name() for c in fork_server.children()}
+    assert {"sglang::scheduler", "sglang::detokenizer"} <= forked, forked
+    assert not [c for c in launcher.children() if c.name().startswith("sglang::")]
+
+
 def test_relay_backend_is_the_schedulers_tree_cache(server):
     info = requests.get(server.url + "/get_server_info", timeout=30).json()
     assert info["radix_cache_backend"] == "relay"

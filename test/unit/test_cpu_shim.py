@@ -102,10 +102,11 @@ def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stan
         DP_EVENT_LOOP_TARGET,
         GENERATE_REQUEST_TARGET,
         MODEL_PARALLEL_GROUP_TARGET,
+        PROCESS_START_TARGET,
     )
 
     cpu_only = {MODEL_PARALLEL_GROUP_TARGET, CPU_GRAPH_FAKE_TARGET}
-    cpu_only.add(DP_EVENT_LOOP_TARGET)
+    cpu_only |= {DP_EVENT_LOOP_TARGET, PROCESS_START_TARGET}
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     # SGLang imports sgl_kernel: the stand-in package here (a CPU build of it elsewhere)
     env["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, env.get("PYTHONPATH", "")])

@@ -307,3 +307,21 @@ def test_every_quantization_method_of_sglang_is_served_or_refused_with_its_reaso
             assert quant_methods.refusal_note(name) in message
     assert "not reviewed" in modes.refusal(view(quantization="quark"))
     assert "MX block formats" in modes.refusal(view(quantization="mxfp4"))
+
+
+def test_children_fork_from_a_preloaded_process_unless_sglang_sets_each_up(cpu_args):
+    """The CPU stand-in forks the scheduler and detokenizer from a preloaded process
+    (runtime/cpu.py) only when SGLang sets nothing up per child at its start: a NUMA
+    binding (applied through the interpreter a spawned child executes), one visible device
+    per process, the memory saver's preload."""
+    import os
+
+    from sglang_relay.runtime.sglang.server import per_child_process_setup
+
+    assert per_child_process_setup(resolved_server_args(cpu_args)) is None
+    bound = resolved_server_args([*cpu_args, "--numa-node", "0"])
+    assert "NUMA" in per_child_process_setup(bound)
+    os.environ["SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"] = "1"
+    assert per_child_process_setup(resolved_server_args(cpu_args)) == (
+        "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"
+    )

@@ -152,6 +152,38 @@ def cpu_engine_active() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and os.environ.get(CPU_STANDIN_ENV) == "1"
 
 
+# The scheduler and detokenizer processes SGLang starts ("spawn") each import SGLang and torch
+# again, ~13 s of one core apiece here. On the stand-in they fork from one process that
+# imported them once (multiprocessing's forkserver). That process is itself a fresh
+# interpreter, started at the first child's start, after SGLang and relay have set the
+# environment, so the children import under the environment spawned ones would see.
+FORKSERVER_PRELOAD = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
+# set to 1: SGLang's own spawn on the stand-in too (the way back, and the comparison)
+CPU_SPAWN_ENV = "SGLANG_RELAY_CPU_SPAWN"
+
+
+def children_from_forkserver(result, server_args, *args, **kwargs):
+    """After SGLang's ``_set_envs_and_config`` chose "spawn": on the CPU stand-in, start the
+    server's children from a preloaded forkserver instead, unless SGLang would set a child
+    up at its start in a way a fork from that server does not carry (then it stays spawn)."""
+    import logging
+    import multiprocessing as mp
+
+    from sglang_relay.runtime.sglang.server import per_child_process_setup
+
+    log = logging.getLogger(__name__)
+    setup = per_child_process_setup(server_args)
+    if os.environ.get(CPU_SPAWN_ENV) == "1":
+        setup = CPU_SPAWN_ENV
+    if setup is not None:
+        log.info("sglang-relay: server processes spawned one by one (%s)", setup)
+        return result
+    mp.set_start_method("forkserver", force=True)
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    log.info("sglang-relay: server processes fork from one preloaded process (CPU stand-in)")
+    return result
+
+
 # opt-in (tests): let SGLang's CPU KV pool hold --kv-cache-dtype fp8_e5m2
 CPU_FP8_KV_ENV = "SGLANG_RELAY_CPU_FP8_KV"
 

@@ -46,6 +46,7 @@ def register() -> None:
         MODEL_PARALLEL_GROUP_TARGET,
         MODEL_RUNNER_FORWARD_TARGET,
         PREPARE_FOR_EXTEND_TARGET,
+        PROCESS_START_TARGET,
         REQUEST_LEVEL_KEY_TARGET,
         STREAM_RESPONSE_TARGET,
         TOKENIZER_INIT_TARGET,
@@ -85,6 +86,7 @@ def register() -> None:
         register_hook(
             MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
         )
+        register_hook(PROCESS_START_TARGET, cpu.children_from_forkserver, "after")
         from sglang_relay.runtime import cpu_graph
 
         cpu_graph.register_graph_backend()

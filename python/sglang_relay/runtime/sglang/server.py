@@ -263,3 +263,23 @@ def chunk_size(model_runner) -> int | None:
     when unset: 4096 on a CPU); None when prefill is not chunked."""
     size = resolved_value(model_runner.server_args, "chunked_prefill_size")
     return int(size) if size is not None and int(size) > 0 else None
+
+
+def per_child_process_setup(server_args) -> str | None:
+    """What SGLang sets up per child process at its start (a NUMA binding through the
+    interpreter it executes, one visible device per process, the memory saver's preload),
+    which a child forked from a preloaded process would not get; None when nothing is."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.numa_utils import get_numa_node_if_available
+
+    ranks = server_args.tp_size * server_args.pp_size
+    gpu_ids = [server_args.base_gpu_id + r * server_args.gpu_id_step for r in range(ranks)]
+    if envs.SGLANG_NUMA_BIND_V2.get() and any(
+        get_numa_node_if_available(server_args, g) is not None for g in gpu_ids
+    ):
+        return "a NUMA binding (--numa-node, SGLANG_AUTO_NUMA_BIND)"
+    if envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get():
+        return "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"
+    if getattr(server_args, "enable_memory_saver", False):
+        return "--enable-memory-saver"
+    return None

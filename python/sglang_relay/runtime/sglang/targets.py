@@ -124,3 +124,9 @@ HOST_LOAD_TARGET = "sglang.srt.mem_cache.l2_transfer.L2TransferEngine.submit_hos
 # (``--disaggregation-decode-retraction-backup cpu_tensor``): KV copied into the row's
 # device slots outside any forward; stamped fresh first, as a host load
 CPU_RESTORE_TARGET = "sglang.srt.managers.schedule_batch.Req.load_kv_cache"
+
+
+# the launcher sets SGLang's process environment and start method ("spawn") here, before it
+# starts the scheduler and detokenizer processes; on the CPU stand-in those then fork from
+# one preloaded process instead (runtime/cpu.py: children_from_forkserver)
+PROCESS_START_TARGET = "sglang.srt.entrypoints.engine._set_envs_and_config"

@@ -1,0 +1,73 @@
+"""What a CPU relay server's start costs, its children spawned (SGLang's way) or forked from
+the stand-in's preloaded forkserver (runtime/cpu.py): time to a healthy server and the CPU
+seconds of every process of the server until then, alternating the two, servers one at a
+time. CI starts ~30 servers on 2 cores, so the CPU seconds are what CI time pays.
+
+    python research/studies/start_cost.py --rounds 4 --out research/studies/data/start_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import psutil
+import requests
+
+from sglang_relay.embedded_model import ensure_model
+from sglang_relay.runtime.cpu import CPU_SPAWN_ENV
+from sglang_relay.runtime.process import ServerProcess
+
+
+def one_start(spawn: bool) -> dict:
+    env = {CPU_SPAWN_ENV: "1" if spawn else "0"}
+    t0 = time.monotonic()
+    seen: dict[int, psutil.Process] = {}
+    args = ["--model-path", str(ensure_model(quiet=True)), "--max-total-tokens", "8192"]
+    server = ServerProcess(args, env=env)
+    server.start(timeout=600)
+    ready = time.monotonic() - t0
+    root = psutil.Process(server.proc.pid)
+    for p in [root, *root.children(recursive=True)]:
+        seen[p.pid] = p
+    cpu = sum(sum(p.cpu_times()[:2]) for p in seen.values())
+    text = requests.post(server.url + "/generate", timeout=120, json={
+        "text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+    }).json()["text"]  # fmt: skip
+    server.stop()
+    return {"spawn": spawn, "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "text": text}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    runs = []
+    for r in range(args.rounds):
+        for spawn in (True, False) if r % 2 == 0 else (False, True):
+            runs.append(one_start(spawn))
+            print(runs[-1], flush=True)
+    summary = {}
+    for spawn in (True, False):
+        mine = [x for x in runs if x["spawn"] is spawn]
+        summary["spawn" if spawn else "forkserver"] = {
+            k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")
+        }
+    print(json.dumps(summary))
+    assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
+    if args.out:
+        data = {"machine": f"{os.cpu_count()} cores", "rounds": args.rounds, "runs": runs,
+                "median": summary, "argv": sys.argv[1:]}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
