@@ -8,7 +8,10 @@ ARGS ?=
 # Test processes: server starts are bound by SGLang's imports (one core per process for
 # ~20 s), so two test files each starting servers overlap well on 2 cores. JOBS=0: one process.
 JOBS ?= 2
-XDIST := -n $(JOBS) --dist loadfile
+# Files in collection order (the server-starting e2e files first, then unit tests fill the
+# end): xdist's default reorder hands out files by test count, which put the one-test e2e
+# files, the slowest, last, one worker idling while the other ran them (CI of 2026-11-29).
+XDIST := -n $(JOBS) --dist loadfile --no-loadscope-reorder
 BENCH_OUT ?= bench-results
 
 .PHONY: setup demo serve test test-full test-unit test-e2e lint bench clean
