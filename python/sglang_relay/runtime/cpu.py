@@ -172,9 +172,8 @@ def children_from_forkserver(result, server_args, *args, **kwargs):
     from sglang_relay.runtime.sglang.server import per_child_process_setup
 
     log = logging.getLogger(__name__)
-    setup = per_child_process_setup(server_args)
-    if os.environ.get(CPU_SPAWN_ENV) == "1":
-        setup = CPU_SPAWN_ENV
+    spawn_asked = os.environ.get(CPU_SPAWN_ENV) == "1"
+    setup = CPU_SPAWN_ENV if spawn_asked else per_child_process_setup(server_args)
     if setup is not None:
         log.info("sglang-relay: server processes spawned one by one (%s)", setup)
         return result
