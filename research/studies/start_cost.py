@@ -4,6 +4,11 @@ seconds of every process of the server until then, alternating the two, servers 
 time. CI starts ~30 servers on 2 cores, so the CPU seconds are what CI time pays.
 
     python research/studies/start_cost.py --rounds 4 --out research/studies/data/start_cost.json
+
+``--plugins``: instead, what loading SGLang's plug-ins (relay's hooks applied) costs a process
+that imported the forkserver's SGLang modules, i.e. what each child paid before the
+forkserver loaded them once for all (``runtime/forkserver_preload.py``), one fresh
+interpreter per round.
 """
 
 from __future__ import annotations
@@ -43,11 +48,43 @@ def one_start(spawn: bool) -> dict:
     return {"spawn": spawn, "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "text": text}
 
 
+PLUGIN_LOAD = """
+import time
+from sglang_relay.runtime import cpu
+cpu.activate()
+for name in cpu.FORKSERVER_PRELOAD[:-1]:
+    __import__(name)
+from sglang.srt.plugins import load_plugins
+t = time.process_time()
+load_plugins()
+print("LOAD", time.process_time() - t)
+"""
+
+
+def plugin_load_s() -> float:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", PLUGIN_LOAD], capture_output=True, text=True)
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("LOAD ")]
+    return round(float(line.split()[1]), 3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plugins", action="store_true", help="the plug-in load's CPU seconds")
     args = ap.parse_args()
+    if args.plugins:
+        cpu_s = [plugin_load_s() for _ in range(args.rounds)]
+        data = {"machine": f"{os.cpu_count()} cores", "rounds": args.rounds,
+                "load_plugins_cpu_s": cpu_s, "median": statistics.median(cpu_s),
+                "argv": sys.argv[1:]}  # fmt: skip
+        print(json.dumps(data))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
+        return 0
     runs = []
     for r in range(args.rounds):
         for spawn in (True, False) if r % 2 == 0 else (False, True):

@@ -156,8 +156,13 @@ def cpu_engine_active() -> bool:
 # again, ~13 s of one core apiece here. On the stand-in they fork from one process that
 # imported them once (multiprocessing's forkserver). That process is itself a fresh
 # interpreter, started at the first child's start, after SGLang and relay have set the
-# environment, so the children import under the environment spawned ones would see.
-FORKSERVER_PRELOAD = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
+# environment, so the children import under the environment spawned ones would see. It
+# also loads SGLang's plug-ins once (relay's hooks applied), last, so the children do not.
+FORKSERVER_PRELOAD = [
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang_relay.runtime.forkserver_preload",
+]
 # set to 1: SGLang's own spawn on the stand-in too (the way back, and the comparison)
 CPU_SPAWN_ENV = "SGLANG_RELAY_CPU_SPAWN"
 

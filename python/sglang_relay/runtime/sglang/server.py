@@ -85,15 +85,23 @@ def torch_compile_enabled(model_runner=None) -> bool:
         return bool(getattr(args, "enable_torch_compile", False))
 
 
+def load_sglang_plugins() -> None:
+    """SGLang's general plug-ins (relay's ``register`` among them) run and their hooks
+    applied in this process, as every SGLang process does first; once per process (SGLang's
+    own guard), and inherited by a process forked after it."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
 def run_http_server(argv: list[str]) -> None:
     """SGLang's own HTTP server for ``argv`` (plug-ins loaded first); kills its children on
     exit. Refuses, before any process is spawned, a configuration relay cannot serve."""
     from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    load_plugins()
+    load_sglang_plugins()
     server_args = prepare_server_args(argv)
     try:
         run_server(server_args)
@@ -108,10 +116,9 @@ def server_parser(prog: str = "sglang-relay serve"):
     stand-in adds a ``--quantization``)."""
     import argparse
 
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
-    load_plugins()
+    load_sglang_plugins()
     parser = argparse.ArgumentParser(prog=prog, add_help=False)
     ServerArgs.add_cli_args(parser)
     return parser
