@@ -265,6 +265,7 @@ def prepare(argv: list[str]) -> list[str]:
 
         default_model = str(ensure_model())
     out = build_server_argv(argv, cpu=cpu_mode, model_path=default_model, relay=not plain)
+    _check_port(out)
     relay = flag_value(out, "--radix-cache-backend") == "relay"
     model_path = flag_value(out, "--model-path") or ""
     check_model_path(model_path, relay=relay)
@@ -284,13 +285,18 @@ def prepare(argv: list[str]) -> list[str]:
         add_library_path()  # Mooncake's libibverbs/libnl, for SGLang's PD and relay's shipping
     if cpu_mode:
         out = apply_cpu_serve_defaults(out)
-    port = flag_value(out, "--port")
+    return out
+
+
+def _check_port(argv: list[str]) -> None:
+    """The port ``serve`` will bind is free: checked before SGLang is imported (~15 s of one
+    core), so a taken port is one error at once."""
+    port = flag_value(argv, "--port")
     try:
         port_num = int(port) if port is not None else DEFAULT_PORT
     except ValueError as exc:
         raise RelayError(f"--port {port}: not a number") from exc
-    check_port_free(flag_value(out, "--host") or DEFAULT_HOST, port_num)
-    return out
+    check_port_free(flag_value(argv, "--host") or DEFAULT_HOST, port_num)
 
 
 def serve(argv: list[str]) -> None:
