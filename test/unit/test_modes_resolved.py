@@ -325,3 +325,20 @@ def test_children_fork_from_a_preloaded_process_unless_sglang_sets_each_up(cpu_a
     assert per_child_process_setup(resolved_server_args(cpu_args)) == (
         "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"
     )
+
+
+def test_the_forkserver_loads_the_plugins_for_its_children_only_if_they_read_only_the_env():
+    """The stand-in's forkserver loads SGLang's general plug-ins once for the children it
+    forks (runtime/forkserver_preload.py) only when each installed plug-in is one whose
+    ``register`` was read and found to register hooks from the environment alone; every
+    plug-in installed here is (a new dependency's plug-in must be read first), and one
+    unknown plug-in makes each child load them itself."""
+    from sglang_relay.runtime.sglang.server import (
+        installed_general_plugins,
+        plugins_load_once_for_children,
+    )
+
+    installed = installed_general_plugins()
+    assert "relay" in installed
+    assert plugins_load_once_for_children(installed), installed
+    assert not plugins_load_once_for_children(installed | {"someone-elses-plugin"})

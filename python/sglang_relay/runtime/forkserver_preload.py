@@ -2,13 +2,19 @@
 FORKSERVER_PRELOAD``): importing it loads SGLang's plug-ins and applies their hooks in the
 forkserver, after it imported the scheduler and detokenizer modules, so the children it
 forks start with them applied (SGLang's ``load_plugins`` then returns at once in each) instead
-of each running relay's ``register`` and walking every loaded module once per hook target
-(~1.3 s of one core per process here).
+of each running every plug-in's ``register`` and walking every loaded module once per hook
+target (~1.5 s of one core per process here).
 
-The forkserver is a fresh interpreter started after SGLang and relay set the environment, so
-``register`` reads the environment the children would read; it reads nothing else of the
-process it runs in (``runtime/plugin.py``)."""
+The forkserver is a fresh interpreter started after SGLang and relay set the environment, and
+the plug-ins installed only read that environment (``runtime/sglang/server.py:
+ENV_ONLY_PLUGINS``); with any other plug-in installed nothing is loaded here and each child
+loads the plug-ins itself, as SGLang does."""
 
-from sglang_relay.runtime.sglang.server import load_sglang_plugins
+from sglang_relay.runtime.sglang.server import (
+    installed_general_plugins,
+    load_sglang_plugins,
+    plugins_load_once_for_children,
+)
 
-load_sglang_plugins()
+if plugins_load_once_for_children(installed_general_plugins()):
+    load_sglang_plugins()

@@ -94,6 +94,27 @@ def load_sglang_plugins() -> None:
     load_plugins()
 
 
+# SGLang's general plug-ins (entry-point group ``sglang.srt.plugins``) whose ``register`` only
+# registers hooks, chosen from the environment: relay's, and the two of smg-grpc-servicer (an
+# SGLang dependency). Loaded in a process its children fork from, they give the children what
+# loading them in each child gives; an unknown plug-in might start a thread or read which
+# process it runs in, so with one installed each child loads the plug-ins itself.
+ENV_ONLY_PLUGINS = frozenset({"relay", "smg-servicer", "smg-zmq"})
+
+
+def installed_general_plugins() -> set[str]:
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP
+
+    return {ep.name for ep in entry_points(group=GENERAL_PLUGINS_GROUP)}
+
+
+def plugins_load_once_for_children(installed: set[str]) -> bool:
+    """Whether a process the server's children fork from may load the plug-ins for them."""
+    return installed <= ENV_ONLY_PLUGINS
+
+
 def run_http_server(argv: list[str]) -> None:
     """SGLang's own HTTP server for ``argv`` (plug-ins loaded first); kills its children on
     exit. Refuses, before any process is spawned, a configuration relay cannot serve."""
