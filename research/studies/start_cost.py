@@ -5,6 +5,9 @@ time. CI starts ~30 servers on 2 cores, so the CPU seconds are what CI time pays
 
     python research/studies/start_cost.py --rounds 4 --out research/studies/data/start_cost.json
 
+``--gc``: forkserver starts with the garbage collector on during SGLang's imports against
+the default (paused: runtime/import_gc.py), CPU seconds per process.
+
 ``--plugins``: instead, what loading SGLang's plug-ins (relay's hooks applied) costs a process
 that imported the forkserver's SGLang modules, i.e. what each child paid before the
 forkserver loaded them once for all (``runtime/forkserver_preload.py``), one fresh
@@ -25,11 +28,22 @@ import requests
 
 from sglang_relay.embedded_model import ensure_model
 from sglang_relay.runtime.cpu import CPU_SPAWN_ENV
+from sglang_relay.runtime.import_gc import IMPORT_GC_ENV
 from sglang_relay.runtime.process import ServerProcess
 
 
-def one_start(spawn: bool) -> dict:
+def _role(p: psutil.Process) -> str:
+    line = " ".join(p.cmdline())
+    for role in ("forkserver", "resource_tracker", "scheduler", "detokenizer"):
+        if role in line:
+            return role
+    return "launcher"
+
+
+def one_start(spawn: bool, import_gc: bool | None = None) -> dict:
     env = {CPU_SPAWN_ENV: "1" if spawn else "0"}
+    if import_gc is not None:
+        env[IMPORT_GC_ENV] = "1" if import_gc else "0"
     t0 = time.monotonic()
     seen: dict[int, psutil.Process] = {}
     args = ["--model-path", str(ensure_model(quiet=True)), "--max-total-tokens", "8192"]
@@ -39,13 +53,20 @@ def one_start(spawn: bool) -> dict:
     root = psutil.Process(server.proc.pid)
     for p in [root, *root.children(recursive=True)]:
         seen[p.pid] = p
-    cpu = sum(sum(p.cpu_times()[:2]) for p in seen.values())
+    by_role: dict[str, float] = {}
+    for p in seen.values():
+        role = _role(p)
+        by_role[role] = round(by_role.get(role, 0.0) + sum(p.cpu_times()[:2]), 2)
+    cpu = sum(by_role.values())
     text = requests.post(server.url + "/generate", timeout=120, json={
         "text": "The capital of France is",
         "sampling_params": {"max_new_tokens": 8, "temperature": 0},
     }).json()["text"]  # fmt: skip
     server.stop()
-    return {"spawn": spawn, "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "text": text}
+    out = {"spawn": spawn, "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "text": text}
+    if import_gc is not None:
+        out.update(import_gc=import_gc, cpu_by_process=by_role)
+    return out
 
 
 PLUGIN_LOAD = """
@@ -69,12 +90,45 @@ def plugin_load_s() -> float:
     return round(float(line.split()[1]), 3)
 
 
+def compare_import_gc(rounds: int, out: str | None) -> int:
+    """Forkserver starts alternating: SGLANG_RELAY_IMPORT_GC=1 (collector on while SGLang
+    is imported) against the default (paused; runtime/import_gc.py)."""
+    runs = []
+    for r in range(rounds):
+        for gc_on in (True, False) if r % 2 == 0 else (False, True):
+            runs.append(one_start(False, import_gc=gc_on))
+            print(runs[-1], flush=True)
+    summary = {}
+    for gc_on in (True, False):
+        mine = [x for x in runs if x["import_gc"] is gc_on]
+        roles = sorted({k for x in mine for k in x["cpu_by_process"]})
+        summary["collector_on" if gc_on else "paused"] = {
+            **{k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")},
+            **{k: statistics.median(x["cpu_by_process"].get(k, 0) for x in mine) for k in roles},
+        }
+    print(json.dumps(summary))
+    assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
+    if out:
+        data = {"machine": f"{os.cpu_count()} cores", "rounds": rounds, "runs": runs,
+                "median": summary, "argv": sys.argv[1:]}  # fmt: skip
+        with open(out, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plugins", action="store_true", help="the plug-in load's CPU seconds")
+    ap.add_argument(
+        "--gc",
+        action="store_true",
+        help="forkserver starts with the collector on during imports vs paused",
+    )
     args = ap.parse_args()
+    if args.gc:
+        return compare_import_gc(args.rounds, args.out)
     if args.plugins:
         cpu_s = [plugin_load_s() for _ in range(args.rounds)]
         data = {"machine": f"{os.cpu_count()} cores", "rounds": args.rounds,

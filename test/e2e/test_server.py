@@ -39,6 +39,11 @@ def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server
     forked = {c.name() for c in fork_server.children()}
     assert {"sglang::scheduler", "sglang::detokenizer"} <= forked, forked
     assert not [c for c in launcher.children() if c.name().startswith("sglang::")]
+    # the forkserver imported them with the collector paused (runtime/import_gc.py): the
+    # scheduler runs with it on again, the imported objects frozen
+    collector = requests.get(server.url + "/get_server_info", timeout=30).json()
+    collector = collector["internal_states"][0]["relay"]["gc"]
+    assert collector["enabled"] is True and collector["frozen_objects"] > 100_000, collector
 
 
 def test_relay_backend_is_the_schedulers_tree_cache(server):

@@ -159,6 +159,7 @@ def cpu_engine_active() -> bool:
 # environment, so the children import under the environment spawned ones would see. It
 # also loads SGLang's plug-ins once (relay's hooks applied), last, so the children do not.
 FORKSERVER_PRELOAD = [
+    "sglang_relay.runtime.forkserver_first",  # the collector off for the imports (import_gc)
     "sglang.srt.managers.scheduler",
     "sglang.srt.managers.detokenizer_manager",
     "sglang_relay.runtime.forkserver_preload",

@@ -10,6 +10,7 @@ the plug-ins installed only read that environment (``runtime/sglang/server.py:
 ENV_ONLY_PLUGINS``); with any other plug-in installed nothing is loaded here and each child
 loads the plug-ins itself, as SGLang does."""
 
+from sglang_relay.runtime.import_gc import freeze_and_resume
 from sglang_relay.runtime.sglang.server import (
     installed_general_plugins,
     load_sglang_plugins,
@@ -18,3 +19,4 @@ from sglang_relay.runtime.sglang.server import (
 
 if plugins_load_once_for_children(installed_general_plugins()):
     load_sglang_plugins()
+freeze_and_resume()  # the imports frozen, the collector on (forkserver_first paused it)

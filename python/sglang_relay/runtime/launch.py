@@ -300,7 +300,12 @@ def _check_port(argv: list[str]) -> None:
 
 
 def serve(argv: list[str]) -> None:
-    """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected."""
-    from sglang_relay.runtime.sglang.server import run_http_server
+    """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected (its
+    checks and SGLang's imports run with the garbage collector paused: import_gc)."""
+    from sglang_relay.runtime.import_gc import collector_paused
+    from sglang_relay.runtime.sglang.server import import_http_server, run_http_server
 
-    run_http_server(prepare(argv))
+    with collector_paused():
+        argv = prepare(argv)
+        import_http_server()
+    run_http_server(argv)

@@ -31,6 +31,7 @@ from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
 from sglang_relay.runtime.gate import RequestGate
+from sglang_relay.runtime.import_gc import collector_state
 from sglang_relay.runtime.layer_driver import LayerDriver, span_context
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.planner import Planner, PlanningFailed
@@ -408,6 +409,7 @@ class RelayRuntime:
             "extend_attention": self.attention_name,
             "cuda_graphs": self.graphs,
             "capture_in_graph": self.capture_in_graph,
+            "gc": collector_state(),
             "kv_moves_followed": self.moves_followed,
             "kv_moved_slots": 0 if self._moved_slots is None else int(self._moved_slots),
             "linear_method": self.linear_method,

@@ -115,6 +115,15 @@ def plugins_load_once_for_children(installed: set[str]) -> bool:
     return installed <= ENV_ONLY_PLUGINS
 
 
+def import_http_server() -> None:
+    """Import what :func:`run_http_server` runs (SGLang's HTTP server, its engine and
+    launcher) and load the plug-ins, without starting anything."""
+    import sglang.launch_server  # noqa: F401
+    import sglang.srt.entrypoints.http_server  # noqa: F401
+
+    load_sglang_plugins()
+
+
 def run_http_server(argv: list[str]) -> None:
     """SGLang's own HTTP server for ``argv`` (plug-ins loaded first); kills its children on
     exit. Refuses, before any process is spawned, a configuration relay cannot serve."""
