@@ -114,39 +114,6 @@ def _long_upstream(url, tok, k, n=520):
     return generate(url, chat(tok, f"Historian {k}.", "Write a long history of bridges."), n=n)
 
 
-# EPIC and naive cross 64-token chunks in test_relay_stress.py (its server's chunk size)
-CHUNK_METHODS = {32: ("relay", "cacheblend")}
-
-
-@pytest.mark.parametrize("chunk", sorted(CHUNK_METHODS))
-def test_spans_over_many_chunks_relay_in_every_chunk_for_every_method(model_dir, tok, chunk):
-    """A 200-token span under 32-token chunks (min_span): middle chunks are span rows only
-    (the relay profile starts at layer 3, so no row runs layers 0-2 there), every chunk
-    relays (with the last-row probe too: the chunks without the last row say so and run
-    the context rule), and recomputing everything still equals standard prefill exactly."""
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
-    args += ["--chunked-prefill-size", str(chunk)]
-    with running_server(args) as server:
-        a = _long_upstream(server.url, tok, chunk, n=200)
-        prompt = chat(tok, f"Editor {chunk}.", f"Draft:\n\n{a['text']}\n\nShorten it.")
-        for method in CHUNK_METHODS[chunk]:
-            info = generate(server.url, prompt, relay=method)["meta_info"]["relay"]
-            assert info["fallback"] is None, (method, info)
-            assert info["spans_matched"] >= 160 // chunk, (method, info)
-            assert info["reused_tokens"] >= 160, (method, info)
-        # the last-row probe: chunks without the prompt's last row run the context rule
-        probe = generate(server.url, prompt, relay={"method": "relay", "config": {"probe": 0.25}})
-        info = probe["meta_info"]["relay"]
-        assert info["fallback"] is None and info["reused_tokens"] >= 160, info
-        assert relay_info(server.url)["probe_no_last_row"] >= 160 // chunk - 1
-        oracle = generate(server.url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
-        assert oracle["meta_info"]["relay"]["reused_tokens"] >= 160
-        std = generate(server.url, prompt, relay="standard")
-        assert oracle["output_ids"] == std["output_ids"]
-        stats = relay_info(server.url)
-        assert stats.get("fallback_error", 0) == 0, stats
-
-
 @pytest.mark.full  # mixed chunks: test_pages.py's CI case runs --enable-mixed-chunk; make test-full
 def test_mixed_chunk_keeps_decoded_spans_usable(model_dir, tok):
     """With --enable-mixed-chunk SGLang appends running decodes to prefill batches and runs

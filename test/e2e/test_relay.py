@@ -18,7 +18,18 @@ _unique = itertools.count()
 NOTHING_RECOMPUTED = {"l_start": 30, "l_det": 30, "l_end": 29}
 
 
-def _new_upstream(server, tok):
+def _downstream(tok, a) -> str:
+    """A downstream prompt pasting upstream output ``a`` that no request sent before: its
+    first line is new, so nothing of it is in the prefix cache."""
+    k = next(_unique)
+    return chat(tok, f"You are developer #{k}.", f"Spec:\n\n{a['text']}\n\nImplement it.")
+
+
+@pytest.fixture(scope="module")
+def shared_upstream(server, tok):
+    """One upstream output (>= 100 tokens) for this module: its span stays stored for
+    every test here (a 16K-token pool), each pasting it into a prompt of its own (a new
+    upstream per test decoded 140 tokens each, ~13 s here)."""
     k = next(_unique)
     a = generate(
         server.url,
@@ -31,21 +42,13 @@ def _new_upstream(server, tok):
         n=140,
     )
     assert a["meta_info"]["completion_tokens"] >= 100
-    prompt = chat(tok, f"You are developer #{k}.", f"Spec:\n\n{a['text']}\n\nImplement it.")
-    return a, prompt
+    return a
 
 
 @pytest.fixture()
-def upstream(server, tok):
-    """A fresh upstream output (>= 100 tokens) and a downstream prompt embedding it."""
-    return _new_upstream(server, tok)
-
-
-@pytest.fixture(scope="module")
-def shared_upstream(server, tok):
-    """One upstream for tests whose requests never reach the scheduler (refused at the
-    trust boundary): its span is still stored when each of them runs."""
-    return _new_upstream(server, tok)
+def upstream(shared_upstream, tok):
+    """The module's upstream output and a fresh downstream prompt embedding it."""
+    return shared_upstream, _downstream(tok, shared_upstream)
 
 
 def test_every_response_reports_relay(server, tok):
@@ -129,8 +132,8 @@ def test_namespaces_never_share_spans(server, tok):
         {"weird": 1},
     ],
 )
-def test_malformed_options_are_refused_with_400(server, shared_upstream, bad):
-    _, prompt = shared_upstream
+def test_malformed_options_are_refused_with_400(server, upstream, bad):
+    _, prompt = upstream
     body = {
         "text": prompt,
         "sampling_params": {"max_new_tokens": 4, "custom_params": {"relay": bad}},

@@ -14,14 +14,15 @@ from sglang_relay.client import healthy
 
 pytestmark = pytest.mark.e2e
 _unique = itertools.count(1000)
+CHUNK = 32
 
 
 @pytest.fixture(scope="module")
 def small_server(model_dir):
-    """Chunks of 64 tokens and a 3000-token KV pool: spans cross chunk boundaries and
-    get evicted under load."""
+    """Chunks of 32 tokens (min_span) and a 3000-token KV pool: spans cross chunk
+    boundaries and get evicted under load."""
     args = ["--model-path", str(model_dir), "--max-total-tokens", "3000"]
-    args += ["--chunked-prefill-size", "64", "--relay-span-tokens", "1200"]
+    args += ["--chunked-prefill-size", str(CHUNK), "--relay-span-tokens", "1200"]
     with running_server(args) as p:
         yield p
 
@@ -33,15 +34,15 @@ def _pool_balanced(url: str) -> dict:
     return pool
 
 
-@pytest.mark.full  # chunks across spans: test_modes.py (32-token chunks) in CI
+@pytest.mark.full  # relay and cacheblend over chunks in CI (below)
 def test_span_across_chunk_boundaries_matches_standard_when_fully_recomputed(small_server, tok):
-    """A 150-token span over 64-token chunks: the all-selected oracle equals standard, and
+    """A 150-token span over 32-token chunks: the all-selected oracle equals standard, and
     EPIC and naive relay it in every chunk."""
     k = next(_unique)
     a = generate(small_server.url, chat(tok, f"Writer {k}.", "Describe a lighthouse."), n=150)
     prompt = chat(tok, f"Editor {k}.", f"Draft:\n\n{a['text']}\n\nEdit it.")
     # before standard: its exact KV would make the prompt a full prefix hit
-    for method in ("epic", "naive"):  # relay and cacheblend: test_modes.py, 32-token chunks
+    for method in ("epic", "naive"):  # relay and cacheblend: the test below
         info = generate(small_server.url, prompt, relay=method)["meta_info"]["relay"]
         assert info["fallback"] is None and info["spans_matched"] >= 2, (method, info)
         assert info["reused_tokens"] >= 100, (method, info)
@@ -51,11 +52,39 @@ def test_span_across_chunk_boundaries_matches_standard_when_fully_recomputed(sma
         relay={"method": "relay", "config": ALL_SELECTED},
     )
     relay = full["meta_info"]["relay"]
-    assert relay["spans_matched"] >= 2  # one span, cut by the 64-token chunks
+    assert relay["spans_matched"] >= 2  # one span, cut by the chunks
     assert relay["reused_tokens"] >= 100
     std = generate(small_server.url, prompt, relay="standard")
     assert full["output_ids"] == std["output_ids"]
     _pool_balanced(small_server.url)
+
+
+def test_spans_over_many_chunks_relay_in_every_chunk_for_every_method(small_server, tok):
+    """A 200-token span under 32-token chunks (min_span): middle chunks are span rows only
+    (the relay profile starts at layer 3, so no row runs layers 0-2 there), every chunk
+    relays (with the last-row probe too: the chunks without the last row say so and run
+    the context rule), and recomputing everything still equals standard prefill exactly.
+    EPIC and naive: the full-tier test above."""
+    url, k = small_server.url, next(_unique)
+    a = generate(url, chat(tok, f"Historian {k}.", "Write a long history of bridges."), n=200)
+    prompt = chat(tok, f"Editor {k}.", f"Draft:\n\n{a['text']}\n\nShorten it.")
+    for method in ("relay", "cacheblend"):
+        info = generate(url, prompt, relay=method)["meta_info"]["relay"]
+        assert info["fallback"] is None, (method, info)
+        assert info["spans_matched"] >= 160 // CHUNK, (method, info)
+        assert info["reused_tokens"] >= 160, (method, info)
+    # the last-row probe: chunks without the prompt's last row run the context rule
+    before = relay_info(url).get("probe_no_last_row", 0)
+    probe = generate(url, prompt, relay={"method": "relay", "config": {"probe": 0.25}})
+    info = probe["meta_info"]["relay"]
+    assert info["fallback"] is None and info["reused_tokens"] >= 160, info
+    assert relay_info(url)["probe_no_last_row"] - before >= 160 // CHUNK - 1
+    oracle = generate(url, prompt, relay={"method": "relay", "config": ALL_SELECTED})
+    assert oracle["meta_info"]["relay"]["reused_tokens"] >= 160
+    std = generate(url, prompt, relay="standard")
+    assert oracle["output_ids"] == std["output_ids"]
+    assert relay_info(url).get("fallback_error", 0) == 0
+    _pool_balanced(url)
 
 
 def test_streamed_relay_reports_one_relay_object_in_every_chunk(small_server, tok):
