@@ -9,6 +9,8 @@ child at the fork. After the imports the objects are frozen (``gc.freeze``: the 
 never walks them again, and forked children do not copy their pages to update them) and
 the collector runs as before. Nothing else changes: garbage made while paused is collected
 at the next run (or, if frozen with the imports, kept, as the modules themselves are).
+SGLang's graph capture (``freeze_gc``) unfreezes everything when it is done: from then on
+that process collects as if nothing had been frozen.
 
 ``SGLANG_RELAY_IMPORT_GC=1`` keeps the collector on throughout (the comparison)."""
 
