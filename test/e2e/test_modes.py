@@ -76,9 +76,11 @@ def test_serve_refusal_is_one_error_line_and_exit_code_1(model_dir):
     assert len(lines) == 1 and "--pp-size 2" in lines[0], proc.stderr[-2000:]
 
 
-def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
+def test_sglangs_own_launcher_is_refused_before_any_child_starts(model_dir, tmp_path):
     """``python -m sglang.launch_server --radix-cache-backend relay`` never passes through
-    ``sglang-relay serve``: the relay backend factory refuses in the scheduler."""
+    ``sglang-relay serve``: the plug-in, loaded by SGLang's launcher, refuses before the
+    launcher starts a scheduler (which would refuse too, with the same message, once its
+    imports are done: test/unit/test_modes_resolved.py builds the cache with it)."""
     from sglang_relay.runtime import cpu
     from sglang_relay.runtime.process import free_port
 
@@ -105,6 +107,7 @@ def test_sglangs_own_launcher_is_refused_by_the_scheduler(model_dir, tmp_path):
     text = log.read_text(errors="replace")
     assert proc.returncode != 0
     assert "sglang-relay cannot serve --enable-attn-tp-input-scattered" in text, text[-3000:]
+    assert "_set_envs_and_config" in text and "Scheduler" not in text, text[-3000:]
 
 
 # ---- supported modes, end to end --------------------------------------------------------

@@ -87,7 +87,7 @@ for standin in ("0", "1"):  # one process: SGLang's imports are the cost
     STATE.plugin_registered = False
     STATE.hooks.clear()
     plugin.register()
-    print(sorted({t for t, _ in STATE.hooks}))
+    print(sorted({(t, h.__name__) for t, h in STATE.hooks}))
 """
 
 
@@ -105,8 +105,8 @@ def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stan
         PROCESS_START_TARGET,
     )
 
-    cpu_only = {MODEL_PARALLEL_GROUP_TARGET, CPU_GRAPH_FAKE_TARGET}
-    cpu_only |= {DP_EVENT_LOOP_TARGET, PROCESS_START_TARGET}
+    cpu_only = {MODEL_PARALLEL_GROUP_TARGET, CPU_GRAPH_FAKE_TARGET, DP_EVENT_LOOP_TARGET}
+    # on SGLang's process start: relay's refusal always, the stand-in's forkserver not
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     # SGLang imports sgl_kernel: the stand-in package here (a CPU build of it elsewhere)
     env["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, env.get("PYTHONPATH", "")])
@@ -114,7 +114,10 @@ def test_a_plain_cpu_server_keeps_sglangs_behaviour_unless_relay_set_up_the_stan
                           timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain, standin = (set(eval(line)) for line in proc.stdout.strip().splitlines()[-2:])  # noqa: S307
-    for targets in (plain, standin):
+    forkserver = (PROCESS_START_TARGET, "children_from_forkserver")
+    for hooks in (plain, standin):
+        targets = {t for t, _ in hooks}
         assert GENERATE_REQUEST_TARGET in targets  # the plug-in did register
-    assert not (cpu_only & plain), plain
-    assert cpu_only <= standin, standin
+        assert (PROCESS_START_TARGET, "_refuse_before_children") in hooks
+    assert not (cpu_only & {t for t, _ in plain}) and forkserver not in plain, plain
+    assert cpu_only <= {t for t, _ in standin} and forkserver in standin, standin

@@ -176,6 +176,29 @@ def test_the_cache_factory_refuses_live_pools_relay_cannot_own(cpu_args):
     assert modes.kv_layout_refusal(*live_kv_layout(_ctx(plain, 1, torch.float32))) is None
 
 
+def test_the_launcher_and_the_cache_factory_refuse_with_one_message(cpu_args):
+    """SGLang's own launcher: the plug-in refuses before any child starts (a hook on
+    ``_set_envs_and_config``; test_modes.py runs it), and the scheduler's cache factory,
+    which would come next, refuses the same record with the same message."""
+    from sglang_relay.runtime.plugin import _refuse_before_children
+    from sglang_relay.runtime.radix_cache import build_relay_cache
+
+    served = resolved_server_args([*cpu_args, "--radix-cache-backend", "relay"])
+    assert _refuse_before_children(served) is None
+    plain = resolved_server_args([*cpu_args, "--enable-attn-tp-input-scattered"])
+    assert _refuse_before_children(plain) is None  # not a relay server: not relay's to refuse
+    argv = [*cpu_args, "--radix-cache-backend", "relay", "--enable-attn-tp-input-scattered"]
+    refused = resolved_server_args(argv)
+    with pytest.raises(ValueError) as launcher:
+        _refuse_before_children(refused)
+    hf_config = SimpleNamespace(architectures=["LlamaForCausalLM"])
+    ctx = SimpleNamespace(server_args=refused, model_config=SimpleNamespace(hf_config=hf_config))
+    with pytest.raises(ValueError) as factory:
+        build_relay_cache(ctx)
+    assert str(launcher.value) == str(factory.value)
+    assert "sglang-relay cannot serve --enable-attn-tp-input-scattered" in str(launcher.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16])
 def test_relays_splice_writes_through_sglangs_kv_pool_views(dtype):
     """SGLang's FP8 pool stores uint8 and hands out float8 views: relay's splice (the

@@ -202,7 +202,7 @@ def parse_server_view(argv: list[str]):
 
 def check_server_mode(argv: list[str]) -> None:
     """Refuse, before SGLang spawns anything, a server option relay cannot serve correctly
-    (the same check runs again in the scheduler for SGLang's own launcher): first the
+    (under SGLang's own launcher the plug-in checks in the launcher, then the scheduler): first the
     options as typed against the allow-list (:mod:`.server_options`) and the mode matrix
     (:mod:`.modes`), then as SGLang resolves them (a backend may force a page size); an
     error of SGLang's own resolution is reported here, before any weights load."""

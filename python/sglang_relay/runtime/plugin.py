@@ -18,6 +18,24 @@ logger = logging.getLogger(__name__)
 RELAY_INFO_KEY = "relay"
 
 
+def _refuse_before_children(server_args, *args, **kwargs) -> None:
+    """Before SGLang's launcher sets its environment and starts any child process: options
+    relay cannot serve are refused at once, with the message the scheduler gives when it
+    builds the cache (~30 s of imports later). ``serve`` checked them before SGLang's import;
+    this is SGLang's own launcher (and an Engine). The scheduler still checks them, with the
+    model's architecture and KV layout too."""
+    if not serves_relay(server_args):
+        return
+    from sglang_relay.runtime import modes, server_options
+    from sglang_relay.runtime.settings import ship_role
+    from sglang_relay.runtime.sglang.server import server_view
+
+    message = modes.refusal(server_view(server_args), ship_role=ship_role())
+    message = message or server_options.refusal(server_options.typed_values(server_args))
+    if message is not None:
+        raise ValueError(message)
+
+
 def register() -> None:
     """Register the ``relay`` radix-cache backend and the plug-in's hooks. Idempotent."""
     if STATE.plugin_registered:
@@ -80,6 +98,7 @@ def register() -> None:
     register_hook(KV_MOVE_TARGET, _after_kv_move, "after")
     register_hook(HOST_LOAD_TARGET, _before_host_load, "before")
     register_hook(CPU_RESTORE_TARGET, _before_cpu_restore, "before")
+    register_hook(PROCESS_START_TARGET, _refuse_before_children, "before")
     from sglang_relay.runtime import cpu
 
     if cpu.cpu_engine_active():
