@@ -97,18 +97,37 @@ def generate_ids(url: str, ids: list[int], n: int, relay=None, headers=None, **e
     return resp.json()
 
 
-def relay_one_upstream(url: str, ref, cfg, relay=None) -> tuple[dict, object, list[int]]:
+def decoded_upstream(url: str, ref, up_ids: list[int], n: int, upstreams: dict | None = None):
+    """The server's greedy decode of ``n`` tokens after ``up_ids``, checked equal to the
+    reference executor's, whose record (span, decode KV) it returns. ``upstreams``: a dict a
+    module keeps, so each upstream prompt is decoded once there and the tests after the
+    first relay its span, still stored on the server (a 96-token decode is ~9 s here, and
+    the reference's as much again)."""
+    from sglang_relay.core import reference as R
+
+    key = (url, tuple(up_ids), n)
+    if upstreams is not None and key in upstreams:
+        return upstreams[key]
+    upstream = generate_ids(url, up_ids, n)
+    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
+    assert record.output == upstream["output_ids"]  # the same spans on both sides
+    if upstreams is not None:
+        upstreams[key] = record
+    return record
+
+
+def relay_one_upstream(
+    url: str, ref, cfg, relay=None, upstreams: dict | None = None
+) -> tuple[dict, object, list[int]]:
     """Through the server: an upstream of 96 greedy tokens after 40 fixed ids, then a
     downstream prompt embedding its output (span) between other ids, with ``relay`` as the
     request's option. Checks the upstream equals the reference executor's greedy decode
     and that the span was relayed whole, then returns ``(downstream response, the
-    reference executor's relay prefill of the same prompt under cfg, the span)``."""
+    reference executor's relay prefill of the same prompt under cfg, the span)``.
+    ``upstreams``: as :func:`decoded_upstream`."""
     from sglang_relay.core import reference as R
 
-    up_ids = list(range(1000, 1040))
-    upstream = generate_ids(url, up_ids, 96)
-    record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
-    assert record.output == upstream["output_ids"]  # the same spans on both sides
+    record = decoded_upstream(url, ref, list(range(1000, 1040)), 96, upstreams)
     span = record.span_tokens
     head, tail = list(range(2000, 2023)), list(range(3000, 3011))
     prompt = head + span + tail

@@ -5,12 +5,24 @@ from __future__ import annotations
 import math
 
 import pytest
-from relay_helpers import assert_matches_reference, generate_ids, relay_one_upstream
+from relay_helpers import (
+    assert_matches_reference,
+    decoded_upstream,
+    generate_ids,
+    relay_one_upstream,
+)
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> dict:
+    """Upstream decodes of this module by prompt: each decoded (and checked against the
+    reference executor) once, its span relayed by every test that quotes it."""
+    return {}
 
 
 def test_relay_through_the_server_equals_the_reference(server, model_dir):
@@ -56,7 +68,9 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
 
 
 @pytest.mark.parametrize("reuse", ["speed", 0.85])
-def test_operating_point_through_the_server_equals_the_reference(server, model_dir, reuse):
+def test_operating_point_through_the_server_equals_the_reference(
+    server, model_dir, upstreams, reuse
+):
     """A per-request reuse target runs the profile's operating point for it (on the shipped
     profile the context rule at layer 12, whose masses the server records when the upstream
     finishes), reports it, keeps the reuse it promises, and computes what the reference
@@ -70,23 +84,21 @@ def test_operating_point_through_the_server_equals_the_reference(server, model_d
     profiled = [t for t, _ in settings.frontier.points]
     assert point.profiled == min(t for t in profiled if t >= target)  # brute force
 
-    served, result, _ = relay_one_upstream(server.url, ref, point.config, {"reuse": reuse})
+    option = {"reuse": reuse}
+    served, result, _ = relay_one_upstream(server.url, ref, point.config, option, upstreams)
     relay = served["meta_info"]["relay"]
     assert relay["operating_point"] == point.to_dict() and relay["reuse_rate"] >= target
     assert_matches_reference(served, result)
 
 
-def two_quoted_outputs(url, ref, head_from: int = 2000):
+def two_quoted_outputs(url, ref, upstreams, head_from: int = 2000):
     """Two upstream agents (other prompts, other outputs, equal to the reference's greedy
     decode), then a prompt quoting both: ``head + span 1 + mid + span 2 + tail`` (``head``:
     23 ids from ``head_from``). Returns the prompt and its two span occurrences."""
-    records = []
-    for first in (1000, 1200):
-        up_ids = list(range(first, first + 40))
-        upstream = generate_ids(url, up_ids, 96)
-        record = R.generate(ref, [up_ids], len(upstream["output_ids"]))[0]
-        assert record.output == upstream["output_ids"]
-        records.append(record)
+    records = [
+        decoded_upstream(url, ref, list(range(first, first + 40)), 96, upstreams)
+        for first in (1000, 1200)
+    ]
     head = list(range(head_from, head_from + 23))
     mid, tail = list(range(2500, 2509)), list(range(3000, 3011))
     spans = [r.span_tokens for r in records]
@@ -99,7 +111,7 @@ def two_quoted_outputs(url, ref, head_from: int = 2000):
 
 
 def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_reference(
-    server, model_dir
+    server, model_dir, upstreams
 ):
     """A prompt quoting two upstream outputs at the shipped 0.90 point's context rule
     without its probe (one cap per request): the server spends the request's budget over
@@ -114,7 +126,7 @@ def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_referen
     assert point.config.budget == "request" and point.config.ranks_context
     cfg = replace(point.config, probe=None)
 
-    prompt, occs = two_quoted_outputs(server.url, ref)
+    prompt, occs = two_quoted_outputs(server.url, ref, upstreams)
     spans = [o.record.span_tokens for o in occs]
     option = {"reuse": 0.90, "config": {"probe": None}}
     served = generate_ids(server.url, prompt, 4, option, return_logprob=True, top_logprobs_num=5)
@@ -129,7 +141,7 @@ def test_one_budget_for_two_quoted_outputs_through_the_server_equals_the_referen
     assert_matches_reference(served, pooled)
 
 
-def test_last_row_probe_through_the_server_equals_the_reference(server, model_dir):
+def test_last_row_probe_through_the_server_equals_the_reference(server, model_dir, upstreams):
     """The shipped 0.90 point, the context rule with the last-row probe (``probe``), on a
     prompt quoting two outputs: the server runs the probe (the rows before the first span
     for good, the last row over the spans and that context only, not ``mid`` nor
@@ -144,7 +156,7 @@ def test_last_row_probe_through_the_server_equals_the_reference(server, model_di
     point = settings.point(0.90, ref.num_layers)
     assert point.config.probes and point.rule == "context+probe"
     # a head no other request used: its rows are computed by the probe, not a prefix hit
-    prompt, occs = two_quoted_outputs(server.url, ref, head_from=5000)
+    prompt, occs = two_quoted_outputs(server.url, ref, upstreams, head_from=5000)
     served = generate_ids(
         server.url, prompt, 4, {"reuse": "balanced"}, return_logprob=True, top_logprobs_num=5
     )

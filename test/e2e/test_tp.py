@@ -77,8 +77,8 @@ def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
 
         # two upstreams in one batch: above the captured size, so eager decode
         ups = [list(range(1100 + 7 * i, 1140 + 7 * i)) for i in range(2)]
-        outs = generate_ids(server.url, ups, 64)
-        records = R.generate(ref, ups, 64)
+        outs = generate_ids(server.url, ups, 40)  # 39-token spans (>= min_span 32)
+        records = R.generate(ref, ups, 40)
         assert [r.output for r in records] == [o["output_ids"] for o in outs]
         head, tail = list(range(2100, 2117)), list(range(3000, 3011))
         prompt = head + records[1].span_tokens + tail
@@ -89,7 +89,7 @@ def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
         deviation = RelayConfig.from_dict({**point.config.to_dict(), **DEVIATION})
         assert deviation.detects and "probe" not in down["meta_info"]["relay"]
         assert_matches_reference(down, R.relay_prefill(ref, prompt, [occ], deviation))
-        assert relay_info(server.url)["forwards_decode"] >= 60
+        assert relay_info(server.url)["forwards_decode"] >= 36
 
         # all-selected oracle == standard prefill, under TP too
         assert_all_selected_equals_standard(server.url, span)

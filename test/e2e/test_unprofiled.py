@@ -32,7 +32,8 @@ def test_unprofiled_model(model_dir, tmp_path):
         ref = R.load_model(str(other))
         cfg = settings.point(UNPROFILED_REUSE, ref.num_layers).config
         assert (cfg.l_start, cfg.l_det, cfg.first_k) == (0, 1, UNPROFILED.first_k)
-        served, result, _ = relay_one_upstream(server.url, ref, cfg)
+        upstreams: dict = {}  # one upstream decode for both relays
+        served, result, _ = relay_one_upstream(server.url, ref, cfg, None, upstreams)
         relay = served["meta_info"]["relay"]
         assert relay["reuse_rate"] >= UNPROFILED_REUSE
         assert relay["operating_point"]["rule"] == "deviation"
@@ -42,7 +43,7 @@ def test_unprofiled_model(model_dir, tmp_path):
         # server recomputes each span's first tokens instead, as the reference does
         fast = settings.point(0.95, ref.num_layers).config
         assert fast.signal == "none" and fast.l_det == 0
-        served, result, span = relay_one_upstream(server.url, ref, fast, {"reuse": 0.95})
+        served, result, span = relay_one_upstream(server.url, ref, fast, {"reuse": 0.95}, upstreams)
         relay = served["meta_info"]["relay"]
         assert relay["operating_point"]["rule"] == "first_k" and relay["reuse_rate"] >= 0.95
         assert relay["selected_tokens"] == int(fast.max_ratio * len(span)) == sum(result.selected)
