@@ -26,12 +26,11 @@ def _refuse_before_children(server_args, *args, **kwargs) -> None:
     model's architecture and KV layout too."""
     if not serves_relay(server_args):
         return
-    from sglang_relay.runtime import modes, server_options
+    from sglang_relay.runtime.server_options import server_refusal
     from sglang_relay.runtime.settings import ship_role
     from sglang_relay.runtime.sglang.server import server_view
 
-    message = modes.refusal(server_view(server_args), ship_role=ship_role())
-    message = message or server_options.refusal(server_options.typed_values(server_args))
+    message = server_refusal(server_view(server_args), server_args, ship_role=ship_role())
     if message is not None:
         raise ValueError(message)
 

@@ -333,8 +333,9 @@ def build_relay_cache(ctx: Any) -> Any:
     arch = architectures[0] if architectures else None
     settings = server_settings(ctx.server_args.model_path)
     view = server_view(ctx)
-    refusal = modes.refusal(view, architecture=arch, ship_role=settings.ship_role)
-    refusal = refusal or server_options.refusal(server_options.typed_values(ctx.server_args))
+    refusal = server_options.server_refusal(
+        view, ctx.server_args, ship_role=settings.ship_role, architecture=arch
+    )
     refusal = refusal or modes.kv_layout_refusal(*live_kv_layout(ctx))
     if refusal is not None:
         raise ValueError(refusal)

@@ -140,6 +140,17 @@ def refusal(values: dict[str, Any], table: OptionTable | None = None) -> str | N
     return None
 
 
+def server_refusal(view: Any, server_args: Any, *, ship_role, architecture=None) -> str | None:
+    """What relay refuses in a server's options, one message or None: the mode matrix
+    (:mod:`.modes`) on SGLang's resolved ``view``, then this table on the options as typed.
+    The scheduler's cache factory and, before any child starts, the plug-in in SGLang's own
+    launcher (``plugin._refuse_before_children``) both ask it."""
+    from sglang_relay.runtime import modes
+
+    message = modes.refusal(view, architecture=architecture, ship_role=ship_role)
+    return message or refusal(typed_values(server_args))
+
+
 def typed_values(obj: Any) -> dict[str, Any]:
     """dest -> value of an argparse namespace or a ServerArgs record (its raw fields: SGLang
     0.5.23 keeps what was typed and records its own decisions apart)."""
