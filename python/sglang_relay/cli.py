@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 
 from sglang_relay.errors import RelayError
 
@@ -105,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"sglang-relay: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    return run(command, argv[1:])
+
+
+def run(command: Callable[[list[str]], int], argv: list[str]) -> int:
+    """``command(argv)`` with the CLI's exit codes: a RelayError is one line and 1."""
     try:
-        return command(argv[1:])
+        return command(argv)
     except RelayError as exc:
         print(f"sglang-relay: error: {exc}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import psutil
 import requests
+from launcher_zygote import launcher_env, start_launcher
 
 # ALL_SELECTED: the relay config that recomputes every span token in every layer, which
 # must equal standard (the product's own, as `sglang-relay bench quantized` sends it)
@@ -42,11 +43,22 @@ DEVIATION_AT_3 = {
 }  # fmt: skip
 
 
+class PreloadedServerProcess(ServerProcess):
+    """A test server whose launcher forks from this test process's preloaded parent
+    (``launcher_zygote``: SGLang's server modules imported once per test process), or is
+    spawned where that parent cannot serve it."""
+
+    def _start_child(self, command, log, env):
+        env = launcher_env(self.env)
+        forked = start_launcher(command, log.name, env)
+        return forked if forked is not None else super()._start_child(command, log, env)
+
+
 @contextlib.contextmanager
 def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A real server on loopback (``args`` + ``EXTRA_ARGS``, ``env`` added to its
     environment); on exit it is stopped and no process of its group may be left behind."""
-    proc = ServerProcess([*args, *EXTRA_ARGS], env=env)
+    proc = PreloadedServerProcess([*args, *EXTRA_ARGS], env=env)
     proc.start(timeout=600)
     group = [proc.proc.pid] + [c.pid for c in psutil.Process(proc.proc.pid).children(True)]
     try:

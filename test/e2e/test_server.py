@@ -46,6 +46,22 @@ def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server
     assert collector["enabled"] is True and collector["frozen_objects"] > 100_000, collector
 
 
+def test_the_launcher_forked_from_the_tests_preloaded_parent(server):
+    """The session server's launcher ran on this test process's preloaded parent
+    (test/e2e/launcher_zygote.py), not a fresh interpreter, with relay's plug-in loaded by
+    itself: its scheduler reports relay as the tree cache, with relay's own settings."""
+    import os
+    from pathlib import Path
+
+    from launcher_zygote import FORKED, ZYGOTE_ENV
+
+    if os.environ.get(ZYGOTE_ENV) == "0":
+        pytest.skip(f"{ZYGOTE_ENV}=0: every launcher spawned")
+    assert FORKED in Path(server.log_path).read_text(errors="replace")
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["internal_states"][0]["relay"]["gc"]["enabled"] is True
+
+
 def test_relay_backend_is_the_schedulers_tree_cache(server):
     info = requests.get(server.url + "/get_server_info", timeout=30).json()
     assert info["radix_cache_backend"] == "relay"

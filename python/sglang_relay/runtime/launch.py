@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from sglang_relay.errors import RelayError
@@ -299,13 +300,17 @@ def _check_port(argv: list[str]) -> None:
     check_port_free(flag_value(argv, "--host") or DEFAULT_HOST, port_num)
 
 
-def serve(argv: list[str]) -> None:
+def serve(argv: list[str], after_checks: Callable[[], None] | None = None) -> None:
     """``sglang-relay serve``: SGLang's HTTP server with relay registered and selected (its
-    checks and SGLang's imports run with the garbage collector paused: import_gc)."""
+    checks and SGLang's imports run with the garbage collector paused: import_gc).
+    ``after_checks``: called once the checks have set the environment, before SGLang's
+    imports (the tests' preloaded launcher checks it there: test/e2e/launcher_zygote.py)."""
     from sglang_relay.runtime.import_gc import collector_paused
     from sglang_relay.runtime.sglang.server import import_http_server, run_http_server
 
     with collector_paused():
         argv = prepare(argv)
+        if after_checks is not None:
+            after_checks()
         import_http_server()
     run_http_server(argv)

@@ -161,13 +161,15 @@ class _ChildProcess:
                 log.flush()
             self._log_offset = log.tell()
             self._stopped = False
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=None if self.env is None else {**os.environ, **self.env},
-            )
+            env = None if self.env is None else {**os.environ, **self.env}
+            self.proc = self._start_child(self.command(), log, env)
+
+    def _start_child(self, command: list[str], log, env: dict[str, str] | None):
+        """The child, in a session of its own, logging to ``log``: a :class:`subprocess.Popen`
+        or an object with its ``pid``, ``returncode``, ``poll`` and ``wait``."""
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
 
     def _wait(self, deadline: float, timeout: float) -> bool:
         """True once ready; False if this launch failed to bind its port (it may still be

@@ -115,12 +115,16 @@ def plugins_load_once_for_children(installed: set[str]) -> bool:
     return installed <= ENV_ONLY_PLUGINS
 
 
-def import_http_server() -> None:
+def import_server_modules() -> None:
     """Import what :func:`run_http_server` runs (SGLang's HTTP server, its engine and
-    launcher) and load the plug-ins, without starting anything."""
+    launcher), without loading the plug-ins or starting anything."""
     import sglang.launch_server  # noqa: F401
     import sglang.srt.entrypoints.http_server  # noqa: F401
 
+
+def import_http_server() -> None:
+    """:func:`import_server_modules`, then the plug-ins loaded."""
+    import_server_modules()
     load_sglang_plugins()
 
 

@@ -1,0 +1,304 @@
+"""A preloaded parent for the tests' relay servers: each ``sglang-relay serve`` launcher
+forks from one process per test worker that already imported what every launcher imports
+first (SGLang's HTTP server, its engine and launcher: ~10-13 s of one core per start here,
+``research/log.md``), instead of importing it again in a fresh interpreter.
+
+The parent is a ``multiprocessing`` forkserver whose preload is this module: it sets the
+process up for CPU serving as ``serve`` does (``cpu.activate``) and imports SGLang's server
+modules with the collector paused (``import_gc``), and loads no plug-in (relay's
+``register`` reads the per-server environment, so each launcher loads them itself, as
+``serve`` does after the imports). A launcher forked from it runs ``serve`` unchanged: the
+same checks, the plug-ins, SGLang's ``run_server``; its children start as a spawned
+launcher's do.
+
+It differs from a spawned launcher only where the environment at import time differs, so a
+launcher whose final environment (after ``serve``'s own checks set theirs) differs from the
+parent's anywhere but relay's own ``SGLANG_RELAY_*`` settings (which SGLang never reads, and
+no relay module the parent imported reads at import) replaces itself with a fresh
+``sglang-relay serve`` (``os.execv``: the same pid, session, log and environment), as it
+does if the parent was not single-threaded when it forked or its interpreter differs.
+``SGLANG_RELAY_TEST_ZYGOTE=0`` spawns every server as before."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+from sglang_relay.runtime.import_gc import collector_paused
+
+ZYGOTE_ENV = "SGLANG_RELAY_TEST_ZYGOTE"
+FORKED = "[sglang-relay tests] launcher forked from the preloaded parent"  # in its log
+
+# The parent's state, read in each forked launcher.
+SPAWN_ENV: dict[str, str] = {}  # the environment the parent started with
+CALL_ENV: dict[str, str] = {}  # ... after `serve`'s checks alone set theirs (no import)
+IMPORT_SETS: dict[str, str | None] = {}  # what the imports set in it (SGLang: cache folders)
+IMPORT_THREADS = 0
+PRELOADED_IN: list[int] = []  # the pid of the process that preloaded (the parent's)
+# every key its checks, plug-in registration and imports read through os.environ: a
+# launcher's value of one of these may change what the parent's state would have been
+READ_KEYS: set[str] = set()
+
+
+@contextlib.contextmanager
+def _recording_reads() -> Iterator[None]:
+    """Inside, every ``os.environ[key]`` read (``get``, ``in``, ``setdefault``, copies: all
+    go through ``__getitem__``) adds ``key`` to READ_KEYS, but for :func:`_replace_environ`'s
+    own."""
+    cls = type(os.environ)
+    original = cls.__getitem__
+
+    def recorded(self, key):
+        if not _quiet:
+            READ_KEYS.add(key)
+        return original(self, key)
+
+    cls.__getitem__ = recorded
+    try:
+        yield
+    finally:
+        cls.__getitem__ = original
+
+
+_quiet: list[bool] = []
+
+
+def _replace_environ(env: dict[str, str]) -> None:
+    _quiet.append(True)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+    finally:
+        _quiet.pop()
+
+
+def _snapshot() -> dict[str, str]:
+    _quiet.append(True)
+    try:
+        return dict(os.environ)
+    finally:
+        _quiet.pop()
+
+
+def _differ(a: dict[str, str], b: dict[str, str]) -> dict[str, str | None]:
+    """``b``'s value of every key whose value differs in ``a`` (None: not in ``b``)."""
+    return {k: b.get(k) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+def _preload() -> None:
+    """What ``serve`` runs before SGLang's imports (its checks, on a default server), then the
+    imports. The checks run twice from the same environment: the second time on imported
+    modules, so it shows what the checks set by themselves, as they do again in each forked
+    launcher, apart from what their first imports set."""
+    global IMPORT_THREADS
+    import json
+
+    from sglang_relay.embedded_model import ensure_model
+    from sglang_relay.runtime import launch
+    from sglang_relay.runtime.process import free_port
+    from sglang_relay.runtime.sglang.server import import_server_modules
+
+    with open(os.environ.pop(PARENT_ENV)) as f:
+        spawned_with = json.load(f)  # the test process's environment when it started this one
+    argv = ["--model-path", str(ensure_model(quiet=True)), "--port", str(free_port())]
+    with collector_paused(), _recording_reads():
+        _replace_environ(spawned_with)
+        launch.prepare(argv)  # as a launcher runs it: its imports too
+        first = _snapshot()
+        _replace_environ(spawned_with)
+        launch.prepare(argv)  # the checks alone
+        call_env = _snapshot()
+        _replace_environ(first)
+        import_server_modules()
+    IMPORT_SETS.update(_differ(call_env, dict(os.environ)))
+    CALL_ENV.update(call_env)
+    SPAWN_ENV.update(spawned_with)
+    IMPORT_THREADS = threading.active_count()
+    PRELOADED_IN.append(os.getpid())
+
+
+def _as_imports_left_it() -> None:
+    """This process's environment as the parent's imports changed theirs (the same
+    environment before them, so the same changes)."""
+    for key, value in IMPORT_SETS.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+# set in the parent only: where the environment it is to import under is
+PARENT_ENV = "SGLANG_RELAY_TEST_ZYGOTE_PARENT_ENV"
+# Keys a launcher may differ in from the parent if the parent never read them (READ_KEYS):
+# SGLang's and relay's own, which no C library reads (Python code reads them through
+# os.environ). Any other key may be read by a library below Python (OpenMP, CUDA, the C
+# library itself) without READ_KEYS knowing.
+MAY_DIFFER_PREFIX = "SGLANG_"
+
+if __name__ != "__main__" and os.environ.get(PARENT_ENV):
+    _preload()
+
+
+def why_not_forked(environ: dict[str, str], parent: dict[str, str]) -> str | None:
+    """Why a launcher with ``environ`` must not run on the parent's imports, whose
+    environment at the same step was ``parent``; or None."""
+    if PRELOADED_IN != [os.getppid()]:
+        return "the parent did not preload"
+    if IMPORT_THREADS != 1:
+        return f"the parent ran {IMPORT_THREADS} threads when it forked"
+    differ = sorted(_differ(parent, environ))
+    foreign = [k for k in differ if k in READ_KEYS or not k.startswith(MAY_DIFFER_PREFIX)]
+    if foreign:
+        shown = ", ".join(f"{k} ({parent.get(k)!r} -> {environ.get(k)!r})" for k in foreign[:4])
+        return f"its environment differs from the parent's: {shown}"
+    return None
+
+
+def run_launcher(command: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+    """The forked launcher: its own session, the log on stdout and stderr, ``env`` as its
+    whole environment; then ``serve`` on the parent's imports, or a fresh one (exec)."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    code = 1
+    try:
+        code = _serve_or_exec(command, env)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_or_exec(command: list[str], env: dict[str, str]) -> int:
+    from sglang_relay import cli
+    from sglang_relay.runtime import launch
+
+    if command[:4] != [sys.executable, "-m", "sglang_relay.cli", "serve"]:
+        _exec(command, env, "not the parent's interpreter running `sglang_relay.cli serve`")
+
+    why = why_not_forked(env, SPAWN_ENV)
+    if why is not None:
+        _exec(command, env, why)
+
+    def checked() -> None:  # serve's checks have set the environment; SGLang not imported yet
+        why = why_not_forked(dict(os.environ), CALL_ENV)
+        if why is not None:
+            _exec(command, env, why)
+        _as_imports_left_it()
+        print(FORKED, flush=True)
+
+    return cli.run(lambda argv: launch.serve(argv, after_checks=checked) or 0, command[4:])
+
+
+def _exec(command: list[str], env: dict[str, str], why: str) -> None:
+    """A fresh launcher in this process (its pid, session and log), as a spawn would be."""
+    print(f"[sglang-relay tests] fresh launcher: {why}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(command[0], command, env)
+
+
+# ---- the test process's side: the parent started once, launchers forked from it
+
+
+class ForkedLauncher:
+    """A launcher forked from the parent, seen as :class:`subprocess.Popen` sees a child."""
+
+    def __init__(self, process) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"launcher {self.pid}", timeout)
+        return self._process.exitcode
+
+
+def launcher_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """A test server's environment: this test process's as it was at its first server start
+    (what the parent started with; not what its own imports set in it since, e.g. SGLang's
+    cache folders: a launcher started from a shell does not get its client's either) and
+    the server's own ``extra``; without pytest's name of the current test, which differs
+    from server to server and which no server reads."""
+    with _lock:
+        if not _base:
+            _base.update(os.environ)
+            _base.pop("PYTEST_CURRENT_TEST", None)
+    return {**_base, **(extra or {})}
+
+
+def start_launcher(command: list[str], log_path: str, env: dict[str, str]):
+    """A launcher with ``env`` forked from this test process's preloaded parent (started on
+    first use), or None where the parent cannot serve (then the caller spawns one)."""
+    if os.environ.get(ZYGOTE_ENV) == "0" or not sys.platform.startswith("linux"):
+        return None
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    with _lock:
+        # this process's forkserver is the parent alone: one some other code started
+        # (another preload) is left to it
+        running = forkserver._forkserver._forkserver_pid is not None
+        if running and not _started:
+            return None
+        if not running:
+            import json
+            import tempfile
+
+            ctx.set_forkserver_preload([__name__])
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(_base, f)
+            # multiprocessing's forkserver imports its preload before it takes the caller's
+            # sys.path (Python 3.11): this folder on its PYTHONPATH (its imports run under
+            # the environment the file holds, without it)
+            here = os.path.dirname(os.path.abspath(__file__))
+            saved = {k: os.environ.get(k) for k in (PARENT_ENV, "PYTHONPATH")}
+            path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            os.environ.update({PARENT_ENV: f.name, "PYTHONPATH": path})
+            try:
+                forkserver.ensure_running()
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            _started.append(True)
+    process = ctx.Process(
+        target=run_launcher,
+        args=(command, env, log_path, os.getcwd()),
+        name="sglang-relay-launcher",
+    )
+    process.start()
+    return ForkedLauncher(process)
+
+
+_lock = threading.Lock()
+_started: list[bool] = []
+_base: dict[str, str] = {}

@@ -1,0 +1,81 @@
+"""The tests' preloaded launcher parent (``launcher_zygote``): when a launcher may run on the
+parent's imports, and when it must replace itself with a fresh ``sglang-relay serve``. No
+server here: the rule alone; every e2e server start exercises the rest (its log says which
+way it started: the session server's must have forked, ``test_server.py``)."""
+
+from __future__ import annotations
+
+import os
+
+import launcher_zygote as lz
+import pytest
+
+PARENT = {"HOME": "/root", "OMP_WAIT_POLICY": "PASSIVE", "SGLANG_USE_CPU_ENGINE": "1"}
+
+
+@pytest.fixture()
+def preloaded(monkeypatch):
+    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getppid()])
+    monkeypatch.setattr(lz, "IMPORT_THREADS", 1)
+    # what the parent read while it preloaded: its whole environment (tqdm's import scans
+    # it) and relay's opt-in that plug-in registration looks up
+    monkeypatch.setattr(lz, "READ_KEYS", {*PARENT, "SGLANG_RELAY_CPU_HICACHE"})
+
+
+def test_the_parents_own_environment_forks(preloaded):
+    assert lz.why_not_forked(dict(PARENT), PARENT) is None
+
+
+@pytest.mark.parametrize("key", ["SGLANG_RELAY_CONFIG", "SGLANG_RELAY_SCOPE", "SGLANG_HOST_IP"])
+def test_sglang_keys_the_parent_never_read_may_differ(preloaded, key):
+    assert lz.why_not_forked({**PARENT, key: "x"}, PARENT) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"SGLANG_RELAY_CPU_HICACHE": "1"},  # read when the plug-in registered its hooks
+        {"SGLANG_USE_CPU_ENGINE": "0"},  # in the parent's environment: read
+        {"OMP_WAIT_POLICY": "ACTIVE"},  # libgomp reads it when torch loads, not os.environ
+        {"LD_LIBRARY_PATH": "/opt/lib"},
+        {"TRITON_INTERPRET": "1"},
+    ],
+)
+def test_any_other_difference_starts_a_fresh_launcher(preloaded, change):
+    why = lz.why_not_forked({**PARENT, **change}, PARENT)
+    assert why is not None and next(iter(change)) in why
+
+
+def test_a_key_the_launcher_lacks_is_a_difference_too(preloaded):
+    env = {k: v for k, v in PARENT.items() if k != "OMP_WAIT_POLICY"}
+    assert "OMP_WAIT_POLICY" in lz.why_not_forked(env, PARENT)
+
+
+def test_no_fork_from_a_parent_that_did_not_preload_or_ran_threads(monkeypatch):
+    monkeypatch.setattr(lz, "PRELOADED_IN", [])
+    assert "did not preload" in lz.why_not_forked(dict(PARENT), PARENT)
+    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getpid()])  # preloaded itself: not the parent
+    assert "did not preload" in lz.why_not_forked(dict(PARENT), PARENT)
+    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getppid()])
+    monkeypatch.setattr(lz, "IMPORT_THREADS", 3)
+    assert "3 threads" in lz.why_not_forked(dict(PARENT), PARENT)
+
+
+def test_reads_are_recorded_through_every_way_of_reading(monkeypatch):
+    monkeypatch.setattr(lz, "READ_KEYS", set())
+    monkeypatch.setenv("RELAY_TEST_PRESENT", "1")
+    monkeypatch.delenv("RELAY_TEST_ABSENT", raising=False)
+    with lz._recording_reads():
+        os.environ.get("RELAY_TEST_ABSENT")
+        _ = "RELAY_TEST_IN" in os.environ
+        _ = os.environ["RELAY_TEST_PRESENT"]
+        lz._replace_environ(lz._snapshot())  # the module's own copies are not reads
+    assert lz.READ_KEYS == {"RELAY_TEST_ABSENT", "RELAY_TEST_IN", "RELAY_TEST_PRESENT"}
+    assert type(os.environ).__getitem__.__name__ == "__getitem__"  # unpatched after
+
+
+def test_a_launcher_gets_the_first_environment_and_its_own_keys(monkeypatch):
+    monkeypatch.setattr(lz, "_base", {"A": "1"})
+    monkeypatch.setenv("A", "changed since")  # e.g. set by this process's own imports
+    env = lz.launcher_env({"SGLANG_RELAY_SCOPE": "key"})
+    assert env == {"A": "1", "SGLANG_RELAY_SCOPE": "key"}
