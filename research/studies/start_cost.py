@@ -8,6 +8,11 @@ time. CI starts ~30 servers on 2 cores, so the CPU seconds are what CI time pays
 ``--gc``: forkserver starts with the garbage collector on during SGLang's imports against
 the default (paused: runtime/import_gc.py), CPU seconds per process.
 
+``--zygote``: the tests' launchers (test/e2e/launcher_zygote.py) forked from the study
+process's preloaded parent against spawned ``sglang-relay serve`` interpreters, alternating:
+time to healthy and CPU seconds per process (the parent's own, paid once per test process,
+is reported apart).
+
 ``--plugins``: instead, what loading SGLang's plug-ins (relay's hooks applied) costs a process
 that imported the forkserver's SGLang modules, i.e. what each child paid before the
 forkserver loaded them once for all (``runtime/forkserver_preload.py``), one fresh
@@ -40,14 +45,14 @@ def _role(p: psutil.Process) -> str:
     return "launcher"
 
 
-def one_start(spawn: bool, import_gc: bool | None = None) -> dict:
+def one_start(spawn: bool, import_gc: bool | None = None, server_class=ServerProcess) -> dict:
     env = {CPU_SPAWN_ENV: "1" if spawn else "0"}
     if import_gc is not None:
         env[IMPORT_GC_ENV] = "1" if import_gc else "0"
     t0 = time.monotonic()
     seen: dict[int, psutil.Process] = {}
     args = ["--model-path", str(ensure_model(quiet=True)), "--max-total-tokens", "8192"]
-    server = ServerProcess(args, env=env)
+    server = server_class(args, env=env)
     server.start(timeout=600)
     ready = time.monotonic() - t0
     root = psutil.Process(server.proc.pid)
@@ -65,8 +70,8 @@ def one_start(spawn: bool, import_gc: bool | None = None) -> dict:
     server.stop()
     out = {"spawn": spawn, "ready_s": round(ready, 1), "cpu_s": round(cpu, 1), "text": text}
     if import_gc is not None:
-        out.update(import_gc=import_gc, cpu_by_process=by_role)
-    return out
+        out.update(import_gc=import_gc)
+    return {**out, "cpu_by_process": by_role}
 
 
 PLUGIN_LOAD = """
@@ -116,6 +121,39 @@ def compare_import_gc(rounds: int, out: str | None) -> int:
     return 0
 
 
+def compare_zygote(rounds: int, out: str | None) -> int:
+    """Launchers forked from the tests' preloaded parent against spawned ones, alternating
+    (the scheduler and detokenizer fork from the stand-in's forkserver in both)."""
+    from multiprocessing import forkserver
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "test", "e2e"))
+    from relay_helpers import PreloadedServerProcess
+
+    runs = []
+    for r in range(rounds):
+        for forked in (True, False) if r % 2 == 0 else (False, True):
+            cls = PreloadedServerProcess if forked else ServerProcess
+            runs.append({"forked": forked, **one_start(False, server_class=cls)})
+            print(runs[-1], flush=True)
+    parent = psutil.Process(forkserver._forkserver._forkserver_pid)
+    summary = {"parent_cpu_s_once": round(sum(parent.cpu_times()[:2]), 1)}
+    for forked in (True, False):
+        mine = [x for x in runs if x["forked"] is forked]
+        roles = sorted({k for x in mine for k in x["cpu_by_process"]})
+        summary["forked" if forked else "spawned"] = {
+            **{k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")},
+            **{k: statistics.median(x["cpu_by_process"].get(k, 0) for x in mine) for k in roles},
+        }
+    print(json.dumps(summary))
+    assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
+    if out:
+        data = {"machine": f"{os.cpu_count()} cores", "rounds": rounds, "runs": runs,
+                "median": summary, "argv": sys.argv[1:]}  # fmt: skip
+        with open(out, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
@@ -126,7 +164,12 @@ def main() -> int:
         action="store_true",
         help="forkserver starts with the collector on during imports vs paused",
     )
+    ap.add_argument(
+        "--zygote", action="store_true", help="launchers forked from the tests' parent vs spawned"
+    )
     args = ap.parse_args()
+    if args.zygote:
+        return compare_zygote(args.rounds, args.out)
     if args.gc:
         return compare_import_gc(args.rounds, args.out)
     if args.plugins:

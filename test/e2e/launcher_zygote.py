@@ -105,7 +105,7 @@ def _preload() -> None:
     with open(os.environ.pop(PARENT_ENV)) as f:
         spawned_with = json.load(f)  # the test process's environment when it started this one
     argv = ["--model-path", str(ensure_model(quiet=True)), "--port", str(free_port())]
-    with collector_paused(), _recording_reads():
+    with collector_paused(), _recording_reads(), _plugins_not_loaded():
         _replace_environ(spawned_with)
         launch.prepare(argv)  # as a launcher runs it: its imports too
         first = _snapshot()
@@ -115,10 +115,30 @@ def _preload() -> None:
         _replace_environ(first)
         import_server_modules()
     IMPORT_SETS.update(_differ(call_env, dict(os.environ)))
+    from sglang.srt import plugins
+
+    if plugins._plugins_loaded:  # something loaded them anyway: every launcher spawned
+        return
     CALL_ENV.update(call_env)
     SPAWN_ENV.update(spawned_with)
     IMPORT_THREADS = threading.active_count()
     PRELOADED_IN.append(os.getpid())
+
+
+@contextlib.contextmanager
+def _plugins_not_loaded() -> Iterator[None]:
+    """``serve``'s checks load SGLang's plug-ins (its parser takes their options); here they
+    are not loaded, so each forked launcher's checks load them itself, under its own
+    environment (relay's ``register`` reads its opt-ins, e.g. ``SGLANG_RELAY_CPU_LORA``),
+    after the imports, as SGLang's own workers and the stand-in's forkserver load them."""
+    from sglang_relay.runtime.sglang import server
+
+    loader = server.load_sglang_plugins
+    server.load_sglang_plugins = lambda: None
+    try:
+        yield
+    finally:
+        server.load_sglang_plugins = loader
 
 
 def _as_imports_left_it() -> None:

@@ -18,15 +18,17 @@ def preloaded(monkeypatch):
     monkeypatch.setattr(lz, "PRELOADED_IN", [os.getppid()])
     monkeypatch.setattr(lz, "IMPORT_THREADS", 1)
     # what the parent read while it preloaded: its whole environment (tqdm's import scans
-    # it) and relay's opt-in that plug-in registration looks up
-    monkeypatch.setattr(lz, "READ_KEYS", {*PARENT, "SGLANG_RELAY_CPU_HICACHE"})
+    # it) and a key it looked up that it did not have
+    monkeypatch.setattr(lz, "READ_KEYS", {*PARENT, "SGLANG_CPU_OMP_THREADS_BIND"})
 
 
 def test_the_parents_own_environment_forks(preloaded):
     assert lz.why_not_forked(dict(PARENT), PARENT) is None
 
 
-@pytest.mark.parametrize("key", ["SGLANG_RELAY_CONFIG", "SGLANG_RELAY_SCOPE", "SGLANG_HOST_IP"])
+@pytest.mark.parametrize(
+    "key", ["SGLANG_RELAY_CONFIG", "SGLANG_RELAY_CPU_LORA", "SGLANG_RELAY_SCOPE", "SGLANG_HOST_IP"]
+)
 def test_sglang_keys_the_parent_never_read_may_differ(preloaded, key):
     assert lz.why_not_forked({**PARENT, key: "x"}, PARENT) is None
 
@@ -34,7 +36,7 @@ def test_sglang_keys_the_parent_never_read_may_differ(preloaded, key):
 @pytest.mark.parametrize(
     "change",
     [
-        {"SGLANG_RELAY_CPU_HICACHE": "1"},  # read when the plug-in registered its hooks
+        {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},  # looked up while the parent preloaded
         {"SGLANG_USE_CPU_ENGINE": "0"},  # in the parent's environment: read
         {"OMP_WAIT_POLICY": "ACTIVE"},  # libgomp reads it when torch loads, not os.environ
         {"LD_LIBRARY_PATH": "/opt/lib"},
