@@ -102,8 +102,11 @@ def _preload() -> None:
     from sglang_relay.runtime.process import free_port
     from sglang_relay.runtime.sglang.server import import_server_modules
 
-    with open(os.environ.pop(PARENT_ENV)) as f:
+    env_file = os.environ.pop(PARENT_ENV)
+    with open(env_file) as f:
         spawned_with = json.load(f)  # the test process's environment when it started this one
+    with contextlib.suppress(OSError):
+        os.remove(env_file)
     argv = ["--model-path", str(ensure_model(quiet=True)), "--port", str(free_port())]
     with collector_paused(), _recording_reads(), _plugins_not_loaded():
         _replace_environ(spawned_with)
