@@ -1,23 +1,23 @@
 """A preloaded parent for the tests' relay servers: each ``sglang-relay serve`` launcher
-forks from one process per test worker that already imported what every launcher imports
-first (SGLang's HTTP server, its engine and launcher: ~10-13 s of one core per start here,
-``research/log.md``), instead of importing it again in a fresh interpreter.
+forks from one process per test process that already ran what every launcher runs first
+(``serve``'s checks, which import most of SGLang to parse its arguments, and SGLang's server
+modules: ~9-12 CPU s per start here, ``research/log.md``), instead of running it again in a
+fresh interpreter.
 
-The parent is a ``multiprocessing`` forkserver whose preload is this module: it sets the
-process up for CPU serving as ``serve`` does (``cpu.activate``) and imports SGLang's server
-modules with the collector paused (``import_gc``), and loads no plug-in (relay's
-``register`` reads the per-server environment, so each launcher loads them itself, as
-``serve`` does after the imports). A launcher forked from it runs ``serve`` unchanged: the
-same checks, the plug-ins, SGLang's ``run_server``; its children start as a spawned
-launcher's do.
+The parent is a ``multiprocessing`` forkserver whose preload is this module: under the test
+process's environment it runs ``serve``'s checks on a default server (twice: the second
+time, on imported modules, shows what the checks set by themselves) and imports SGLang's
+server modules with the collector paused (``import_gc``), recording every ``os.environ``
+read; it loads no plug-in (relay's ``register`` reads the server's own environment). A
+launcher forked from it runs ``serve`` unchanged: the checks again, the plug-ins loaded under
+its own environment, SGLang's ``run_server``; its children start as a spawned launcher's do.
 
-It differs from a spawned launcher only where the environment at import time differs, so a
-launcher whose final environment (after ``serve``'s own checks set theirs) differs from the
-parent's anywhere but relay's own ``SGLANG_RELAY_*`` settings (which SGLang never reads, and
-no relay module the parent imported reads at import) replaces itself with a fresh
-``sglang-relay serve`` (``os.execv``: the same pid, session, log and environment), as it
-does if the parent was not single-threaded when it forked or its interpreter differs.
-``SGLANG_RELAY_TEST_ZYGOTE=0`` spawns every server as before."""
+A launcher whose environment differs from the parent's, before or after the checks, in a key
+the parent read or in any key outside ``SGLANG_*`` (a C library may read those without
+os.environ) replaces itself with a fresh ``sglang-relay serve`` (``os.execve``: the same pid,
+session and log, its own environment), as it does if the parent did not preload or was not
+single-threaded. Its log says which way it started. ``SGLANG_RELAY_TEST_ZYGOTE=0`` spawns
+every server as before."""
 
 from __future__ import annotations
 
