@@ -95,22 +95,27 @@ def plugin_load_s() -> float:
     return round(float(line.split()[1]), 3)
 
 
-def compare_import_gc(rounds: int, out: str | None) -> int:
-    """Forkserver starts alternating: SGLANG_RELAY_IMPORT_GC=1 (collector on while SGLang
-    is imported) against the default (paused; runtime/import_gc.py)."""
+def _alternate(rounds: int, out: str | None, key: str, names: dict, start) -> int:
+    """``start(True)`` and ``start(False)`` alternating for ``rounds`` rounds, each run
+    marked ``key``; medians per ``names[value]`` (time, CPU, CPU per process), JSON to
+    ``out``; both ways must answer the same text."""
     runs = []
     for r in range(rounds):
-        for gc_on in (True, False) if r % 2 == 0 else (False, True):
-            runs.append(one_start(False, import_gc=gc_on))
+        for value in (True, False) if r % 2 == 0 else (False, True):
+            runs.append({key: value, **start(value)})
             print(runs[-1], flush=True)
     summary = {}
-    for gc_on in (True, False):
-        mine = [x for x in runs if x["import_gc"] is gc_on]
+    for value in (True, False):
+        mine = [x for x in runs if x[key] is value]
         roles = sorted({k for x in mine for k in x["cpu_by_process"]})
-        summary["collector_on" if gc_on else "paused"] = {
+        summary[names[value]] = {
             **{k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")},
             **{k: statistics.median(x["cpu_by_process"].get(k, 0) for x in mine) for k in roles},
         }
+    return _report(runs, summary, rounds, out)
+
+
+def _report(runs: list, summary: dict, rounds: int, out: str | None) -> int:
     print(json.dumps(summary))
     assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
     if out:
@@ -121,37 +126,29 @@ def compare_import_gc(rounds: int, out: str | None) -> int:
     return 0
 
 
+def compare_import_gc(rounds: int, out: str | None) -> int:
+    """Forkserver starts alternating: SGLANG_RELAY_IMPORT_GC=1 (collector on while SGLang
+    is imported) against the default (paused; runtime/import_gc.py)."""
+    names = {True: "collector_on", False: "paused"}
+    return _alternate(rounds, out, "import_gc", names, lambda on: one_start(False, import_gc=on))
+
+
 def compare_zygote(rounds: int, out: str | None) -> int:
     """Launchers forked from the tests' preloaded parent against spawned ones, alternating
-    (the scheduler and detokenizer fork from the stand-in's forkserver in both)."""
+    (the scheduler and detokenizer fork from the stand-in's forkserver in both); the
+    parent's own CPU seconds, paid once per test process, printed apart."""
     from multiprocessing import forkserver
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "test", "e2e"))
     from relay_helpers import PreloadedServerProcess
 
-    runs = []
-    for r in range(rounds):
-        for forked in (True, False) if r % 2 == 0 else (False, True):
-            cls = PreloadedServerProcess if forked else ServerProcess
-            runs.append({"forked": forked, **one_start(False, server_class=cls)})
-            print(runs[-1], flush=True)
+    def start(forked: bool) -> dict:
+        return one_start(False, server_class=PreloadedServerProcess if forked else ServerProcess)
+
+    code = _alternate(rounds, out, "forked", {True: "forked", False: "spawned"}, start)
     parent = psutil.Process(forkserver._forkserver._forkserver_pid)
-    summary = {"parent_cpu_s_once": round(sum(parent.cpu_times()[:2]), 1)}
-    for forked in (True, False):
-        mine = [x for x in runs if x["forked"] is forked]
-        roles = sorted({k for x in mine for k in x["cpu_by_process"]})
-        summary["forked" if forked else "spawned"] = {
-            **{k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")},
-            **{k: statistics.median(x["cpu_by_process"].get(k, 0) for x in mine) for k in roles},
-        }
-    print(json.dumps(summary))
-    assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
-    if out:
-        data = {"machine": f"{os.cpu_count()} cores", "rounds": rounds, "runs": runs,
-                "median": summary, "argv": sys.argv[1:]}  # fmt: skip
-        with open(out, "w") as f:
-            json.dump(data, f, indent=1)
-    return 0
+    print(json.dumps({"parent_cpu_s_once": round(sum(parent.cpu_times()[:2]), 1)}))
+    return code
 
 
 def main() -> int:
@@ -182,25 +179,8 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(data, f, indent=1)
         return 0
-    runs = []
-    for r in range(args.rounds):
-        for spawn in (True, False) if r % 2 == 0 else (False, True):
-            runs.append(one_start(spawn))
-            print(runs[-1], flush=True)
-    summary = {}
-    for spawn in (True, False):
-        mine = [x for x in runs if x["spawn"] is spawn]
-        summary["spawn" if spawn else "forkserver"] = {
-            k: statistics.median(x[k] for x in mine) for k in ("ready_s", "cpu_s")
-        }
-    print(json.dumps(summary))
-    assert len({x["text"] for x in runs}) == 1, "the two ways answered differently"
-    if args.out:
-        data = {"machine": f"{os.cpu_count()} cores", "rounds": args.rounds, "runs": runs,
-                "median": summary, "argv": sys.argv[1:]}  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
-    return 0
+    names = {True: "spawn", False: "forkserver"}
+    return _alternate(args.rounds, args.out, "spawn", names, one_start)
 
 
 if __name__ == "__main__":
