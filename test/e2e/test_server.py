@@ -48,8 +48,8 @@ def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server
 
 def test_the_launcher_forked_from_the_tests_preloaded_parent(server):
     """The session server's launcher ran on this test process's preloaded parent
-    (test/e2e/launcher_zygote.py), not a fresh interpreter, with relay's plug-in loaded by
-    itself: its scheduler reports relay as the tree cache, with relay's own settings."""
+    (test/e2e/launcher_zygote.py), not a fresh interpreter, and serves with relay's plug-in
+    loaded (its scheduler reports relay's state, the collector on)."""
     import os
     from pathlib import Path
 
@@ -59,6 +59,7 @@ def test_the_launcher_forked_from_the_tests_preloaded_parent(server):
         pytest.skip(f"{ZYGOTE_ENV}=0: every launcher spawned")
     assert FORKED in Path(server.log_path).read_text(errors="replace")
     info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["radix_cache_backend"] == "relay"
     assert info["internal_states"][0]["relay"]["gc"]["enabled"] is True
 
 
