@@ -22,6 +22,7 @@ every server as before."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -33,28 +34,36 @@ from sglang_relay.runtime.import_gc import collector_paused
 ZYGOTE_ENV = "SGLANG_RELAY_TEST_ZYGOTE"
 FORKED = "[sglang-relay tests] launcher forked from the preloaded parent"  # in its log
 
-# The parent's state, read in each forked launcher.
-SPAWN_ENV: dict[str, str] = {}  # the environment the parent started with
-CALL_ENV: dict[str, str] = {}  # ... after `serve`'s checks alone set theirs (no import)
-IMPORT_SETS: dict[str, str | None] = {}  # what the imports set in it (SGLang: cache folders)
-IMPORT_THREADS = 0
-PRELOADED_IN: list[int] = []  # the pid of the process that preloaded (the parent's)
-# every key its checks, plug-in registration and imports read through os.environ: a
-# launcher's value of one of these may change what the parent's state would have been
-READ_KEYS: set[str] = set()
+
+@dataclasses.dataclass
+class Preload:
+    """What the parent's preload left, read in each forked launcher."""
+
+    pid: int | None = None  # the process that preloaded (the parent), once it succeeded
+    spawn_env: dict[str, str] = dataclasses.field(default_factory=dict)  # it started with
+    call_env: dict[str, str] = dataclasses.field(default_factory=dict)  # after the checks alone
+    # what the imports set in it (SGLang: cache folders); None: removed
+    import_sets: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    threads: int = 0  # running when the preload was done
+    # every key its checks and imports read through os.environ: a launcher's value of one
+    # of these may change what the parent's state would have been
+    read_keys: set[str] = dataclasses.field(default_factory=set)
+
+
+PRELOAD = Preload()
 
 
 @contextlib.contextmanager
 def _recording_reads() -> Iterator[None]:
     """Inside, every ``os.environ[key]`` read (``get``, ``in``, ``setdefault``, copies: all
-    go through ``__getitem__``) adds ``key`` to READ_KEYS, but for :func:`_replace_environ`'s
-    own."""
+    go through ``__getitem__``) adds ``key`` to ``PRELOAD.read_keys``, but for
+    :func:`_replace_environ`'s own."""
     cls = type(os.environ)
     original = cls.__getitem__
 
     def recorded(self, key):
         if not _quiet:
-            READ_KEYS.add(key)
+            PRELOAD.read_keys.add(key)
         return original(self, key)
 
     cls.__getitem__ = recorded
@@ -94,7 +103,6 @@ def _preload() -> None:
     imports. The checks run twice from the same environment: the second time on imported
     modules, so it shows what the checks set by themselves, as they do again in each forked
     launcher, apart from what their first imports set."""
-    global IMPORT_THREADS
     import json
 
     from sglang_relay.embedded_model import ensure_model
@@ -117,15 +125,15 @@ def _preload() -> None:
         call_env = _snapshot()
         _replace_environ(first)
         import_server_modules()
-    IMPORT_SETS.update(_differ(call_env, dict(os.environ)))
+    PRELOAD.import_sets.update(_differ(call_env, dict(os.environ)))
     from sglang.srt import plugins
 
     if plugins._plugins_loaded:  # something loaded them anyway: every launcher spawned
         return
-    CALL_ENV.update(call_env)
-    SPAWN_ENV.update(spawned_with)
-    IMPORT_THREADS = threading.active_count()
-    PRELOADED_IN.append(os.getpid())
+    PRELOAD.call_env.update(call_env)
+    PRELOAD.spawn_env.update(spawned_with)
+    PRELOAD.threads = threading.active_count()
+    PRELOAD.pid = os.getpid()
 
 
 @contextlib.contextmanager
@@ -147,7 +155,7 @@ def _plugins_not_loaded() -> Iterator[None]:
 def _as_imports_left_it() -> None:
     """This process's environment as the parent's imports changed theirs (the same
     environment before them, so the same changes)."""
-    for key, value in IMPORT_SETS.items():
+    for key, value in PRELOAD.import_sets.items():
         if value is None:
             os.environ.pop(key, None)
         else:
@@ -156,10 +164,10 @@ def _as_imports_left_it() -> None:
 
 # set in the parent only: where the environment it is to import under is
 PARENT_ENV = "SGLANG_RELAY_TEST_ZYGOTE_PARENT_ENV"
-# Keys a launcher may differ in from the parent if the parent never read them (READ_KEYS):
+# Keys a launcher may differ in from the parent if the parent never read them (read_keys):
 # SGLang's and relay's own, which no C library reads (Python code reads them through
 # os.environ). Any other key may be read by a library below Python (OpenMP, CUDA, the C
-# library itself) without READ_KEYS knowing.
+# library itself) without read_keys knowing.
 MAY_DIFFER_PREFIX = "SGLANG_"
 
 if __name__ != "__main__" and os.environ.get(PARENT_ENV):
@@ -169,12 +177,12 @@ if __name__ != "__main__" and os.environ.get(PARENT_ENV):
 def why_not_forked(environ: dict[str, str], parent: dict[str, str]) -> str | None:
     """Why a launcher with ``environ`` must not run on the parent's imports, whose
     environment at the same step was ``parent``; or None."""
-    if PRELOADED_IN != [os.getppid()]:
+    if PRELOAD.pid is None or PRELOAD.pid != os.getppid():
         return "the parent did not preload"
-    if IMPORT_THREADS != 1:
-        return f"the parent ran {IMPORT_THREADS} threads when it forked"
+    if PRELOAD.threads != 1:
+        return f"the parent ran {PRELOAD.threads} threads when it forked"
     differ = sorted(_differ(parent, environ))
-    foreign = [k for k in differ if k in READ_KEYS or not k.startswith(MAY_DIFFER_PREFIX)]
+    foreign = [k for k in differ if k in PRELOAD.read_keys or not k.startswith(MAY_DIFFER_PREFIX)]
     if foreign:
         shown = ", ".join(f"{k} ({parent.get(k)!r} -> {environ.get(k)!r})" for k in foreign[:4])
         return f"its environment differs from the parent's: {shown}"
@@ -216,12 +224,12 @@ def _serve_or_exec(command: list[str], env: dict[str, str]) -> int:
     if command[:4] != [sys.executable, "-m", "sglang_relay.cli", "serve"]:
         _exec(command, env, "not the parent's interpreter running `sglang_relay.cli serve`")
 
-    why = why_not_forked(env, SPAWN_ENV)
+    why = why_not_forked(env, PRELOAD.spawn_env)
     if why is not None:
         _exec(command, env, why)
 
     def checked() -> None:  # serve's checks have set the environment; SGLang not imported yet
-        why = why_not_forked(dict(os.environ), CALL_ENV)
+        why = why_not_forked(dict(os.environ), PRELOAD.call_env)
         if why is not None:
             _exec(command, env, why)
         _as_imports_left_it()

@@ -15,11 +15,10 @@ PARENT = {"HOME": "/root", "OMP_WAIT_POLICY": "PASSIVE", "SGLANG_USE_CPU_ENGINE"
 
 @pytest.fixture()
 def preloaded(monkeypatch):
-    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getppid()])
-    monkeypatch.setattr(lz, "IMPORT_THREADS", 1)
     # what the parent read while it preloaded: its whole environment (tqdm's import scans
     # it) and a key it looked up that it did not have
-    monkeypatch.setattr(lz, "READ_KEYS", {*PARENT, "SGLANG_CPU_OMP_THREADS_BIND"})
+    read = {*PARENT, "SGLANG_CPU_OMP_THREADS_BIND"}
+    monkeypatch.setattr(lz, "PRELOAD", lz.Preload(pid=os.getppid(), threads=1, read_keys=read))
 
 
 def test_the_parents_own_environment_forks(preloaded):
@@ -54,17 +53,17 @@ def test_a_key_the_launcher_lacks_is_a_difference_too(preloaded):
 
 
 def test_no_fork_from_a_parent_that_did_not_preload_or_ran_threads(monkeypatch):
-    monkeypatch.setattr(lz, "PRELOADED_IN", [])
+    monkeypatch.setattr(lz, "PRELOAD", lz.Preload(threads=1))
     assert "did not preload" in lz.why_not_forked(dict(PARENT), PARENT)
-    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getpid()])  # preloaded itself: not the parent
+    # preloaded itself: not the parent
+    monkeypatch.setattr(lz, "PRELOAD", lz.Preload(pid=os.getpid(), threads=1))
     assert "did not preload" in lz.why_not_forked(dict(PARENT), PARENT)
-    monkeypatch.setattr(lz, "PRELOADED_IN", [os.getppid()])
-    monkeypatch.setattr(lz, "IMPORT_THREADS", 3)
+    monkeypatch.setattr(lz, "PRELOAD", lz.Preload(pid=os.getppid(), threads=3))
     assert "3 threads" in lz.why_not_forked(dict(PARENT), PARENT)
 
 
 def test_reads_are_recorded_through_every_way_of_reading(monkeypatch):
-    monkeypatch.setattr(lz, "READ_KEYS", set())
+    monkeypatch.setattr(lz, "PRELOAD", lz.Preload())
     monkeypatch.setenv("RELAY_TEST_PRESENT", "1")
     monkeypatch.delenv("RELAY_TEST_ABSENT", raising=False)
     with lz._recording_reads():
@@ -72,7 +71,7 @@ def test_reads_are_recorded_through_every_way_of_reading(monkeypatch):
         _ = "RELAY_TEST_IN" in os.environ
         _ = os.environ["RELAY_TEST_PRESENT"]
         lz._replace_environ(lz._snapshot())  # the module's own copies are not reads
-    assert lz.READ_KEYS == {"RELAY_TEST_ABSENT", "RELAY_TEST_IN", "RELAY_TEST_PRESENT"}
+    assert lz.PRELOAD.read_keys == {"RELAY_TEST_ABSENT", "RELAY_TEST_IN", "RELAY_TEST_PRESENT"}
     assert type(os.environ).__getitem__.__name__ == "__getitem__"  # unpatched after
 
 
