@@ -4,6 +4,8 @@ Each downstream prompt embeds the earlier agents' outputs inside its own templat
 is exactly the text that SGLang's prefix cache cannot reuse. The demo prints, per agent,
 the prompt length, the relayed tokens and reuse rate, and the time to first token with
 relay and with plain SGLang's standard prefill (both pipelines on the same server).
+Options it does not know go to the server it starts (on the embedded model its KV pool is
+16,384 tokens unless ``--max-total-tokens`` or ``--mem-fraction-static`` says otherwise).
 """
 
 from __future__ import annotations
@@ -175,6 +177,12 @@ def result_json(
     return {"chain": chain["name"], "agents": agents}
 
 
+# The embedded model's KV pool when the demo starts its server: two whole contexts (8,192
+# tokens each), ~0.8 GB of float32 KV. The CPU server's default (65,536 tokens) would hold
+# 2.3 GB more than any chain can use, on a machine that also runs the client and tokenizer.
+EMBEDDED_KV_TOKENS = 16384
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sglang-relay demo", description=__doc__)
     parser.add_argument("--url", help="use a running server instead of starting one")
@@ -188,7 +196,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import ServerProcess
+    from sglang_relay.runtime.process import ServerProcess, has_flag
 
     model_path = args.model_path or str(ensure_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -202,6 +210,10 @@ def main(argv: list[str]) -> int:
         # --enable-metrics: the server then knows a whole-reply request's time to its first
         # token (meta_info["relay"]["ttft_s"]), the demo's TTFT
         flags = ["--model-path", model_path, "--enable-metrics", *server_flags]
+        if args.model_path is None and not (
+            has_flag(flags, "--max-total-tokens") or has_flag(flags, "--mem-fraction-static")
+        ):
+            flags += ["--max-total-tokens", str(EMBEDDED_KV_TOKENS)]
         server = ServerProcess(flags).start()
         url = server.url
     try:
