@@ -51,6 +51,35 @@ def bootstrap_ci(
     return _percentiles(_stat(stat)(x[_indices(x.size, resamples, seed)]), level)
 
 
+def cluster_ci(
+    groups: Sequence[Sequence[float]],
+    *,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = SEED,
+) -> tuple[float, float]:
+    """Percentile interval of the mean of group means, resampling the groups and then each
+    chosen group's own values (a two-stage bootstrap): for repeated measurements on units
+    that differ among themselves, e.g. rounds on one pair of server instances, where a pair
+    can differ from the next by more than its rounds vary."""
+    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+    if not arrays or any(a.size == 0 for a in arrays):
+        raise ValueError("no values")
+    sizes = np.array([a.size for a in arrays])
+    k, width = len(arrays), int(sizes.max())
+    table = np.zeros((k, width))
+    for j, a in enumerate(arrays):
+        table[j, : a.size] = a
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, k, size=(resamples, k))  # the groups of each resample
+    n = sizes[picks][..., None]  # [resamples, k, 1]: each picked group's size
+    within = (rng.random((resamples, k, width)) * n).astype(np.int64)  # its values, again
+    taken = table[picks[..., None], within]
+    used = np.arange(width) < n  # a smaller group uses its first `size` draws
+    boot = ((taken * used).sum(axis=-1) / n[..., 0]).sum(axis=1)
+    return _percentiles(boot / k, level)
+
+
 def paired_ci(
     a: Sequence[float],
     b: Sequence[float],
