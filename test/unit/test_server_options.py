@@ -42,8 +42,8 @@ def test_every_sglang_option_is_classified_once():
 # what modes.py refuses (and the issue named) must be refused by the table too
 MUST_REFUSE = [
     "enable_nvidia_megakernel", "enable_amd_monokernel", "moe_a2a_backend", "enable_lmcache",
-    "enable_flexkv", "hicache_storage_backend", "speculative_eagle_topk",
-    "speculative_draft_model_path",
+    "enable_flexkv", "hicache_storage_backend", "speculative_draft_attention_backend",
+    "speculative_draft_kv_cache_dtype", "enable_multi_layer_eagle",
     "pp_size", "enable_dp_attention",
     "enable_deterministic_inference", "dllm_algorithm", "enable_hisparse", "enable_pdmux",
     "attn_cp_size", "enable_prefill_cp", "dcp_size", "enable_attn_tp_input_scattered",
@@ -54,8 +54,8 @@ MUST_REFUSE = [
 def test_what_relay_cannot_serve_is_refused_by_the_table():
     table = server_options.load_table()
     assert [d for d in MUST_REFUSE if d not in table.refused] == []
-    # speculative decoding: NGRAM only (no draft model); modes.spec_refusal narrows it
-    assert table.served["speculative_algorithm"].values == ("NGRAM", "ngram")
+    # speculative decoding: NGRAM (no draft model) and EAGLE; modes.spec_refusal narrows them
+    assert table.served["speculative_algorithm"].values == ("NGRAM", "ngram", "EAGLE", "eagle")
     # quantization: served per method, each classified (runtime/quant_methods.py)
     assert "awq" in table.served["quantization"].values
     assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
@@ -125,12 +125,17 @@ def test_the_launchers_own_arguments_pass(model_dir):
         (["--lora-backend", "triton"], "--lora-backend triton"),
         (["--attention-backend", "aiter"], "--attention-backend aiter"),
         (["--attention-backend", "flashmla"], "--attention-backend flashmla"),
-        # speculative decoding: NGRAM only, on the shape test_speculative.py serves
+        # speculative decoding: NGRAM and EAGLE, on the shapes test_speculative.py serves
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),
+        (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "2",
+          "--speculative-num-steps", "1"], "--speculative-eagle-topk 2"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+          "--speculative-num-steps", "3"], "--speculative-num-steps 3"),
+        (["--speculative-algorithm", "EAGLE"], "--speculative-eagle-topk None"),
         (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "at --tp-size 2"),
         (["--speculative-algorithm", "NGRAM", "--page-size", "16"], "--page-size 16"),
         (["--speculative-algorithm", "NGRAM", "--enable-torch-compile"], "torch-compile"),
-        (["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "2"], "eagle-topk"),
         (["--speculative-algorithm", "NGRAM", "--dp-size", "2"], "--dp-size 2"),
         (["--speculative-algorithm", "ngram", "--enable-hierarchical-cache"], "hierarchical"),
         (

@@ -55,6 +55,8 @@ class ServerView:
     bnb_8bit: bool = False  # a bitsandbytes checkpoint quantized to 8 bits (LLM.int8)
     load_format: str = "auto"
     speculative_algorithm: str | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_steps: int | None = None
     device: str = ""
     disable_overlap_schedule: bool = False
     enable_lora: bool = False
@@ -178,8 +180,11 @@ def ship_refusal(view: ServerView, ship_role: str | None) -> str | None:
 
 
 # speculative algorithms relay serves: NGRAM has no draft model, its verify forwards are
-# the target's own (captured like decode), its compaction is followed (KV_MOVE_TARGET)
-SERVED_SPECULATIVE = frozenset({"NGRAM"})
+# the target's own (captured like decode), its compaction is followed (KV_MOVE_TARGET);
+# EAGLE's draft prefills every row of a relay extend from the hidden rows relay returns
+# (its own KV for a span's rows is recomputed, not spliced: acceptance is at stake, not
+# the target's tokens), its verify forwards are NGRAM's
+SERVED_SPECULATIVE = frozenset({"NGRAM", "EAGLE"})
 
 
 def speculating(view: ServerView) -> bool:
@@ -199,9 +204,21 @@ def spec_refusal(
     checks = [
         (
             algo.upper() not in SERVED_SPECULATIVE,
-            f"--speculative-algorithm {algo} (a draft model keeps its own KV, which relay "
-            "does not bring to a span's new positions)",
-            "use --speculative-algorithm NGRAM",
+            f"--speculative-algorithm {algo} (EAGLE3 reads auxiliary hidden states from "
+            "inside the target's forward, which a relay extend does not return; other draft "
+            "models are not verified with relay)"
+            if algo.upper() == "EAGLE3"
+            else f"--speculative-algorithm {algo} (not verified with relay)",
+            "use --speculative-algorithm NGRAM or EAGLE",
+        ),
+        (
+            algo.upper() == "EAGLE"
+            and (view.speculative_eagle_topk, view.speculative_num_steps) != (1, 1),
+            f"EAGLE with --speculative-eagle-topk {view.speculative_eagle_topk} "
+            f"--speculative-num-steps {view.speculative_num_steps} (relay's end-to-end test "
+            "runs one draft step of one token: a draft tree's KV compaction and multi-step "
+            "draft decode are not verified with relay)",
+            "use --speculative-eagle-topk 1 --speculative-num-steps 1",
         ),
         (
             view.device != "cpu" and not view.disable_overlap_schedule,

@@ -193,6 +193,10 @@ def resolved_value(args, name: str, default=None):
     return default if value is None and default is not None else value
 
 
+def _int_or_none(value) -> int | None:
+    return None if value is None else int(value)
+
+
 def server_view(obj) -> ServerView:
     """The options relay depends on, as SGLang resolved them, from a ServerArgs (resolved
     or not), an argparse namespace of its fields, or a TreeCacheBuildContext."""
@@ -215,6 +219,8 @@ def server_view(obj) -> ServerView:
         bnb_8bit=bool(checkpoint_quantization(str(get("model_path", ""))).get("load_in_8bit")),
         load_format=str(get("load_format", "auto")),
         speculative_algorithm=get("speculative_algorithm", None),
+        speculative_eagle_topk=_int_or_none(get("speculative_eagle_topk", None)),
+        speculative_num_steps=_int_or_none(get("speculative_num_steps", None)),
         device=str(get("device", "") or ""),
         disable_overlap_schedule=bool(get("disable_overlap_schedule", False)),
         enable_lora=bool(get("enable_lora", False)) or bool(get("lora_paths", None)),

@@ -96,6 +96,13 @@ CPU_VERIFY_ATTENTION_TARGET = (
 )
 
 
+# CPU stand-in only (runtime/cpu_eagle.py): SGLang's draft backend factory has no
+# torch_native draft-extend backend; the stand-in gives it SGLang's TorchNativeAttnBackend
+CPU_DRAFT_EXTEND_BACKEND_TARGET = (
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
+)
+
+
 # CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
 # a CPU here; the stand-in lets its pool hold FP8 as on a GPU, to test relay on FP8 pools
 KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype"

@@ -4,11 +4,11 @@ The PyPI wheel of sgl-kernel needs libcuda and its CPU build is not on PyPI, yet
 imports a few of its names at start-up even when it never calls them on the CPU. Every
 top-level name resolves to a function that raises a clear error if it is ever called, so
 a code path that really needs a kernel fails loudly instead of computing something wrong.
-The exceptions are the ops NGRAM speculative decoding needs on a CPU
-(``sglang_relay.runtime.cpu_spec.OPS``): those resolve to pure-torch versions of the same
-contract. Other submodules (``sgl_kernel.scalar_type``...) do not exist: SGLang guards those
-imports with ``except ImportError`` and picks its fallbacks; ``sgl_kernel.speculative``
-holds NGRAM's tree-mask op only.
+The exceptions are the ops NGRAM and EAGLE speculative decoding need on a CPU
+(``sglang_relay.runtime.cpu_spec.OPS``, ``cpu_eagle.OPS``): those resolve to pure-torch
+versions of the same contract. Other submodules (``sgl_kernel.scalar_type``...) do not
+exist: SGLang guards those imports with ``except ImportError`` and picks its fallbacks;
+``sgl_kernel.speculative`` holds NGRAM's tree-mask op only.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _missing(qualname: str):
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
-    from sglang_relay.runtime import cpu_spec
+    from sglang_relay.runtime import cpu_eagle, cpu_spec
 
-    if name in cpu_spec.OPS:
-        return getattr(cpu_spec, name)
+    for ops in (cpu_spec, cpu_eagle):
+        if name in ops.OPS:
+            return getattr(ops, name)
     return _missing(name)

@@ -1,0 +1,167 @@
+"""EAGLE's CPU ops (``runtime/cpu_eagle.py``) against SGLang's own Triton kernels of the
+same jobs, run under the Triton interpreter on CPU tensors in one subprocess
+(``TRITON_INTERPRET=1`` must be set before triton loads; relay's stand-in ``sgl_kernel``
+goes first on its path): ``spec_tree.py``'s tree build (positions, retrieve links, the tree
+mask in both layouts SGLang uses) and ``cache_locs.py``'s draft cache locations. Inputs
+are EAGLE-shaped (a root, ``topk`` candidates per step, parents found or not found among
+the selected drafts) and random over many shapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_relay.runtime import cpu_eagle
+from sglang_relay.runtime.cpu import SHIM_DIR
+
+_REFERENCE = r"""
+import sys
+sys.path.insert(0, sys.argv[3])
+import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous
+from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+
+
+def tree(c):
+    sgl_build_tree_kernel_triton(
+        c["parent_list"], c["selected_index"], c["verified_seq_len"], c["tree_mask"],
+        c["positions"], c["retrieve_index"], c["retrieve_next_token"],
+        c["retrieve_next_sibling"], c["topk"], c["depth"], c["draft_token_num"], c["mode"],
+    )
+
+
+def locs(c):
+    bs = c["seq_lens"].numel()
+    assign_draft_cache_locs_contiguous[(bs,)](
+        c["req_pool_indices"], c["req_to_token"], c["seq_lens"], c["out_cache_loc"],
+        c["req_to_token"].shape[1], c["topk"], c["num_cols"],
+    )
+
+
+RUN = {"tree": tree, "locs": locs}
+cases = torch.load(sys.argv[1])
+for kind, items in cases.items():
+    for c in items:
+        RUN[kind](c)
+torch.save(cases, sys.argv[2])
+print("OK")
+"""
+
+SENTINEL = -7
+
+
+def _randint(gen, low: int, high: int) -> int:
+    return int(torch.randint(low, high, (1,), generator=gen))
+
+
+def _tree_case(gen, bs: int, topk: int, depth: int, mode: int) -> dict:
+    """One call as EAGLE's ``build_tree_kernel_efficient`` makes it: ``parent_list`` holds
+    the root's slot and each step's parents (``topk`` per step after the first), the
+    ``selected_index`` the drafts chosen among all steps' candidates, sorted; a parent may
+    be a chosen draft or not (then its subtree is cut)."""
+    width = (depth - 1) * topk + 1
+    candidates = topk + (depth - 1) * topk * topk
+    n = _randint(gen, 2, min(candidates, 9) + 2)  # draft_token_num: the root + n - 1 drafts
+    sel = torch.stack([torch.randperm(candidates, generator=gen)[: n - 1].sort().values
+                       for _ in range(bs)])  # fmt: skip
+    parents = torch.full((bs, width), -1, dtype=torch.int64)
+    for b in range(bs):
+        for j in range(1, width):
+            pick = sel[b, _randint(gen, 0, n - 1)] if _randint(gen, 0, 4) else 10_000 + j
+            parents[b, j] = int(pick)
+    seq = torch.randint(1, 30, (bs,), generator=gen)
+    size = bs * n * n if mode == 1 else n * n * bs + int(seq.sum()) * n
+    return dict(
+        parent_list=parents, selected_index=sel, verified_seq_len=seq,
+        tree_mask=torch.full((size,), True), positions=torch.full((bs * n,), SENTINEL),
+        retrieve_index=torch.full((bs, n), SENTINEL),
+        retrieve_next_token=torch.full((bs, n), -1),
+        retrieve_next_sibling=torch.full((bs, n), -1),
+        topk=topk, depth=depth, draft_token_num=n, mode=mode,
+    )  # fmt: skip
+
+
+def _locs_case(gen, bs: int, topk: int, num_cols: int) -> dict:
+    pool_len = 96
+    return dict(
+        req_pool_indices=torch.randperm(8, generator=gen)[:bs],
+        req_to_token=torch.randint(0, 5000, (8, pool_len), generator=gen, dtype=torch.int32),
+        seq_lens=torch.randint(0, pool_len - topk * num_cols, (bs,), generator=gen),
+        out_cache_loc=torch.full((bs * topk * num_cols,), SENTINEL, dtype=torch.int64),
+        topk=topk, num_cols=num_cols,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cases_and_reference(tmp_path_factory):
+    gen = torch.Generator().manual_seed(11)
+    cases = {
+        "tree": [
+            _tree_case(gen, _randint(gen, 1, 4), topk, depth, mode)
+            for topk, depth in [(1, 1), (1, 2), (1, 4), (2, 3), (4, 2), (4, 4), (8, 3)]
+            for mode in (0, 1)
+            for _ in range(3)
+        ],
+        "locs": [_locs_case(gen, bs, k, c) for bs, k, c in [(1, 1, 1), (3, 1, 4), (2, 4, 3)]],
+    }
+    folder = tmp_path_factory.mktemp("eagle-ops")
+    src, out = folder / "in.pt", folder / "out.pt"
+    torch.save(cases, src)
+    env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_USE_CPU_ENGINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFERENCE, str(src), str(out), SHIM_DIR],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    return torch.load(src), torch.load(out)
+
+
+TREE_OUT = ("tree_mask", "positions", "retrieve_index", "retrieve_next_token",
+            "retrieve_next_sibling")  # fmt: skip
+
+
+def test_the_tree_build_writes_what_sglangs_triton_kernel_writes(cases_and_reference):
+    inputs, want = cases_and_reference
+    for c, w in zip(inputs["tree"], want["tree"], strict=True):
+        cpu_eagle.build_tree_kernel_efficient_cpu(
+            c["parent_list"], c["selected_index"], c["verified_seq_len"], c["tree_mask"],
+            c["positions"], c["retrieve_index"], c["retrieve_next_token"],
+            c["retrieve_next_sibling"], c["topk"], c["depth"], c["draft_token_num"], c["mode"],
+        )  # fmt: skip
+        for name in TREE_OUT:
+            assert torch.equal(c[name], w[name]), (name, c["topk"], c["depth"], c["mode"])
+
+
+def test_a_chain_of_drafts_is_a_causal_tree():
+    """topk 1, every draft the child of the one before (what one draft step per token
+    gives): positions count up from the prefix, each node sees itself and those before."""
+    n, seq = 4, 9
+    c = _tree_case(torch.Generator().manual_seed(0), 1, 1, n, 1)
+    c.update(
+        draft_token_num=n, selected_index=torch.tensor([[0, 1, 2]]),
+        parent_list=torch.tensor([[-1, 0, 1, 2]]), verified_seq_len=torch.tensor([seq]),
+        tree_mask=torch.full((n * n,), True), positions=torch.full((n,), SENTINEL),
+        retrieve_index=torch.full((1, n), SENTINEL), retrieve_next_token=torch.full((1, n), -1),
+        retrieve_next_sibling=torch.full((1, n), -1),
+    )  # fmt: skip
+    cpu_eagle.build_tree_kernel_efficient_cpu(*(c[k] for k in (
+        "parent_list", "selected_index", "verified_seq_len", *TREE_OUT[:1], *TREE_OUT[1:])),
+        1, n - 1, n, 1)  # fmt: skip
+    assert c["positions"].tolist() == [seq, seq + 1, seq + 2, seq + 3]
+    assert torch.equal(c["tree_mask"].view(n, n), torch.ones(n, n).tril().bool())
+    assert c["retrieve_next_token"].tolist() == [[1, 2, 3, -1]]
+    assert c["retrieve_next_sibling"].tolist() == [[-1, -1, -1, -1]]
+
+
+def test_draft_cache_locations_are_sglangs(cases_and_reference):
+    inputs, want = cases_and_reference
+    for c, w in zip(inputs["locs"], want["locs"], strict=True):
+        cpu_eagle.assign_draft_cache_locs_contiguous_cpu(
+            c["req_pool_indices"], c["req_to_token"], c["seq_lens"], c["out_cache_loc"],
+            c["req_to_token"].shape[1], c["topk"], c["num_cols"],
+        )  # fmt: skip
+        assert torch.equal(c["out_cache_loc"], w["out_cache_loc"])
