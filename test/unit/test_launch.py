@@ -159,7 +159,8 @@ def test_graph_settings_that_would_skip_relay_are_refused():
 def test_speculative_servers_carry_no_influence_scores():
     """Influence scores accumulate in plain decode forwards, which a speculative server
     never runs: the two together are refused."""
-    from sglang_relay.runtime.modes import ServerView, spec_refusal
+    from sglang_relay.runtime.modes import spec_refusal
+    from sglang_relay.runtime.server_view import ServerView
 
     ngram, plain = ServerView(speculative_algorithm="NGRAM", device="cpu"), ServerView()
     refused = spec_refusal(ngram, influence=True)

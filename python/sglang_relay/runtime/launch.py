@@ -192,7 +192,7 @@ def eager_decode_flags(argv: list[str], *, cpu: bool) -> list[str]:
 
 def parse_server_view(argv: list[str]):
     """SGLang's own parse of ``argv``, as the options relay depends on
-    (:class:`~sglang_relay.runtime.modes.ServerView`); one error line if SGLang rejects it."""
+    (:class:`~sglang_relay.runtime.server_view.ServerView`); one error line if SGLang rejects it."""
     from sglang_relay.runtime.sglang.server import parse_server_args, server_view
 
     try:
