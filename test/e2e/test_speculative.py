@@ -13,9 +13,10 @@ tree-verify attention (runtime/cpu_spec.py). Here, on a real server:
   the reference executor's relay of that prompt (its span's hidden rows and stamps came
   from verify forwards and were carried by the moves: a row left behind by a move would
   change the selection and the logprobs);
-* EAGLE (one draft step of one token, a one-layer draft with random weights: SGLang's
-  ``--speculative-draft-load-format dummy``): its draft prefills every row of a relay extend
-  from the hidden rows relay returns and drafts each step; greedy tokens are the reference
+* EAGLE (three draft steps of one token each, a one-layer draft with random weights:
+  SGLang's ``--speculative-draft-load-format dummy``): its draft prefills every row of a
+  relay extend from the hidden rows relay returns and drafts each step (the stand-in's
+  multi-step draft decode, runtime/cpu_eagle.py); greedy tokens are the reference
   executor's, and a span it decoded relays as the reference computes. A random draft's
   drafts are rejected (acceptance 0): accepted drafts are what the NGRAM tests cover, with
   the same verify forward; with one draft token per step there is no KV move;
@@ -55,8 +56,8 @@ def eagle_server(model_dir, tmp_path_factory):
     (draft / "config.json").write_text(json.dumps(config))
     args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
     eagle = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
-             "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "1",
-             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]  # fmt: skip
+             "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "3",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
     with running_server([*args, *eagle]) as server:
         yield server
 

@@ -165,3 +165,57 @@ def test_draft_cache_locations_are_sglangs(cases_and_reference):
             c["req_to_token"].shape[1], c["topk"], c["num_cols"],
         )  # fmt: skip
         assert torch.equal(c["out_cache_loc"], w["out_cache_loc"])
+
+
+Q_HEADS, KV_HEADS, HEAD_DIM, SCALING = 4, 2, 8, 0.3
+
+
+def test_a_draft_step_attends_to_the_prefix_and_the_drafts_before_it():
+    """Draft step i of one token per request (topk 1) on SGLang's CPU pool: the query of
+    request b's draft written at its slot ``seq_b + i`` sees its slots ``[0, seq_b + i]``,
+    float64 attention written out; the K/V go to ``out_cache_loc``."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    gen = torch.Generator().manual_seed(5)
+    pool = MHATokenToKVPool(size=80, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
+                            head_dim=HEAD_DIM, layer_num=2, device="cpu",
+                            enable_memory_saver=False)  # fmt: skip
+    for buf in (*pool.k_buffer, *pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    steps, lens, rows = 4, [5, 11, 2], torch.tensor([2, 0, 3])
+    req_to_token = torch.zeros(5, 32, dtype=torch.int32)
+    slots = (torch.randperm(pool.size, generator=gen) + 1).int()
+    used = 0
+    for row, n in zip(rows.tolist(), lens, strict=True):
+        req_to_token[row, : n + steps - 1] = slots[used : used + n + steps - 1]
+        used += n + steps - 1
+    tokens = SimpleNamespace(req_to_token=req_to_token)
+    runner = SimpleNamespace(device="cpu", token_to_kv_pool=pool, req_to_token_pool=tokens)
+    layer = SimpleNamespace(layer_id=1, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS,
+                            qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=SCALING,
+                            sliding_window_size=-1, is_cross_attention=False)  # fmt: skip
+    draft = cpu_eagle.TorchNativeMultiStepDraft(runner, 1, steps)
+    assert len(draft.attn_backends) == steps - 1
+    committed = torch.tensor(lens)
+    for i, backend in enumerate(draft.attn_backends):
+        loc = torch.stack(
+            [req_to_token[r, n + i] for r, n in zip(rows.tolist(), lens, strict=True)]
+        )
+        batch = SimpleNamespace(out_cache_loc=loc.long(), req_pool_indices=rows,
+                                seq_lens=committed, encoder_lens=None)  # fmt: skip
+        q = torch.randn(3, Q_HEADS * HEAD_DIM, generator=gen)
+        k = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
+        out = backend.forward_decode(q, k, v, layer, batch)
+        assert batch.seq_lens is committed  # the batch is left as it came
+        assert torch.equal(pool.k_buffer[1][loc.long()], k)
+        for b, (row, n) in enumerate(zip(rows.tolist(), lens, strict=True)):
+            seen = req_to_token[row, : n + i + 1].long()
+            keys = pool.k_buffer[1][seen].double().repeat_interleave(2, dim=1)  # [L, Q_HEADS, d]
+            vals = pool.v_buffer[1][seen].double().repeat_interleave(2, dim=1)
+            qb = q[b].double().view(Q_HEADS, HEAD_DIM)
+            weights = torch.softmax(SCALING * torch.einsum("hd,lhd->hl", qb, keys), dim=-1)
+            want = torch.einsum("hl,lhd->hd", weights, vals).reshape(-1)
+            torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)

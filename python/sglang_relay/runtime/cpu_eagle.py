@@ -11,8 +11,11 @@ are what ``TorchNativeAttnBackend.forward_extend`` computes. Each op keeps the c
 SGLang's Triton kernel of the same job (``kernels/ops/speculative/spec_tree.py:
 sgl_build_tree_kernel_efficient_triton``, ``cache_locs.py: assign_draft_cache_locs_contiguous``);
 test/unit/test_cpu_eagle.py runs those kernels under the Triton interpreter as the
-reference. Multi-step draft decode (``--speculative-num-steps`` > 1) has no torch_native
-backend here: the factory's own refusal stands. Only the CPU stand-in uses this module.
+reference. Multi-step draft decode (``--speculative-num-steps`` > 1) gets a per-step
+container of ``TorchNativeAttnBackend``s for one draft token per step (topk 1): step i's
+query, the draft token written at the request's slot ``seq + i``, sees the request's slots
+up to it, which is SGLang's decode over ``seq_lens + i + 1``; a draft tree (topk > 1) keeps
+the factory's own refusal. Only the CPU stand-in uses this module.
 """
 
 from __future__ import annotations
@@ -143,3 +146,53 @@ def draft_extend_on_torch_native(original, factory, *args, **kwargs):
     backend.prefill_attention_backend_str = "torch_native"
     backend.decode_attention_backend_str = "torch_native"
     return backend
+
+
+def _draft_step_backend(runner, step: int):
+    """SGLang's ``TorchNativeAttnBackend`` for draft step ``step`` (one token per request):
+    its decode sees the committed tokens and the drafts written up to this step."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class DraftStep(TorchNativeAttnBackend):
+        def init_forward_metadata(self, forward_batch) -> None:
+            pass
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            committed = forward_batch.seq_lens
+            forward_batch.seq_lens = committed + (step + 1)
+            try:
+                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            finally:
+                forward_batch.seq_lens = committed
+
+    backend = DraftStep(runner)
+    backend.prefill_attention_backend_str = "torch_native"
+    backend.decode_attention_backend_str = "torch_native"
+    return backend
+
+
+class TorchNativeMultiStepDraft:
+    """The per-step container EAGLE's worker drives (``attn_backends[i]`` for draft step
+    i, ``init_forward_metadata`` once per draft), for topk 1."""
+
+    def __init__(self, runner, topk: int, steps: int) -> None:
+        self.topk, self.speculative_num_steps = topk, steps
+        self.attn_backends = [_draft_step_backend(runner, i) for i in range(steps - 1)]
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        pass
+
+
+def draft_decode_on_torch_native(original, factory, *args, **kwargs):
+    """Around-hook of ``DraftBackendFactory.create_decode_backend`` on the CPU stand-in:
+    where SGLang has no multi-step draft backend for ``torch_native`` (it raises), one draft
+    token per step (topk 1) gets :class:`TorchNativeMultiStepDraft`; a draft tree keeps
+    SGLang's error."""
+    try:
+        return original(factory, *args, **kwargs)
+    except ValueError as exc:
+        if "torch_native" not in str(exc) or int(factory.topk) != 1:
+            raise
+    return TorchNativeMultiStepDraft(
+        factory.draft_model_runner, int(factory.topk), int(factory.speculative_num_steps)
+    )

@@ -152,10 +152,11 @@ def speculating(view: ServerView) -> bool:
 def spec_refusal(
     view: ServerView, ship_role: str | None = None, *, influence: bool = False
 ) -> str | None:
-    """Speculative decoding relay serves: NGRAM, on the shapes test_speculative.py runs (one
-    scheduler, token pages, eager verify, no overlap: SGLang turns it off on a CPU). A draft
-    model's KV (and EAGLE3's aux states) for spans is not built (research/design-
-    speculative.md). ``influence``: ``tau_inf`` scores accumulate in plain decode only."""
+    """Speculative decoding relay serves: NGRAM and EAGLE (topk 1), on the shapes
+    test_speculative.py runs (one scheduler, token pages, eager verify, no overlap: SGLang
+    turns it off on a CPU). EAGLE3's aux states are not returned by a relay extend
+    (research/design-speculative.md). ``influence``: ``tau_inf`` scores accumulate in plain
+    decode only."""
     if not speculating(view):
         return None
     algo = str(view.speculative_algorithm)
@@ -170,13 +171,11 @@ def spec_refusal(
             "use --speculative-algorithm NGRAM or EAGLE",
         ),
         (
-            algo.upper() == "EAGLE"
-            and (view.speculative_eagle_topk, view.speculative_num_steps) != (1, 1),
-            f"EAGLE with --speculative-eagle-topk {view.speculative_eagle_topk} "
-            f"--speculative-num-steps {view.speculative_num_steps} (relay's end-to-end test "
-            "runs one draft step of one token: a draft tree's KV compaction and multi-step "
-            "draft decode are not verified with relay)",
-            "use --speculative-eagle-topk 1 --speculative-num-steps 1",
+            algo.upper() == "EAGLE" and view.speculative_eagle_topk != 1,
+            f"EAGLE with --speculative-eagle-topk {view.speculative_eagle_topk} (relay's "
+            "end-to-end test drafts one token a step: a draft tree's KV compaction is not "
+            "verified with relay)",
+            "use --speculative-eagle-topk 1",
         ),
         (
             view.device != "cpu" and not view.disable_overlap_schedule,

@@ -46,6 +46,7 @@ def register() -> None:
         ABORT_REQUEST_TARGET,
         ADD_ONE_REQ_TARGET,
         CAPTURE_DECODE_GRAPH_TARGET,
+        CPU_DRAFT_DECODE_BACKEND_TARGET,
         CPU_DRAFT_EXTEND_BACKEND_TARGET,
         CPU_GRAPH_FAKE_TARGET,
         CPU_RESTORE_TARGET,
@@ -120,6 +121,9 @@ def register() -> None:
 
         register_hook(
             CPU_DRAFT_EXTEND_BACKEND_TARGET, cpu_eagle.draft_extend_on_torch_native, "around"
+        )
+        register_hook(
+            CPU_DRAFT_DECODE_BACKEND_TARGET, cpu_eagle.draft_decode_on_torch_native, "around"
         )
         if cpu.cpu_fp8_kv_opted_in():
             register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")

@@ -101,6 +101,10 @@ CPU_VERIFY_ATTENTION_TARGET = (
 CPU_DRAFT_EXTEND_BACKEND_TARGET = (
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 )
+# ... nor a multi-step draft-decode one (steps > 1): the stand-in's, for one token a step
+CPU_DRAFT_DECODE_BACKEND_TARGET = (
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend"
+)
 
 
 # CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
