@@ -128,28 +128,7 @@ def test_the_launchers_own_arguments_pass(model_dir):
         # speculative decoding: NGRAM and EAGLE, on the shapes test_speculative.py serves
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),
         (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
-        (
-            [
-                "--speculative-algorithm",
-                "EAGLE",
-                "--speculative-eagle-topk",
-                "2",
-                "--speculative-num-steps",
-                "1",
-            ],
-            "--speculative-eagle-topk 2",
-        ),
-        (
-            [
-                "--speculative-algorithm",
-                "EAGLE",
-                "--speculative-eagle-topk",
-                "1",
-                "--speculative-num-steps",
-                "3",
-            ],
-            "--speculative-num-steps 3",
-        ),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "2"], "eagle-topk 2"),
         (["--speculative-algorithm", "EAGLE"], "--speculative-eagle-topk None"),
         (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "at --tp-size 2"),
         (["--speculative-algorithm", "NGRAM", "--page-size", "16"], "--page-size 16"),
