@@ -140,9 +140,9 @@ def draft_extend_on_torch_native(original, factory, *args, **kwargs):
     except ValueError as exc:
         if "torch_native" not in str(exc):
             raise
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang_relay.runtime.sglang.server import torch_native_backend_class
 
-    backend = TorchNativeAttnBackend(factory.draft_model_runner)
+    backend = torch_native_backend_class()(factory.draft_model_runner)
     backend.prefill_attention_backend_str = "torch_native"
     backend.decode_attention_backend_str = "torch_native"
     return backend
@@ -151,9 +151,9 @@ def draft_extend_on_torch_native(original, factory, *args, **kwargs):
 def _draft_step_backend(runner, step: int):
     """SGLang's ``TorchNativeAttnBackend`` for draft step ``step`` (one token per request):
     its decode sees the committed tokens and the drafts written up to this step."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang_relay.runtime.sglang.server import torch_native_backend_class
 
-    class DraftStep(TorchNativeAttnBackend):
+    class DraftStep(torch_native_backend_class()):
         def init_forward_metadata(self, forward_batch) -> None:
             pass
 
