@@ -24,7 +24,7 @@ REFUSED = [
     (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4"),
     (["--quantization", "mxfp4"], "--quantization mxfp4"),
     (["--load-format", "gguf"], "GGUF"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),
     (["--enable-lora"], "--enable-lora"),
     (["--lora-paths", "a=/nonexistent"], "--lora-paths"),
     (
