@@ -75,16 +75,21 @@ def _flat(groups: list[list[float]]) -> list[float]:
     return [x for g in groups for x in g]
 
 
+def _log_ratios(relay: list[list[float]], plain: list[list[float]]) -> list[list[float]]:
+    """log(relay / plain) of each paired round, grouped by server pair."""
+    return [
+        [math.log(r / p) for r, p in zip(rs, ps, strict=True)]
+        for rs, ps in zip(relay, plain, strict=True)
+    ]
+
+
 def _paired(relay: list[list[float]], plain: list[list[float]]) -> tuple[float, list[float]]:
     """relay / plain: the geometric mean of the paired rounds' ratios (each server pair's
     mean, then their mean) and its 95 % interval: over rounds for one server pair, over
     pairs and their rounds (two-stage bootstrap) for several."""
     from sglang_relay.bench.intervals import bootstrap_ci, cluster_ci
 
-    logs = [
-        [math.log(r / p) for r, p in zip(rs, ps, strict=True)]
-        for rs, ps in zip(relay, plain, strict=True)
-    ]
+    logs = _log_ratios(relay, plain)
     mean = statistics.fmean(statistics.fmean(g) for g in logs)
     if len(logs) > 1:
         lo, hi = cluster_ci(logs)
@@ -100,10 +105,7 @@ def _row(samples, mode: str, batch: int, rounds: int, flags: list[str], model: s
     ratio, ci = _paired(relay, plain)
     plain_cpu, relay_cpu = samples[(mode, "plain-cpu", batch)], samples[(mode, "relay-cpu", batch)]
     cpu_ratio, cpu_ci = _paired(relay_cpu, plain_cpu)
-    pair_cpu = [
-        round(math.exp(statistics.fmean(math.log(r / p) for r, p in zip(rs, ps, strict=True))), 4)
-        for rs, ps in zip(relay_cpu, plain_cpu, strict=True)
-    ]
+    pair_cpu = [round(math.exp(statistics.fmean(g)), 4) for g in _log_ratios(relay_cpu, plain_cpu)]
     row = {
         "decode": mode,
         "batch": batch,

@@ -38,10 +38,7 @@ def assign_draft_cache_locs_contiguous_cpu(
 
 
 def _index_of(values: list[int], token: int) -> int | None:
-    for i, v in enumerate(values):
-        if v == token:
-            return i
-    return None
+    return values.index(token) if token in values else None
 
 
 def _parent_slot(chosen: list[int], parents: list[int], node: int, topk: int) -> int | None:
