@@ -8,15 +8,11 @@ the selected drafts) and random over many shapes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_reference import triton_outputs
 
 from sglang_relay.runtime import cpu_eagle
-from sglang_relay.runtime.cpu import SHIM_DIR
 
 _REFERENCE = r"""
 import sys
@@ -43,12 +39,6 @@ def locs(c):
 
 
 RUN = {"tree": tree, "locs": locs}
-cases = torch.load(sys.argv[1])
-for kind, items in cases.items():
-    for c in items:
-        RUN[kind](c)
-torch.save(cases, sys.argv[2])
-print("OK")
 """
 
 SENTINEL = -7
@@ -108,16 +98,8 @@ def cases_and_reference(tmp_path_factory):
         ],
         "locs": [_locs_case(gen, bs, k, c) for bs, k, c in [(1, 1, 1), (3, 1, 4), (2, 4, 3)]],
     }
-    folder = tmp_path_factory.mktemp("eagle-ops")
-    src, out = folder / "in.pt", folder / "out.pt"
-    torch.save(cases, src)
-    env = dict(os.environ, TRITON_INTERPRET="1", SGLANG_USE_CPU_ENGINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, str(src), str(out), SHIM_DIR],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
-    return torch.load(src), torch.load(out)
+    fresh, outputs = triton_outputs(_REFERENCE, cases, tmp_path_factory.mktemp("eagle-ops"))
+    return fresh(), outputs
 
 
 TREE_OUT = ("tree_mask", "positions", "retrieve_index", "retrieve_next_token",

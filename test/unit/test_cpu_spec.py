@@ -11,18 +11,14 @@ tree-masked attention written out in float64, and against causal attention for a
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_reference import triton_outputs
 
 from sglang_relay.runtime import cpu_spec
-from sglang_relay.runtime.cpu import SHIM_DIR
 
 # SGLang's kernels, launched with the grids of their CUDA wrappers (the ``*_func`` wrappers
 # take the stand-in's CPU ops on a CPU, so the kernels are launched here directly)
@@ -101,12 +97,6 @@ RUN = {
     "bonus": bonus,
     "move": move,
 }
-cases = torch.load(sys.argv[1])
-for kind, items in cases.items():
-    for c in items:
-        RUN[kind](c)
-torch.save(cases, sys.argv[2])
-print("OK")
 """
 
 SENTINEL = -7  # what an output buffer holds where nothing may be written
@@ -462,21 +452,7 @@ def _all_cases() -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def triton_ref(tmp_path_factory):
     """(fresh copy of the inputs, SGLang's Triton kernels' outputs) per kind of case."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: no reference kernels to run")
-    folder = tmp_path_factory.mktemp("cpu_spec")
-    inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save(_all_cases(), inputs)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SGLANG_USE_CPU_ENGINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, str(inputs), str(outputs), SHIM_DIR],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
-    return lambda: torch.load(inputs), torch.load(outputs)
+    return triton_outputs(_REFERENCE, _all_cases(), tmp_path_factory.mktemp("cpu_spec"))
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, what) -> None:
