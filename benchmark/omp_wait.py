@@ -5,7 +5,7 @@ idle and beside one busy process (a Python spin loop), per policy.
 
 ``default`` is OpenMP's own (libgomp: spin 300,000 iterations, then sleep), passed as
 ``GOMP_SPINCOUNT=300000`` because ``serve`` sets ``OMP_WAIT_POLICY=PASSIVE`` when neither
-is given (``runtime/cpu.py: serve_defaults``). Results: docs/results.md ("OpenMP waits").
+is given (``runtime/standin/cpu.py: serve_defaults``). Results: docs/results.md ("OpenMP waits").
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from sglang_relay.bench.decode import _round
 from sglang_relay.embedded_model import ensure_model
-from sglang_relay.runtime.process import ServerProcess
+from sglang_relay.process import ServerProcess
 
 
 def env_for(policy: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ Model (docs/scale-out.md states every assumption):
 
 Policies: ``round_robin``, ``least_load`` (fewest requests in flight), ``prefix`` (sglang-router's
 ``cache_aware``), ``chain_key`` (sglang-router's ``manual`` policy on a per-chain key),
-``fingerprints`` (the rule of ``sglang_relay.runtime.dp_routing``) and ``fingerprints_key``
+``fingerprints`` (the rule of ``sglang_relay.runtime.scale.dp_routing``) and ``fingerprints_key``
 (the same with a per-chain routing key).
 
 Usage::
@@ -54,8 +54,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_relay.runtime.dp_fingerprints import WINDOW, fingerprint_choice, key_worker
-from sglang_relay.runtime.dp_routing import DEFAULT_MAX_IMBALANCE
+from sglang_relay.runtime.scale.dp_fingerprints import WINDOW, fingerprint_choice, key_worker
+from sglang_relay.runtime.scale.dp_routing import DEFAULT_MAX_IMBALANCE
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_SPAN = WINDOW  # the span store's min_match: shorter outputs are not recorded
@@ -419,7 +419,8 @@ class LeastLoad(Policy):
 
 class ChainKey(Policy):
     """sglang-router's ``manual`` policy: a stable hash of the chain's routing key (the
-    runtime's :func:`~sglang_relay.runtime.dp_fingerprints.key_worker`, every worker active)."""
+    runtime's :func:`~sglang_relay.runtime.scale.dp_fingerprints.key_worker`, every worker
+    active)."""
 
     def choose(self, req: Request, sim: Simulation) -> int:
         return self._decided("key", key_worker(req.key, range(self.n)))
@@ -485,7 +486,7 @@ class Prefix(Policy):
 
 
 class Fingerprints(Policy):
-    """The rule of ``runtime/dp_routing.py`` (``DPRouter.route``, calling its
+    """The rule of ``runtime/scale/dp_routing.py`` (``DPRouter.route``, calling its
     ``fingerprint_choice`` and ``key_worker`` with every worker active; ties go to the
     lowest worker), with span ownership at token level: a worker holding a pasted span is
     credited :func:`fingerprint_tokens` of it (the prompt tokens its published 32-token

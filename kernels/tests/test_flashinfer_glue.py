@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_relay.runtime.attention import FlashInferAttention, RowBatch, build
+from sglang_relay.runtime.forward.attention import FlashInferAttention, RowBatch, build
 from sglang_relay_kernels.flashinfer_extend import attend_with_plan_ref
 
 

@@ -35,7 +35,7 @@ relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
 
 
 def _cmd_serve(argv: list[str]) -> int:
-    from sglang_relay.runtime.launch import serve
+    from sglang_relay.launch import serve
 
     serve(argv)
     return 0

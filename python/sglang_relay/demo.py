@@ -56,7 +56,7 @@ def run_chain(
         user = agent["template"].format(**outputs)
         prompt = chat_prompt(tokenizer, agent["system"], user)
         # not streamed, as agent frameworks call: the early-stop guard covers these
-        # (runtime/guard.py); TTFT is the server's measure
+        # (runtime/sched/guard.py); TTFT is the server's measure
         gen = generate(url, prompt, params, stream=False)
         outputs[agent["name"]] = gen.text.strip()
         results.append(AgentResult(agent["name"], gen, prompt))
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import ServerProcess, has_flag
+    from sglang_relay.process import ServerProcess, has_flag
 
     model_path = args.model_path or str(ensure_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)

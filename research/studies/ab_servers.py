@@ -30,8 +30,8 @@ from transformers import AutoTokenizer
 
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
+from sglang_relay.process import ServerProcess
 from sglang_relay.prompts import chat_prompt
-from sglang_relay.runtime.process import ServerProcess
 
 
 def main() -> None:

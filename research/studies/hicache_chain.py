@@ -38,8 +38,8 @@ from transformers import AutoTokenizer
 from sglang_relay.bench.serve import _chain_prompts
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
+from sglang_relay.process import ServerProcess
 from sglang_relay.prompts import chat_prompt
-from sglang_relay.runtime.process import ServerProcess
 
 TOPICS = [
     "binary search", "hash maps", "TCP handshakes", "garbage collection", "B-trees",

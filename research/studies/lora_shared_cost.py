@@ -46,7 +46,7 @@ def main() -> None:
     from sglang_relay.bench.workload import chat_ids
     from sglang_relay.core import reference as R
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.settings import settings_from_env
+    from sglang_relay.runtime.config.settings import settings_from_env
 
     model = Path(ensure_model())
     tok = AutoTokenizer.from_pretrained(model)

@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 
 from sglang_relay.embedded_model import ensure_model
-from sglang_relay.runtime.process import ServerProcess
+from sglang_relay.process import ServerProcess
 
 LIBS = "/tmp/ibv/usr/lib/x86_64-linux-gnu:/tmp/ibv/lib/x86_64-linux-gnu"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]

@@ -95,7 +95,7 @@ def main() -> int:
     from sglang_relay.bench.intervals import bootstrap_ci, paired_ci
     from sglang_relay.core import reference as R
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.settings import settings_from_env
+    from sglang_relay.runtime.config.settings import settings_from_env
 
     hf_logging.set_verbosity_error()
     started = time.perf_counter()

@@ -68,7 +68,7 @@ from sglang_relay.core.attention import attention_probs, positional_causal_atten
 from sglang_relay.core.config import RelayConfig, load_profile
 from sglang_relay.core.operating import at_target
 from sglang_relay.core.selection import probe_layers, probed_mass
-from sglang_relay.runtime.settings import shipped_profile
+from sglang_relay.runtime.config.settings import shipped_profile
 
 # recompute the selected tokens from the embeddings in every layer, nothing else
 FROM_ZERO = RelayConfig(

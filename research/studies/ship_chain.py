@@ -36,8 +36,8 @@ from transformers import AutoTokenizer
 from hicache_chain import TOPICS, _kl
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
+from sglang_relay.process import ServerProcess, free_port
 from sglang_relay.prompts import chat_prompt
-from sglang_relay.runtime.process import ServerProcess, free_port
 
 TIER = ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
 TOP = 20

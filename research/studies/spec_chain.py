@@ -34,8 +34,8 @@ from transformers import AutoTokenizer
 from hicache_chain import TOPICS, _kl
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
+from sglang_relay.process import ServerProcess
 from sglang_relay.prompts import chat_prompt
-from sglang_relay.runtime.process import ServerProcess
 from ship_chain import _ask, _ratio
 
 SPEC_KEYS = ("spec_accept_length", "spec_num_correct_drafts", "spec_num_proposed_drafts",

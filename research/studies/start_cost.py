@@ -1,5 +1,5 @@
 """What a CPU relay server's start costs, its children spawned (SGLang's way) or forked from
-the stand-in's preloaded forkserver (runtime/cpu.py): time to a healthy server and the CPU
+the stand-in's preloaded forkserver (runtime/standin/cpu.py): time to a healthy server and the CPU
 seconds of every process of the server until then, alternating the two, servers one at a
 time. CI starts ~30 servers on 2 cores, so the CPU seconds are what CI time pays.
 
@@ -15,7 +15,7 @@ is reported apart).
 
 ``--plugins``: instead, what loading SGLang's plug-ins (relay's hooks applied) costs a process
 that imported the forkserver's SGLang modules, i.e. what each child paid before the
-forkserver loaded them once for all (``runtime/forkserver_preload.py``), one fresh
+forkserver loaded them once for all (``runtime/standin/forkserver_preload.py``), one fresh
 interpreter per round.
 """
 
@@ -32,9 +32,9 @@ import psutil
 import requests
 
 from sglang_relay.embedded_model import ensure_model
-from sglang_relay.runtime.cpu import CPU_SPAWN_ENV
+from sglang_relay.process import ServerProcess
 from sglang_relay.runtime.import_gc import IMPORT_GC_ENV
-from sglang_relay.runtime.process import ServerProcess
+from sglang_relay.runtime.standin.cpu import CPU_SPAWN_ENV
 
 
 def _role(p: psutil.Process) -> str:
@@ -76,7 +76,7 @@ def one_start(spawn: bool, import_gc: bool | None = None, server_class=ServerPro
 
 PLUGIN_LOAD = """
 import time
-from sglang_relay.runtime import cpu
+from sglang_relay.runtime.standin import cpu
 cpu.activate()
 for name in cpu.FORKSERVER_PRELOAD[:-1]:
     __import__(name)

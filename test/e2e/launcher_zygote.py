@@ -105,9 +105,9 @@ def _preload() -> None:
     launcher, apart from what their first imports set."""
     import json
 
+    from sglang_relay import launch
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime import launch
-    from sglang_relay.runtime.process import free_port
+    from sglang_relay.process import free_port
     from sglang_relay.runtime.sglang.server import import_server_modules
 
     env_file = os.environ.pop(PARENT_ENV)
@@ -218,8 +218,7 @@ def run_launcher(command: list[str], env: dict[str, str], log_path: str, cwd: st
 
 
 def _serve_or_exec(command: list[str], env: dict[str, str]) -> int:
-    from sglang_relay import cli
-    from sglang_relay.runtime import launch
+    from sglang_relay import cli, launch
 
     if command[:4] != [sys.executable, "-m", "sglang_relay.cli", "serve"]:
         _exec(command, env, "not the parent's interpreter running `sglang_relay.cli serve`")

@@ -14,7 +14,7 @@ from launcher_zygote import launcher_env, start_launcher
 # ALL_SELECTED: the relay config that recomputes every span token in every layer, which
 # must equal standard (the product's own, as `sglang-relay bench quantized` sends it)
 from sglang_relay.bench.quantized import ALL_SELECTED
-from sglang_relay.runtime.process import ServerProcess
+from sglang_relay.process import ServerProcess
 
 # extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
 EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))

@@ -1,7 +1,7 @@
 """Architectures beyond the embedded Llama, served end to end on random weights (no
 checkpoint of them runs here; ``sglang_relay.bench.models.random_model``): one test per
-adapter file in ``runtime/adapters``. Qwen2 (q/k/v biases, no native prepare), Qwen3 (per-head
-q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistral
+adapter file in ``runtime/models/adapters``. Qwen2 (q/k/v biases, no native prepare), Qwen3
+(per-head q/k norms, a head dim other than hidden / heads, its own decoder forward), Mistral
 (SGLang's Llama classes under another architecture name) and Phi-3 (the same classes
 loading fused qkv / gate_up checkpoint weights), and Qwen3-MoE (Qwen3's attention through
 SGLang's unfused q/k-norm + RoPE sequence, a sparse block of 8 experts, top 2, in every
@@ -34,7 +34,7 @@ from relay_helpers import (
 
 from sglang_relay.core import reference as R
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -92,7 +92,7 @@ def _check_pipeline(res) -> None:
 @pytest.fixture(scope="module")
 def router(server):
     """sglang-router, manual policy (sticky per X-SMG-Routing-Key), in front of the server."""
-    from sglang_relay.runtime.process import RouterProcess
+    from sglang_relay.process import RouterProcess
 
     args = ["--policy", "manual", "--worker-startup-check-interval", "1"]
     args += ["--shutdown-grace-period-secs", "1", "--log-level", "warn"]

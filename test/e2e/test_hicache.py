@@ -2,7 +2,7 @@
 the tree's host tier backs up what it inserts and loads it back into device slots when a
 prompt's prefix was pushed off the device. On this CPU SGLang's own host pool, cache
 controller and transfer engine run, with the stand-in's unpinned allocation and torch row
-copy (``SGLANG_RELAY_CPU_HICACHE=1``, ``runtime/cpu.py``).
+copy (``SGLANG_RELAY_CPU_HICACHE=1``, ``runtime/standin/cpu.py``).
 
 A prefix loaded back from host gives what prefilling it gives; every load-back stamps the
 slots it writes (the relay counter says how many), so relay never reads loaded KV as a
@@ -25,7 +25,7 @@ from relay_helpers import (
 )
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -33,7 +33,7 @@ DEVICE_TOKENS = 2048
 HICACHE = [
     "--enable-hierarchical-cache",
     "--hicache-write-policy", "write_through",
-    "--hicache-io-backend", "direct",  # the CPU stand-in's copy (runtime/cpu.py)
+    "--hicache-io-backend", "direct",  # the CPU stand-in's copy (runtime/standin/cpu.py)
     "--hicache-mem-layout", "layer_first",
     "--hicache-ratio", "4",  # host tier: 4x the device pool
 ]  # fmt: skip

@@ -2,7 +2,7 @@
 (``--mem-fraction-static 0.3``, ``--max-total-tokens`` above what the budget allows), for
 two properties that need those flags:
 
-* relay's side memory comes out of SGLang's KV budget (runtime/budget.py);
+* relay's side memory comes out of SGLang's KV budget (runtime/cache/budget.py);
 * under scope ``key`` nothing crosses namespaces. The oracle is the test's own
   bookkeeping: a downstream request can relay exactly when an earlier upstream request
   that stores spans ran in the same namespace (salt, relay key); the server's per-request

@@ -1,6 +1,6 @@
 """An FP8 KV cache served end to end: ``--kv-cache-dtype fp8_e5m2``, an unscaled FP8 pool as
 on a GPU. SGLang 0.5.23 refuses FP8 KV on a CPU without Intel AMX, so the opt-in CPU
-stand-in ``SGLANG_RELAY_CPU_FP8_KV=1`` (``runtime/cpu.py``) resolves it as a CUDA machine
+stand-in ``SGLANG_RELAY_CPU_FP8_KV=1`` (``runtime/standin/cpu.py``) resolves it as a CUDA machine
 does; SGLang's own pool, writes and ``torch_native`` reads do the rest.
 
 What is checked: the server's greedy upstream equals the reference executor's with its K/V
@@ -25,8 +25,8 @@ from relay_helpers import (
 )
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.cpu import CPU_FP8_KV_ENV, cuda_available
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
+from sglang_relay.runtime.standin.cpu import CPU_FP8_KV_ENV, cuda_available
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -5,7 +5,7 @@ on a copy of the model with adapter ``a`` merged into its weights (W + s B A).
 
 Under adapter ``a``: the upstream equals the merged model's greedy decode; its relay,
 batched with a request under adapter ``b``, computes what the reference computes (relay's
-row subsets get each row's own adapter, ``runtime/lora_rows.py``); the all-selected oracle
+row subsets get each row's own adapter, ``runtime/forward/lora_rows.py``); the all-selected oracle
 equals standard prefill. The span decoded under ``a`` is not reused under ``b`` or the base
 model (per-adapter namespaces, the default)."""
 
@@ -29,7 +29,7 @@ from relay_helpers import (
 from sglang_relay.bench.models import LORA_TARGETS, merged_lora_model, random_lora_adapter
 from sglang_relay.core import reference as R
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -56,7 +56,7 @@ def test_the_matrix_in_the_docs_lists_every_refusal():
 
 @pytest.mark.parametrize("flags, needle", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
 def test_serve_refuses_with_one_message_naming_the_option(model_dir, flags, needle):
-    from sglang_relay.runtime.launch import prepare
+    from sglang_relay.launch import prepare
 
     with pytest.raises(RelayError) as info:
         prepare(["--model-path", str(model_dir), *flags])
@@ -81,8 +81,8 @@ def test_sglangs_own_launcher_is_refused_before_any_child_starts(model_dir, tmp_
     ``sglang-relay serve``: the plug-in, loaded by SGLang's launcher, refuses before the
     launcher starts a scheduler (which would refuse too, with the same message, once its
     imports are done: test/unit/test_modes_resolved.py builds the cache with it)."""
-    from sglang_relay.runtime import cpu
-    from sglang_relay.runtime.process import free_port
+    from sglang_relay.process import free_port
+    from sglang_relay.runtime.standin import cpu
 
     env = dict(os.environ)
     if cpu.activate():

@@ -59,7 +59,7 @@ def test_relay_on_a_bitsandbytes_8bit_checkpoint(model_dir, tmp_path_factory):
 
 def test_relay_through_a_per_tensor_scaled_linear_method(model_dir, tmp_path_factory):
     """Relay's CPU stand-in method (int8 weights, one activation scale per matmul:
-    runtime/quant_standin.py), registered through SGLang's quantization registry and
+    runtime/standin/quant_standin.py), registered through SGLang's quantization registry and
     named by the checkpoint's ``quantization_config``, as a dynamic per-tensor FP8
     checkpoint names its method on a GPU. The server measures its linears as
     batch-coupled; SGLang's own standard prefill under it already depends on which rows
@@ -69,7 +69,7 @@ def test_relay_through_a_per_tensor_scaled_linear_method(model_dir, tmp_path_fac
     import math
 
     from sglang_relay.bench.models import standin_int8_checkpoint
-    from sglang_relay.runtime.quant_standin import CPU_INT8_PT_ENV
+    from sglang_relay.runtime.standin.quant_standin import CPU_INT8_PT_ENV
 
     ckpt = standin_int8_checkpoint(model_dir, tmp_path_factory.mktemp("int8pt") / "SmolLM2-int8pt")
     args = ["--model-path", str(ckpt), "--max-total-tokens", "8192"]

@@ -18,7 +18,7 @@ from relay_helpers import assert_matches_reference, generate_ids, relay_info, ru
 
 from sglang_relay.core import reference as R
 from sglang_relay.core.operating import answer_cap
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

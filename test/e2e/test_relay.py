@@ -272,7 +272,7 @@ def test_a_short_run_of_an_output_is_not_relayed_but_the_whole_output_is(server)
 
 
 def test_guard_redoes_a_relayed_reply_that_stops_at_once(server, upstream):
-    """The early-stop guard (runtime/guard.py): a relayed reply that ends by a stop
+    """The early-stop guard (runtime/sched/guard.py): a relayed reply that ends by a stop
     condition within its first 4 tokens is answered again with standard prefill. Made
     deterministic with a stop token: the relayed greedy reply's second token."""
     _, prompt = upstream

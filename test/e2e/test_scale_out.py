@@ -21,7 +21,7 @@ import pytest
 import requests
 from relay_helpers import generate_ids, running_server
 
-from sglang_relay.runtime.process import RouterProcess
+from sglang_relay.process import RouterProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

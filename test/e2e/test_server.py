@@ -22,12 +22,12 @@ def test_health(server):
 
 
 def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server):
-    """CPU stand-in (runtime/cpu.py): the scheduler and detokenizer are forked by
+    """CPU stand-in (runtime/standin/cpu.py): the scheduler and detokenizer are forked by
     multiprocessing's forkserver, one child of the launcher that imported their modules
     once, instead of each being spawned and importing SGLang again."""
     import psutil
 
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     if cpu.cuda_available():
         pytest.skip("on a GPU SGLang spawns its processes")

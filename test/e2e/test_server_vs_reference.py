@@ -13,7 +13,7 @@ from relay_helpers import (
 )
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

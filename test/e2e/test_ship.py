@@ -1,4 +1,4 @@
-"""Span shipping between two relay servers (``runtime/ship``): an upstream agent's output
+"""Span shipping between two relay servers (``runtime/scale/ship``): an upstream agent's output
 decoded on one server relays into the next agent's prompt on another, its KV pages pulled
 from the first server's relay host tier by Mooncake's transfer engine over TCP on loopback,
 its side rows sent with the offer.
@@ -21,12 +21,12 @@ import requests
 from relay_helpers import assert_matches_reference, generate_ids, relay_info, running_server
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.process import free_port
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.process import free_port
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-# the relay host tier on a CPU copies with the direct backend (runtime/cpu.py)
+# the relay host tier on a CPU copies with the direct backend (runtime/standin/cpu.py)
 TIER = ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
 UP_IDS = list(range(1100, 1140))
 HEAD, TAIL = list(range(2100, 2123)), list(range(3100, 3111))

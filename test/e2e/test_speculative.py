@@ -5,7 +5,7 @@ NGRAM drafts from an n-gram corpus and verifies the drafts in one target forward
 (``TARGET_VERIFY``: tree attention over the drafts); the accepted tokens' KV is compacted to
 the front of each verify window by the KV pool's ``move_kv_cache``, outside any forward.
 On the CPU, SGLang runs it with the stand-in's torch versions of sgl-kernel's CPU ops and
-tree-verify attention (runtime/cpu_spec.py). Here, on a real server:
+tree-verify attention (runtime/standin/cpu_spec.py). Here, on a real server:
 
 * greedy speculative decoding gives what the reference executor's plain greedy decode
   gives, with drafts really accepted and moved;
@@ -16,7 +16,7 @@ tree-verify attention (runtime/cpu_spec.py). Here, on a real server:
 * EAGLE (three draft steps of one token each, a one-layer draft with random weights:
   SGLang's ``--speculative-draft-load-format dummy``): its draft prefills every row of a
   relay extend from the hidden rows relay returns and drafts each step (the stand-in's
-  multi-step draft decode, runtime/cpu_eagle.py); greedy tokens are the reference
+  multi-step draft decode, runtime/standin/cpu_eagle.py); greedy tokens are the reference
   executor's, and a span it decoded relays as the reference computes. A random draft's
   drafts are rejected (acceptance 0): accepted drafts are what the NGRAM tests cover, with
   the same verify forward; with one draft token per step there is no KV move;
@@ -29,7 +29,7 @@ import pytest
 from relay_helpers import assert_matches_reference, chat, generate_ids, relay_info, running_server
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

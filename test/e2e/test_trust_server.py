@@ -1,5 +1,5 @@
 """The trust boundary on a real relay server: no request a client can send ends the server
-or reaches relay's internal transport (runtime/trust.py).
+or reaches relay's internal transport (runtime/sched/trust.py).
 
 A seeded generator sends hundreds of requests (3,000 in the full tier) (random and adversarial
 ``custom_params``, private relay keys, ``n``, logprobs, constrained decoding, streams closed
@@ -8,7 +8,7 @@ the server must answer each with 200 or a 4xx that carries a message, stay up, k
 counters and metric labels bounded, and afterwards still relay a chain exactly.
 
 The server runs with every scheduling option the allow-list serves as "checked together"
-(runtime/server_options.toml) set to a non-default value: concurrent chains there must
+(runtime/config/server_options.toml) set to a non-default value: concurrent chains there must
 relay, and relay with every span token recomputed must equal standard prefill."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import requests
 from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
 
 from sglang_relay.client import healthy
-from sglang_relay.runtime import server_options
+from sglang_relay.runtime.config import server_options
 from sglang_relay.runtime.metrics import MAX_EVENTS
 from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY
 from sglang_relay.runtime.sglang.server import parse_server_args

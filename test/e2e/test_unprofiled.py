@@ -10,7 +10,7 @@ import pytest
 from relay_helpers import assert_matches_reference, relay_info, relay_one_upstream, running_server
 
 from sglang_relay.core import reference as R
-from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE, settings_from_env
+from sglang_relay.runtime.config.settings import UNPROFILED, UNPROFILED_REUSE, settings_from_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

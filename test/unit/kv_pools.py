@@ -20,7 +20,7 @@ def cpu_kv_pools(
     host_tokens: int | None = None,
     layout: str = "layer_first",
 ) -> SimpleNamespace:
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.l2_transfer import L2TransferEngine

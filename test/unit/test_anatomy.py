@@ -17,7 +17,8 @@ from sglang_relay.core.reference import (
     generate,
     relay_prefill,
 )
-from sglang_relay.runtime.anatomy import (
+from sglang_relay.runtime.forward.layer_driver import LayerDriver
+from sglang_relay.runtime.models.anatomy import (
     ANATOMIES,
     BASE_ATTENTION,
     DENSE_MLP,
@@ -28,7 +29,6 @@ from sglang_relay.runtime.anatomy import (
     mlp_output,
     mlp_takes_batch,
 )
-from sglang_relay.runtime.layer_driver import LayerDriver
 from sglang_relay.runtime.sglang.model import SUPPORTED_ROPE
 
 FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
@@ -54,12 +54,12 @@ def test_reference_executor_is_the_hf_forward_of_each_architecture(arch):
 
 
 def test_each_adapter_file_registers_its_architectures():
-    """One file per architecture in runtime/adapters: the registry is exactly what the
+    """One file per architecture in runtime/models/adapters: the registry is exactly what the
     files define, each file at least one adapter, no architecture twice."""
     import pkgutil
     from importlib import import_module
 
-    from sglang_relay.runtime import adapters
+    from sglang_relay.runtime.models import adapters
 
     names = [m.name for m in pkgutil.iter_modules(adapters.__path__)]
     defined = [a for n in names for a in import_module(f"{adapters.__name__}.{n}").ADAPTERS]
@@ -261,7 +261,7 @@ def test_unknown_rope_and_unknown_architecture_are_refused():
 
 def test_rotation_table_is_float32_where_sglang_keeps_a_bf16_cache():
     from sglang_relay.core.rope import apply_rope_ref, build_cos_sin_cache, rerotate_keys
-    from sglang_relay.runtime.anatomy import rotation_table
+    from sglang_relay.runtime.models.anatomy import rotation_table
 
     full = build_cos_sin_cache(64, 8192, base=1e5)  # float32, as _compute_cos_sin_cache
     rope = nn.Module()

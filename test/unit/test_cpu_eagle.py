@@ -1,4 +1,4 @@
-"""EAGLE's CPU ops (``runtime/cpu_eagle.py``) against SGLang's own Triton kernels of the
+"""EAGLE's CPU ops (``runtime/standin/cpu_eagle.py``) against SGLang's own Triton kernels of the
 same jobs, run under the Triton interpreter on CPU tensors in one subprocess
 (``TRITON_INTERPRET=1`` must be set before triton loads; relay's stand-in ``sgl_kernel``
 goes first on its path): ``spec_tree.py``'s tree build (positions, retrieve links, the tree
@@ -12,7 +12,7 @@ import pytest
 import torch
 from triton_reference import triton_outputs
 
-from sglang_relay.runtime import cpu_eagle
+from sglang_relay.runtime.standin import cpu_eagle
 
 _REFERENCE = r"""
 import sys

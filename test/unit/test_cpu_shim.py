@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from sglang_relay.runtime.cpu import SHIM_DIR
+from sglang_relay.runtime.standin.cpu import SHIM_DIR
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ _LORA_BATCH = """
 import os, sys
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from types import SimpleNamespace
-from sglang_relay.runtime import cpu
+from sglang_relay.runtime.standin import cpu
 if sys.argv[1] == "on":
     os.environ[cpu.CPU_LORA_ENV] = "1"
     cpu.pinning_off()
@@ -80,7 +80,8 @@ def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
 
 _REGISTER = """
 import os
-from sglang_relay.runtime import cpu, plugin
+from sglang_relay.runtime.standin import cpu
+from sglang_relay.runtime import plugin
 from sglang_relay.runtime.state import STATE
 for standin in ("0", "1"):  # one process: SGLang's imports are the cost
     os.environ[cpu.CPU_STANDIN_ENV] = standin

@@ -1,4 +1,4 @@
-"""NGRAM speculative decoding's CPU ops (``runtime/cpu_spec.py``) against SGLang's own
+"""NGRAM speculative decoding's CPU ops (``runtime/standin/cpu_spec.py``) against SGLang's own
 Triton kernels of the same jobs, run under the Triton interpreter on CPU tensors in one
 subprocess (``TRITON_INTERPRET=1`` must be set before triton loads; relay's stand-in
 ``sgl_kernel`` goes first on its path so SGLang's kernel modules import without CUDA):
@@ -18,7 +18,7 @@ import pytest
 import torch
 from triton_reference import triton_outputs
 
-from sglang_relay.runtime import cpu_spec
+from sglang_relay.runtime.standin import cpu_spec
 
 # SGLang's kernels, launched with the grids of their CUDA wrappers (the ``*_func`` wrappers
 # take the stand-in's CPU ops on a CPU, so the kernels are launched here directly)

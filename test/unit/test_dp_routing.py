@@ -1,5 +1,5 @@
 """DP routing by span fingerprints: the hashes against a brute-force polynomial hash, the
-router's decisions against the rules in runtime/dp_routing.py, and the rank -> controller
+router's decisions against the rules in runtime/scale/dp_routing.py, and the rank -> controller
 messages over a real Unix socket."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import time
 
-from sglang_relay.runtime.dp_fingerprints import (
+from sglang_relay.runtime.scale.dp_fingerprints import (
     STRIDE,
     WINDOW,
     FingerprintPublisher,
@@ -19,7 +19,7 @@ from sglang_relay.runtime.dp_fingerprints import (
     span_fingerprints,
     window_hashes,
 )
-from sglang_relay.runtime.dp_routing import DPRouter
+from sglang_relay.runtime.scale.dp_routing import DPRouter
 from sglang_relay.runtime.state import STATE
 
 BASE = 0x9E3779B97F4A7C15
@@ -161,7 +161,7 @@ def test_a_full_socket_delays_a_ranks_messages_in_order_and_never_raises(tmp_pat
     router.drain()  # what the socket held
     assert len(router.spans) == pub.sent
     # the rank's span store flushes at every look-up (a request arrived), in order
-    from sglang_relay.runtime.span_store import SpanStore
+    from sglang_relay.runtime.cache.span_store import SpanStore
 
     store = SpanStore(min_match=32, max_tokens=4096, release_slots=None, listener=pub)
     for _ in range(1000):
@@ -274,7 +274,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     import sglang.srt.managers.data_parallel_controller  # noqa: F401
     import zmq
 
-    from sglang_relay.runtime.dp_routing import blocking_event_loop
+    from sglang_relay.runtime.scale.dp_routing import blocking_event_loop
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -334,7 +334,7 @@ def test_the_routing_hook_never_raises_into_the_controller(tmp_path, monkeypatch
     from sglang.srt.managers.io_struct import TokenizedEmbeddingReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_relay.runtime import dp_routing
+    from sglang_relay.runtime.scale import dp_routing
 
     router = _router(tmp_path)
     span = list(range(500, 600))

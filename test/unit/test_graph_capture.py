@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from sglang_relay.runtime.side_data import HIDDEN_BIT, SlotLedger
+from sglang_relay.runtime.cache.side_data import HIDDEN_BIT, SlotLedger
 
 
 def test_compiled_decode_step_advances_stamps_on_every_call_without_recompiling():
@@ -60,7 +60,7 @@ def _brute_force_decode(q, k_cache, v_cache, req_to_token, rows, lens, scaling):
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
 def test_cpu_graph_decode_attention_equals_brute_force(hq, hkv):
-    from sglang_relay.runtime.cpu_graph import paged_decode_attention
+    from sglang_relay.runtime.standin.cpu_graph import paged_decode_attention
 
     torch.manual_seed(0)
     d, slots = 8, 64
@@ -141,7 +141,7 @@ def test_hidden_state_hook_stores_the_written_residual_inside_a_compiled_forward
     SGLang's boundary wrote, at the batch's slots, in eager and in a compiled forward
     (hooks installed before compiling are traced in), on every call, without recompiling;
     the eager-only counter never becomes a guard."""
-    from sglang_relay.runtime.decode import DecodeCapture
+    from sglang_relay.runtime.forward.decode import DecodeCapture
 
     model = _Model()
     ledger = SlotLedger(16, "cpu", hidden_size=4, dtype=torch.float32)

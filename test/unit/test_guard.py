@@ -1,4 +1,4 @@
-"""The early-stop guard's decisions (runtime/guard.py); the served behaviour is in
+"""The early-stop guard's decisions (runtime/sched/guard.py); the served behaviour is in
 test/e2e/test_relay.py (``-k guard``)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_relay.runtime.guard import (
+from sglang_relay.launch import check_relay_settings, split_relay_flags
+from sglang_relay.runtime.sched.guard import (
     GuardPolicy,
     eligible,
     guard_policy,
@@ -15,8 +16,7 @@ from sglang_relay.runtime.guard import (
     standard_option,
     stop_reason,
 )
-from sglang_relay.runtime.launch import check_relay_settings, split_relay_flags
-from sglang_relay.runtime.options import stores_spans
+from sglang_relay.runtime.sched.options import stores_spans
 from sglang_relay.runtime.sglang.scheduling import GUARD_KEY, guard_redo_of
 
 

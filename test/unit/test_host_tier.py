@@ -15,7 +15,7 @@ import pytest
 import torch
 from kv_pools import cpu_kv_pools
 
-from sglang_relay.runtime.side_data import SlotLedger
+from sglang_relay.runtime.cache.side_data import SlotLedger
 
 SLOTS = 64
 LAYERS = 2
@@ -108,7 +108,7 @@ def test_a_pool_relay_does_not_serve_is_not_stamped(tier):
 
 
 def test_the_stand_in_copies_rows_as_a_brute_force_loop_does():
-    from sglang_relay.runtime.cpu import transfer_kv_direct
+    from sglang_relay.runtime.standin.cpu import transfer_kv_direct
 
     gen = torch.Generator().manual_seed(1)
     src = [torch.randn(16, 2, 4, generator=gen) for _ in range(3)]

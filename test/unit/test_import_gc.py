@@ -22,7 +22,7 @@ print(inside, gc.isenabled(), gc.get_freeze_count() > 1000)
 
 FORKSERVER = """
 import gc, os
-import sglang_relay.runtime.forkserver_first  # the forkserver's first preload
+import sglang_relay.runtime.standin.forkserver_first  # the forkserver's first preload
 paused = gc.isenabled()
 pid = os.fork()
 if pid == 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_relay.runtime.side_data import HIDDEN_BIT, SlotLedger
+from sglang_relay.runtime.cache.side_data import HIDDEN_BIT, SlotLedger
 
 SLOTS = 64
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from sglang_relay.errors import RelayError
-from sglang_relay.runtime.launch import build_server_argv, check_model_path
-from sglang_relay.runtime.process import _get_ok, flag_value
+from sglang_relay.launch import build_server_argv, check_model_path
+from sglang_relay.process import _get_ok, flag_value
 
 
 def test_defaults_fill_only_what_is_missing():
@@ -137,7 +137,7 @@ def test_graph_settings_that_would_skip_relay_are_refused():
     """A replayed decode graph runs relay's decode capture only if it was installed before
     SGLang captured the graphs, and never accumulates influence scores; relay extends never
     run inside a prefill graph."""
-    from sglang_relay.runtime.modes import graph_refusal
+    from sglang_relay.runtime.config.modes import graph_refusal
 
     decode, prefill = {"decode": True, "prefill": False}, {"decode": False, "prefill": True}
     assert graph_refusal(decode, capture_in_graph=True, influence=False) is None
@@ -159,8 +159,8 @@ def test_graph_settings_that_would_skip_relay_are_refused():
 def test_speculative_servers_carry_no_influence_scores():
     """Influence scores accumulate in plain decode forwards, which a speculative server
     never runs: the two together are refused."""
-    from sglang_relay.runtime.modes import spec_refusal
-    from sglang_relay.runtime.server_view import ServerView
+    from sglang_relay.runtime.config.modes import spec_refusal
+    from sglang_relay.runtime.sglang.server_view import ServerView
 
     ngram, plain = ServerView(speculative_algorithm="NGRAM", device="cpu"), ServerView()
     refused = spec_refusal(ngram, influence=True)
@@ -172,7 +172,7 @@ def test_speculative_servers_carry_no_influence_scores():
 def test_settings_that_need_eager_decode_turn_decode_graphs_off_on_a_gpu(model_dir):
     """Influence scores (tau_inf) need eager decode: serve turns decode graphs off on a GPU
     unless the user chose a decode graph mode; the shipped profile keeps them."""
-    from sglang_relay.runtime.launch import check_relay_settings, eager_decode_flags
+    from sglang_relay.launch import check_relay_settings, eager_decode_flags
 
     assert check_relay_settings({}, str(model_dir)) is False
     env = {"SGLANG_RELAY_CONFIG": '{"tau_inf": 0.5}'}
@@ -213,7 +213,7 @@ finally:
 
 
 def _uvicorn_child(linger: bool, port: int = 0):
-    from sglang_relay.runtime.process import _ChildProcess
+    from sglang_relay.process import _ChildProcess
 
     class Child(_ChildProcess):
         name = "uvicorn"
@@ -240,7 +240,7 @@ def taken_port():
 def test_a_picked_port_taken_before_the_child_binds_is_picked_again(
     monkeypatch, taken_port, linger
 ):
-    from sglang_relay.runtime import process
+    from sglang_relay import process
 
     picks = iter([taken_port])
     real = process.free_port
@@ -269,7 +269,7 @@ def test_a_chosen_port_that_is_taken_is_one_error_not_a_wait(taken_port):
 
 
 def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
-    from sglang_relay.runtime.process import free_port
+    from sglang_relay.process import free_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
@@ -284,7 +284,7 @@ def test_free_port_stays_out_of_ranges_others_are_handed_unasked():
 def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monkeypatch):
     """A foreign HTTP server already listening on the picked port answers /health before
     our child even tries to bind: start() must not return its URL as ours."""
-    from sglang_relay.runtime import process
+    from sglang_relay import process
 
     foreign = _uvicorn_child(linger=False)
     foreign.start(timeout=60)
@@ -304,7 +304,7 @@ def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monk
 
 
 def test_cpu_thread_binding_splits_the_cores_evenly():
-    from sglang_relay.runtime.cpu import threads_bind
+    from sglang_relay.runtime.standin.cpu import threads_bind
 
     assert threads_bind(2, [0, 1]) == "0|1"
     assert threads_bind(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
@@ -316,8 +316,8 @@ def test_cpu_thread_binding_splits_the_cores_evenly():
 
 def _cpu_serve_env(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict]:
     """`serve`'s CPU defaults for argv under environ, as the launcher computes them."""
-    from sglang_relay.runtime import cpu
-    from sglang_relay.runtime.launch import given_flags, parse_server_view
+    from sglang_relay.launch import given_flags, parse_server_view
+    from sglang_relay.runtime.standin import cpu
 
     view = parse_server_view(["--model-path", "/m", *argv])
     return cpu.serve_defaults(
@@ -329,7 +329,7 @@ def _cpu_serve_env(argv: list[str], environ: dict[str, str]) -> tuple[list[str],
 
 
 def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
@@ -346,7 +346,7 @@ def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
 
 
 def test_cpu_serve_defaults_never_override_the_user(monkeypatch):
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
@@ -361,7 +361,7 @@ def test_cpu_serve_defaults_never_override_the_user(monkeypatch):
 
 
 def test_cpu_serve_defaults_leave_a_gpu_machine_alone(monkeypatch):
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: True)
     assert _cpu_serve_env(["--tp-size", "2", "--enable-torch-compile"], {}) == ([], {})

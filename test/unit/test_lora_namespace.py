@@ -10,9 +10,9 @@ from uuid import uuid4
 
 import pytest
 
-from sglang_relay.runtime.dp_fingerprints import namespace_salt
-from sglang_relay.runtime.options import namespace
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.config.settings import settings_from_env
+from sglang_relay.runtime.scale.dp_fingerprints import namespace_salt
+from sglang_relay.runtime.sched.options import namespace
 from sglang_relay.runtime.sglang.scheduling import (
     IsolationError,
     request_isolation,

@@ -1,4 +1,4 @@
-"""LoRA batch info for a subset of rows (``runtime/lora_rows.py``) through SGLang's own
+"""LoRA batch info for a subset of rows (``runtime/forward/lora_rows.py``) through SGLang's own
 torch_native LoRA backend: the full batch's info comes from SGLang's ``prepare_lora_batch``
 (with the CPU pinning stand-in, in a subprocess), the LoRA deltas from the backend's own
 ``run_lora_a_sgemm`` / ``run_lora_b_sgemm``; the reference is each row's delta computed by
@@ -12,20 +12,20 @@ import sys
 import pytest
 import torch
 
-from sglang_relay.runtime.lora_rows import row_slots, rows_info, rows_swapped
+from sglang_relay.runtime.forward.lora_rows import row_slots, rows_info, rows_swapped
 
 _SCRIPT = r"""
 import os, sys
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from types import SimpleNamespace
-from sglang_relay.runtime import cpu
+from sglang_relay.runtime.standin import cpu
 os.environ[cpu.CPU_LORA_ENV] = "1"
 os.environ[cpu.CPU_STANDIN_ENV] = "1"
 cpu.pinning_off()
 import torch
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang_relay.runtime.lora_rows import rows_swapped
+from sglang_relay.runtime.forward.lora_rows import rows_swapped
 
 g = torch.Generator().manual_seed(0)
 lens, slots, ranks, scalings = [3, 2, 4, 3], [0, 0, 1, 2], [4, 2, 0], [2.0, 0.5, 1.0]

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang_relay.runtime import modes  # noqa: E402
+from sglang_relay.runtime.config import modes  # noqa: E402
 from sglang_relay.runtime.sglang.server import (
     chunk_size,
     live_kv_layout,
@@ -38,7 +38,7 @@ def _keep_environment():
 @pytest.fixture(scope="module")
 def cpu_args(model_dir):
     """Arguments every resolution here shares: the embedded model on this CPU."""
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     cpu.activate()
     return ["--model-path", str(model_dir), "--device", "cpu"]
@@ -306,12 +306,12 @@ def test_bitsandbytes_8bit_checkpoints_are_served_and_4bit_is_refused(tmp_path, 
 
 
 def test_every_quantization_method_of_sglang_is_served_or_refused_with_its_reason():
-    """runtime/quant_methods.py classifies SGLang's methods; the option allow-list serves
+    """runtime/config/quant_methods.py classifies SGLang's methods; the option allow-list serves
     exactly the served ones as typed (bitsandbytes only as a checkpoint's own method), and
     a refused or never-reviewed method is refused with its reason."""
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
 
-    from sglang_relay.runtime import quant_methods, server_options
+    from sglang_relay.runtime.config import quant_methods, server_options
 
     def view(**kw):
         return modes.ServerView(model_path="m", **kw)
@@ -334,7 +334,7 @@ def test_every_quantization_method_of_sglang_is_served_or_refused_with_its_reaso
 
 def test_children_fork_from_a_preloaded_process_unless_sglang_sets_each_up(cpu_args):
     """The CPU stand-in forks the scheduler and detokenizer from a preloaded process
-    (runtime/cpu.py) only when SGLang sets nothing up per child at its start: a NUMA
+    (runtime/standin/cpu.py) only when SGLang sets nothing up per child at its start: a NUMA
     binding (applied through the interpreter a spawned child executes), one visible device
     per process, the memory saver's preload."""
     import os
@@ -352,7 +352,7 @@ def test_children_fork_from_a_preloaded_process_unless_sglang_sets_each_up(cpu_a
 
 def test_the_forkserver_loads_the_plugins_for_its_children_only_if_they_read_only_the_env():
     """The stand-in's forkserver loads SGLang's general plug-ins once for the children it
-    forks (runtime/forkserver_preload.py) only when each installed plug-in is one whose
+    forks (runtime/standin/forkserver_preload.py) only when each installed plug-in is one whose
     ``register`` was read and found to register hooks from the environment alone; every
     plug-in installed here is (a new dependency's plug-in must be read first), and one
     unknown plug-in makes each child load them itself."""

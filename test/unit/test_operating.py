@@ -21,8 +21,8 @@ from sglang_relay.core.operating import (
     reuse_cap,
 )
 from sglang_relay.core.selection import select_runs, select_tokens
-from sglang_relay.runtime.options import resolve_config
-from sglang_relay.runtime.settings import UNPROFILED, settings_from_env, shipped_profile
+from sglang_relay.runtime.config.settings import UNPROFILED, settings_from_env, shipped_profile
+from sglang_relay.runtime.sched.options import resolve_config
 
 EMBEDDED = "/somewhere/SmolLM2-135M-Instruct"
 
@@ -276,7 +276,7 @@ def test_namespaces_and_storing_by_brute_force():
     """``options.namespace`` / ``stores_spans`` against the rule written out by hand."""
     from itertools import product
 
-    from sglang_relay.runtime.options import namespace, stores_spans
+    from sglang_relay.runtime.sched.options import namespace, stores_spans
 
     methods = [None, "relay", "standard", "off", "epic"]
     for scope, salt, key, method, store in product(

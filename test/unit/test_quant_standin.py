@@ -1,4 +1,4 @@
-"""The per-tensor int8 stand-in method (runtime/quant_standin.py) and the start-up probe
+"""The per-tensor int8 stand-in method (runtime/standin/quant_standin.py) and the start-up probe
 that tells a batch-coupled linear method from a row-independent one
 (``runtime/sglang/model.py: linear_rows``), on SGLang's own ``ReplicatedLinear``."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from sglang_relay.runtime.quant_standin import (
+from sglang_relay.runtime.sglang.model import linear_rows
+from sglang_relay.runtime.standin.quant_standin import (
     STANDIN_QUANTIZATION,
     int8_pertensor_linear,
     quantize_rows,
     register,
 )
-from sglang_relay.runtime.sglang.model import linear_rows
 
 
 def _int8(values: list[float], scale: float) -> list[int]:

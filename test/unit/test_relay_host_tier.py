@@ -1,4 +1,4 @@
-"""Relay's host tier (``runtime/host_tier.py``) on SGLang's own CPU code: the real device
+"""Relay's host tier (``runtime/cache/host_tier.py``) on SGLang's own CPU code: the real device
 pool (``MHATokenToKVPool``) and slot allocators (token and paged), a real host pool
 (``MHATokenToKVPoolHost``, layer_first) and HiCache's transfer engine (``L2TransferEngine``,
 io backend ``direct``), with SGLang's controller rule for the indices
@@ -20,9 +20,9 @@ import pytest
 import torch
 from kv_pools import cpu_kv_pools
 
-from sglang_relay.runtime.host_tier import HostCopy, HostTier, Retention
-from sglang_relay.runtime.side_data import SlotLedger
-from sglang_relay.runtime.span_store import SpanStore
+from sglang_relay.runtime.cache.host_tier import HostCopy, HostTier, Retention
+from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.cache.span_store import SpanStore
 
 SLOTS = 64
 LAYERS = 2

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from sglang_relay.core.config import RelayConfig
-from sglang_relay.runtime.attention import build
-from sglang_relay.runtime.extend import detect_and_select
-from sglang_relay.runtime.planner import Planner, PlanningFailed, valid_runs
-from sglang_relay.runtime.side_data import SlotLedger
-from sglang_relay.runtime.span_store import SpanStore
+from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.cache.span_store import SpanStore
+from sglang_relay.runtime.forward.attention import build
+from sglang_relay.runtime.forward.extend import detect_and_select
+from sglang_relay.runtime.sched.planner import Planner, PlanningFailed, valid_runs
 from sglang_relay.runtime.stats import RequestStats
 
 L = 30  # layers of the fake model
@@ -69,7 +69,7 @@ def test_every_allocator_free_path_then_reuse_invalidates_the_span():
     are handed out again and a forward writes them, the span's check fails; until then the
     KV is untouched and the span stays valid."""
     pytest.importorskip("sglang")
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -116,7 +116,7 @@ def test_owned_pages_are_whole_pages_of_sglangs_paged_allocator():
     by freeing the span's slots: exactly those pages return, and no page of the row
     outside them (checked on SGLang's own allocator)."""
     pytest.importorskip("sglang")
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime.standin import cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -473,11 +473,11 @@ CTX = RelayConfig(
 
 
 def test_budget_reserves_what_the_ledger_allocates():
-    """runtime/budget.py's bytes per slot (reserved from SGLang's KV budget before the pool
+    """runtime/cache/budget.py's bytes per slot (reserved from SGLang's KV budget before the pool
     exists) equals what a SlotLedger of those settings really allocates, per config shape."""
     from sglang_relay.core.operating import Frontier
-    from sglang_relay.runtime.budget import bytes_per_slot, context_layer, side_layers
-    from sglang_relay.runtime.settings import RelaySettings
+    from sglang_relay.runtime.cache.budget import bytes_per_slot, context_layer, side_layers
+    from sglang_relay.runtime.config.settings import RelaySettings
 
     cases = [
         (RelayConfig(l_start=3, l_det=4), Frontier(), 3, None),

@@ -128,7 +128,7 @@ def test_span_lru_matches_a_brute_force_list_model():
 
 def test_span_lru_keeps_the_order_of_the_runtime_span_store():
     torch = pytest.importorskip("torch")
-    from sglang_relay.runtime.span_store import SpanStore
+    from sglang_relay.runtime.cache.span_store import SpanStore
 
     rng = random.Random(9)
     real = SpanStore(min_match=32, max_tokens=2000, release_slots=lambda slots: None)
@@ -159,8 +159,8 @@ class _Unrouted(sim.Policy):
 
 
 def test_fingerprint_policy_agrees_with_the_runtime_dp_router(tmp_path):
-    from sglang_relay.runtime.dp_fingerprints import span_fingerprints
-    from sglang_relay.runtime.dp_routing import DPRouter
+    from sglang_relay.runtime.scale.dp_fingerprints import span_fingerprints
+    from sglang_relay.runtime.scale.dp_routing import DPRouter
 
     rng = random.Random(11)
     n = 4

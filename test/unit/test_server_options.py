@@ -1,4 +1,4 @@
-"""The allow-list of SGLang server options (runtime/server_options.toml): every option of
+"""The allow-list of SGLang server options (runtime/config/server_options.toml): every option of
 the installed SGLang is classified, unclassified and refused options are refused before
 anything loads, and docs/server-options.md is the table."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sglang_relay.errors import RelayError
-from sglang_relay.runtime import server_options
-from sglang_relay.runtime.launch import build_server_argv, check_server_mode
+from sglang_relay.launch import build_server_argv, check_server_mode
+from sglang_relay.runtime.config import server_options
 from sglang_relay.runtime.sglang.server import parse_server_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_what_relay_cannot_serve_is_refused_by_the_table():
     assert [d for d in MUST_REFUSE if d not in table.refused] == []
     # speculative decoding: NGRAM (no draft model) and EAGLE; modes.spec_refusal narrows them
     assert table.served["speculative_algorithm"].values == ("NGRAM", "ngram", "EAGLE", "eagle")
-    # quantization: served per method, each classified (runtime/quant_methods.py)
+    # quantization: served per method, each classified (runtime/config/quant_methods.py)
     assert "awq" in table.served["quantization"].values
     assert "fp8" not in table.served["quantization"].values  # scaled KV (quant_methods.py)
     # HiCache: served with the write policies relay verified (the table alone says), not
@@ -166,7 +166,7 @@ def test_an_option_the_table_does_not_know_is_refused(model_dir):
 
 def test_the_docs_are_the_table():
     assert (ROOT / "docs/server-options.md").read_text() == server_options.markdown(), (
-        "regenerate: python -m sglang_relay.runtime.server_options > docs/server-options.md"
+        "regenerate: python -m sglang_relay.runtime.config.server_options > docs/server-options.md"
     )
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sglang_relay.runtime.launch import split_relay_flags
-from sglang_relay.runtime.settings import settings_from_env, shipped_profile
+from sglang_relay.launch import split_relay_flags
+from sglang_relay.runtime.config.settings import settings_from_env, shipped_profile
 
 EMBEDDED = "/somewhere/SmolLM2-135M-Instruct"
 

@@ -1,4 +1,4 @@
-"""Span shipping's pieces without servers (runtime/ship): the byte ranges a transfer
+"""Span shipping's pieces without servers (runtime/scale/ship): the byte ranges a transfer
 engine moves between two of SGLang's real host pools, checked by copying them with a
 plain ``memmove`` against torch indexing of the same pools; and the offer checks, which
 must refuse every malformed or hostile field before anything is allocated or moved.
@@ -13,8 +13,8 @@ import pytest
 import torch
 from kv_pools import cpu_kv_pools
 
-from sglang_relay.runtime.ship import wire
-from sglang_relay.runtime.ship.pages import PoolAddress, digest, paired_runs, transfer_lists
+from sglang_relay.runtime.scale.ship import wire
+from sglang_relay.runtime.scale.ship.pages import PoolAddress, digest, paired_runs, transfer_lists
 
 
 def test_paired_runs_are_the_runs_consecutive_on_both_sides():
@@ -148,7 +148,7 @@ def test_truncated_frames_and_foreign_headers_are_refused():
 
 
 def test_ship_settings_take_one_role_and_host_port_addresses():
-    from sglang_relay.runtime.settings import settings_from_env
+    from sglang_relay.runtime.config.settings import settings_from_env
 
     assert settings_from_env("", {"SGLANG_RELAY_SHIP_TO": "a:1,b:2"}).ship_to == ("a:1", "b:2")
     assert settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "h:9"}).ship_role == "receiver"
@@ -180,14 +180,14 @@ def test_ship_settings_take_one_role_and_host_port_addresses():
     ],
 )
 def test_pd_servers_are_served_only_with_span_shipping(view, role, named):
-    from sglang_relay.runtime import modes
+    from sglang_relay.runtime.config import modes
 
     message = modes.refusal(modes.ServerView(**view), ship_role=role)
     assert message is not None and named in message, message
 
 
 def test_shipping_servers_of_the_right_role_are_served():
-    from sglang_relay.runtime import modes
+    from sglang_relay.runtime.config import modes
 
     for view, role in (
         (dict(disaggregation_mode="decode"), "publisher"),

@@ -1,4 +1,4 @@
-"""The publisher and the receiver of span shipping (``runtime/ship/peers.py``) in one
+"""The publisher and the receiver of span shipping (``runtime/scale/ship/peers.py``) in one
 process, on real parts: two sets of SGLang's KV pools (device pool, host pool,
 ``L2TransferEngine``), two relay host tiers and span stores, two of Mooncake's transfer
 engines over TCP on loopback, ZMQ between them.
@@ -17,11 +17,11 @@ import pytest
 import torch
 from test_relay_host_tier import HIDDEN, LAYERS, _decoded, _parts, _tier
 
-from sglang_relay.runtime.process import free_port
-from sglang_relay.runtime.ship.mooncake import MooncakeTransport
-from sglang_relay.runtime.ship.pages import pool_geometry
-from sglang_relay.runtime.ship.peers import Publisher, Receiver
-from sglang_relay.runtime.span_store import SpanStore
+from sglang_relay.process import free_port
+from sglang_relay.runtime.cache.span_store import SpanStore
+from sglang_relay.runtime.scale.ship.mooncake import MooncakeTransport
+from sglang_relay.runtime.scale.ship.pages import pool_geometry
+from sglang_relay.runtime.scale.ship.peers import Publisher, Receiver
 
 NS = (None, None, None, None)
 

@@ -96,7 +96,7 @@ def test_each_adapter_module_imports_first_in_a_fresh_interpreter():
     names = sorted(p.stem for p in (PACKAGE / "runtime" / "adapters").glob("[!_]*.py"))
     assert len(names) >= 8
     for n in names:
-        module = f"sglang_relay.runtime.adapters.{n}"
+        module = f"sglang_relay.runtime.models.adapters.{n}"
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                               text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 0, (module, proc.stderr[-500:])

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_relay.runtime.extend import NO_PLAN
+from sglang_relay.runtime.forward.extend import NO_PLAN
+from sglang_relay.runtime.forward.tp import TPSync
 from sglang_relay.runtime.runtime import RelayRuntime
-from sglang_relay.runtime.tp import TPSync
 
 
 class _Group:

@@ -1,4 +1,4 @@
-"""The request trust boundary (runtime/trust.py) and the scheduler's defensive reads of
+"""The request trust boundary (runtime/sched/trust.py) and the scheduler's defensive reads of
 relay's private keys; the served behaviour is in test/e2e/test_trust.py."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_relay.runtime import trust
-from sglang_relay.runtime.guard import redo_request
+from sglang_relay.runtime.config.settings import settings_from_env
 from sglang_relay.runtime.metrics import MAX_EVENTS, OVERFLOW_EVENT, RelayCounters
-from sglang_relay.runtime.settings import settings_from_env
+from sglang_relay.runtime.sched import trust
+from sglang_relay.runtime.sched.guard import redo_request
 from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY, dp_route, guard_redo_of
 from sglang_relay.runtime.state import STATE
 
@@ -145,7 +145,8 @@ def test_counters_hold_a_bounded_label_set():
 
 
 def test_an_abort_reaches_the_guards_redo(monkeypatch):
-    from sglang_relay.runtime import guard, plugin
+    from sglang_relay.runtime import plugin
+    from sglang_relay.runtime.sched import guard
 
     aborted = []
     monkeypatch.setitem(STATE.live_redos, "r9", "r9" + guard.REDO_SUFFIX)

@@ -135,7 +135,7 @@ def _row(samples, mode: str, batch: int, rounds: int, flags: list[str], model: s
 
 def _pair(samples, mode, plain_args, relay_args, batches, args, pair: int) -> None:
     """One plain and one relay server, up together; ``args.rounds`` paired rounds on them."""
-    from sglang_relay.runtime.process import ServerProcess
+    from sglang_relay.process import ServerProcess
 
     with ServerProcess(plain_args) as plain, ServerProcess(relay_args) as relay:
         servers = {"plain": plain.url, "relay": relay.url}
@@ -187,14 +187,14 @@ def main(argv: list[str]) -> int:
 
     from sglang_relay.bench.models import random_llama
     from sglang_relay.embedded_model import default_model_dir, ensure_model
-    from sglang_relay.runtime import cpu
+    from sglang_relay.runtime import platform
 
     model_path = args.model_path or str(ensure_model())
     if args.random_llama:
         out = default_model_dir().parent / "RandomLlama-tp"
         model_path = str(random_llama(out, ensure_model()))
     batches = [int(b) for b in args.batches.split(",")]
-    on_cpu = not cpu.cuda_available()
+    on_cpu = not platform.cuda_available()
     modes = [("eager", False), *([("graph", True)] if args.graph else [])]
     samples: dict[tuple[str, str, int], list[list[float]]] = {}  # a list per server pair
     for mode, graph in modes:

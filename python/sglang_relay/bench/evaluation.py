@@ -46,8 +46,8 @@ from sglang_relay.core.reference import (
     greedy_after_forced,
     relay_prefill,
 )
-from sglang_relay.runtime.settings import DEFAULT_GUARD_TOKENS as GUARD_TOKENS
-from sglang_relay.runtime.settings import UNPROFILED, UNPROFILED_REUSE
+from sglang_relay.runtime.config.settings import DEFAULT_GUARD_TOKENS as GUARD_TOKENS
+from sglang_relay.runtime.config.settings import UNPROFILED, UNPROFILED_REUSE
 
 QUICK_RELAYS = 32
 QUICK_FRONTIER_RELAYS = 16
@@ -173,7 +173,7 @@ def evaluate_relay(
 def guard_outcome(
     free: Sequence[int], exact: Sequence[int], stop_ids: Sequence[int], limit: int = GUARD_TOKENS
 ) -> tuple[bool, Sequence[int]]:
-    """What a relay server's early-stop guard (runtime/guard.py) makes of a relayed reply
+    """What a relay server's early-stop guard (runtime/sched/guard.py) makes of a relayed reply
     ``free`` (greedy, with its stop token): whether it redoes it (the reply ended by a stop
     within ``limit`` tokens) and the reply the user gets (then ``exact``, standard's)."""
     redo = bool(free) and len(free) <= limit and free[-1] in stop_ids

@@ -222,7 +222,7 @@ def run_evicted(url: str, tok: Any, pool_tokens: int) -> dict[str, Any]:
 
 
 def run_restart(server_args: list[str], tok: Any) -> dict[str, Any]:
-    from sglang_relay.runtime.process import ServerProcess
+    from sglang_relay.process import ServerProcess
 
     server = ServerProcess(server_args).start()
     try:
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import ServerProcess
+    from sglang_relay.process import ServerProcess
 
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)

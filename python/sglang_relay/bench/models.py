@@ -133,11 +133,11 @@ def bnb_8bit_checkpoint(model_dir: Path, out: Path, *, threshold: float = 6.0) -
 
 def standin_int8_checkpoint(model_dir: Path, out: Path) -> Path:
     """``model_dir`` with ``quantization_config`` naming relay's CPU stand-in method
-    (per-tensor dynamic int8, :mod:`sglang_relay.runtime.quant_standin`; served only with
+    (per-tensor dynamic int8, :mod:`sglang_relay.runtime.standin.quant_standin`; served only with
     its opt-in): the weights are linked, not copied, and quantized when SGLang loads them."""
     import json
 
-    from sglang_relay.runtime.modes import STANDIN_QUANTIZATION
+    from sglang_relay.runtime.config.modes import STANDIN_QUANTIZATION
 
     out.mkdir(parents=True, exist_ok=True)
     for f in Path(model_dir).iterdir():

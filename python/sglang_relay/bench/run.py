@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import ServerProcess
+    from sglang_relay.process import ServerProcess
 
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -311,7 +311,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import server_at
+    from sglang_relay.process import server_at
 
     model = str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model)

@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from sglang_relay.embedded_model import ensure_model
-    from sglang_relay.runtime.process import server_at
+    from sglang_relay.process import server_at
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = {m for m in methods if m not in METHODS and not m.startswith("relay@")}

@@ -33,7 +33,7 @@ import torch
 from sglang_relay.core.reference import RefModel, SpanOccurrence, UpstreamRecord, generate
 from sglang_relay.core.relatedness import related_spans
 from sglang_relay.core.span_index import SpanIndex
-from sglang_relay.runtime.settings import DEFAULT_MIN_SHARE
+from sglang_relay.runtime.config.settings import DEFAULT_MIN_SHARE
 
 CACHE_FORMAT = 2
 

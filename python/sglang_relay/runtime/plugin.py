@@ -26,8 +26,8 @@ def _refuse_before_children(server_args, *args, **kwargs) -> None:
     model's architecture and KV layout too."""
     if not serves_relay(server_args):
         return
-    from sglang_relay.runtime.server_options import server_refusal
-    from sglang_relay.runtime.settings import ship_role
+    from sglang_relay.runtime.config.server_options import server_refusal
+    from sglang_relay.runtime.config.settings import ship_role
     from sglang_relay.runtime.sglang.server import server_view
 
     message = server_refusal(server_view(server_args), server_args, ship_role=ship_role())
@@ -39,30 +39,23 @@ def register() -> None:
     """Register the ``relay`` radix-cache backend and the plug-in's hooks. Idempotent."""
     if STATE.plugin_registered:
         return
-    from sglang_relay.runtime.anatomy import MODEL_FORWARD_TARGETS
+    from sglang_relay.runtime.models.anatomy import MODEL_FORWARD_TARGETS
     from sglang_relay.runtime.sglang.hooks import register_hook
     from sglang_relay.runtime.sglang.server import radix_cache_api
     from sglang_relay.runtime.sglang.targets import (
         ABORT_REQUEST_TARGET,
         ADD_ONE_REQ_TARGET,
         CAPTURE_DECODE_GRAPH_TARGET,
-        CPU_DRAFT_DECODE_BACKEND_TARGET,
-        CPU_DRAFT_EXTEND_BACKEND_TARGET,
-        CPU_GRAPH_FAKE_TARGET,
         CPU_RESTORE_TARGET,
-        CPU_VERIFY_ATTENTION_TARGET,
         DP_CONTROLLER_INIT_TARGET,
-        DP_EVENT_LOOP_TARGET,
         DP_ROUTING_TARGET,
         GENERATE_REQUEST_TARGET,
         HOST_LOAD_TARGET,
         INTERNAL_STATE_TARGET,
         KV_BUDGET_TARGET,
-        KV_CACHE_DTYPE_TARGET,
         KV_MOVE_TARGET,
         META_INFO_TARGET,
         MIX_WITH_RUNNING_TARGET,
-        MODEL_PARALLEL_GROUP_TARGET,
         MODEL_RUNNER_FORWARD_TARGET,
         PREPARE_FOR_EXTEND_TARGET,
         PROCESS_START_TARGET,
@@ -82,7 +75,7 @@ def register() -> None:
         register_hook(target, _model_forward, "around")
     register_hook(CAPTURE_DECODE_GRAPH_TARGET, _before_decode_graphs, "before")
     register_hook(MODEL_RUNNER_FORWARD_TARGET, _after_runner_forward, "after")
-    from sglang_relay.runtime import dp_routing
+    from sglang_relay.runtime.scale import dp_routing
 
     register_hook(DP_CONTROLLER_INIT_TARGET, dp_routing.before_controller_init, "before")
     register_hook(DP_ROUTING_TARGET, dp_routing.route_request, "around")
@@ -100,41 +93,6 @@ def register() -> None:
     register_hook(HOST_LOAD_TARGET, _before_host_load, "before")
     register_hook(CPU_RESTORE_TARGET, _before_cpu_restore, "before")
     register_hook(PROCESS_START_TARGET, _refuse_before_children, "before")
-    from sglang_relay.runtime import cpu
-
-    if cpu.cpu_engine_active():
-        register_hook(
-            MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around"
-        )
-        register_hook(PROCESS_START_TARGET, cpu.children_from_forkserver, "after")
-        from sglang_relay.runtime import cpu_graph
-
-        cpu_graph.register_graph_backend()
-        fake_target = CPU_GRAPH_FAKE_TARGET
-        register_hook(fake_target, cpu_graph.define_missing_kernel, "around")
-        # SGLang's DP controller spins on its socket: one of the stand-in's two cores
-        register_hook(DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
-        from sglang_relay.runtime import cpu_spec
-
-        register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_spec.torch_native_with_verify, "around")
-        from sglang_relay.runtime import cpu_eagle
-
-        register_hook(
-            CPU_DRAFT_EXTEND_BACKEND_TARGET, cpu_eagle.draft_extend_on_torch_native, "around"
-        )
-        register_hook(
-            CPU_DRAFT_DECODE_BACKEND_TARGET, cpu_eagle.draft_decode_on_torch_native, "around"
-        )
-        if cpu.cpu_fp8_kv_opted_in():
-            register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
-        if cpu.cpu_hicache_opted_in():
-            cpu.host_tier_on_cpu()
-        if cpu.cpu_lora_opted_in():
-            cpu.pinning_off()
-        from sglang_relay.runtime import quant_standin
-
-        if quant_standin.standin_opted_in():
-            quant_standin.register()
     STATE.plugin_registered = True
     logger.info("sglang-relay registered (radix cache backend %r)", BACKEND_NAME)
 
@@ -181,7 +139,7 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
 
 def _before_decode_graphs(*args, **kwargs):
     """Before SGLang captures decode graphs: install relay's decode capture (:mod:`.decode`)."""
-    from sglang_relay.runtime.decode import install_decode_capture
+    from sglang_relay.runtime.forward.decode import install_decode_capture
 
     runner = kwargs.get("model_runner", args[0] if args else None)
     if runner is not None:
@@ -287,13 +245,13 @@ def _add_one_req(original, adder, req, *args, **kwargs):
 
 def _config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
     """The KV pool's byte budget: relay's side data comes out of it (:mod:`.budget`)."""
-    from sglang_relay.runtime.budget import config_from_budget
+    from sglang_relay.runtime.cache.budget import config_from_budget
 
     return config_from_budget(original, configurator, budget_bytes, *args, **kwargs)
 
 
 def _build_gate(result, manager, *args, **kwargs):
-    from sglang_relay.runtime import trust
+    from sglang_relay.runtime.sched import trust
 
     trust.gate_for(manager)
     return result
@@ -303,7 +261,7 @@ async def _admitted_request(original, manager, obj, *args, **kwargs):
     """Every generate request on a relay server passes the trust boundary first
     (:mod:`.trust`): private keys stripped, the relay option resolved; a bad one raises
     ValueError before anything is sent to a scheduler (SGLang answers 400)."""
-    from sglang_relay.runtime import trust
+    from sglang_relay.runtime.sched import trust
 
     gate = trust.gate_for(manager)
     if gate is not None and hasattr(obj, "sampling_params"):
@@ -321,7 +279,7 @@ async def _admitted_request(original, manager, obj, *args, **kwargs):
 
 def _abort_with_redo(original, manager, rid: str = "", *args, **kwargs):
     """An abort of a request reaches the early-stop guard's redo of it too."""
-    from sglang_relay.runtime import guard
+    from sglang_relay.runtime.sched import guard
 
     result = original(manager, rid, *args, **kwargs)
     redo = guard.live_redo(rid) if rid else None
@@ -353,7 +311,7 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
     streamed chunks SGLang completes from its accumulated list (chunked prefills). On a
     relay server the final one also carries the server-measured TTFT, and a relayed reply
     that stops within its first tokens is redone exactly (:mod:`.guard`)."""
-    from sglang_relay.runtime import guard
+    from sglang_relay.runtime.sched import guard
     from sglang_relay.runtime.sglang.scheduling import request_times, scheduler_times_sent
 
     obj = kwargs.get("obj", args[0] if args else None)
@@ -387,7 +345,7 @@ def _guard_policy(manager, state):
     server that does not serve relay (nothing is added or held back there). A bad value
     was refused at launch; here it only turns the guard off, loudly."""
     if not STATE.guard_policy:
-        from sglang_relay.runtime.guard import GuardPolicy, guard_policy
+        from sglang_relay.runtime.sched.guard import GuardPolicy, guard_policy
         from sglang_relay.runtime.sglang.views import check_tokenizer_surface
 
         policy = None

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from sglang_relay.core.relatedness import answer_offset
-from sglang_relay.runtime import modes, server_options
-from sglang_relay.runtime.host_tier import HostTier, Retention
+from sglang_relay.runtime.cache.host_tier import HostTier, Retention
+from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.config import modes, server_options
+from sglang_relay.runtime.config.settings import server_settings
 from sglang_relay.runtime.runtime import RelayRuntime
-from sglang_relay.runtime.settings import server_settings
 from sglang_relay.runtime.sglang.hooks import check_hooks_installed
 from sglang_relay.runtime.sglang.host import (
     build_host_pool,
@@ -40,7 +41,6 @@ from sglang_relay.runtime.sglang.server import (
     unified_radix_cache_class,
 )
 from sglang_relay.runtime.sglang.views import check_startup_surface
-from sglang_relay.runtime.side_data import SlotLedger
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RelayRadixCache(UnifiedRadixCache):
       checkpoint, however often it is called, until the request is released.
     * Finished requests leave their output tokens as spans, recorded once per request with
       their slots' stamps; the tree may evict the KV at any time, and a span whose slots
-      were rewritten since is not used (:mod:`sglang_relay.runtime.side_data`). No
+      were rewritten since is not used (:mod:`sglang_relay.runtime.cache.side_data`). No
       allocator method is replaced.
     * Outputs of relayed requests stay out of the tree: the span store owns those slots and
       gives them back when it drops the span; with pages of more than one token it owns
@@ -69,7 +69,7 @@ class RelayRadixCache(UnifiedRadixCache):
     """
 
     relay: RelayRuntime | None = None
-    ship: Any = None  # span shipping's publisher or receiver (runtime/ship), if any
+    ship: Any = None  # span shipping's publisher or receiver (runtime/scale/ship), if any
 
     def __init__(self, params: Any, *, architecture: str | None = None) -> None:
         self._takeover: dict[int, tuple[int, int]] = {}  # req_pool_idx -> owned row range
@@ -283,7 +283,7 @@ def _host_tier(
     cache, runtime, allocator, page_size: int, tokens: int, settings, model_runner,
     io_backend: str = "",
 ) -> HostTier:  # fmt: skip
-    """The relay host tier (:mod:`sglang_relay.runtime.host_tier`): on a HiCache server
+    """The relay host tier (:mod:`sglang_relay.runtime.cache.host_tier`): on a HiCache server
     moved by the tree's own controller's engine and index rules; on a server that ships
     spans without HiCache, by an engine of the same class on ``--hicache-io-backend``."""
     controller = getattr(cache, "cache_controller", None)
@@ -328,7 +328,7 @@ def _host_tier(
 def build_relay_cache(ctx: Any) -> Any:
     """Factory for ``register_radix_cache_backend`` (``ctx`` is a TreeCacheBuildContext).
     Refuses, with one message naming the option, every configuration relay cannot serve
-    correctly (:mod:`sglang_relay.runtime.modes`)."""
+    correctly (:mod:`sglang_relay.runtime.config.modes`)."""
     architectures = list(getattr(ctx.model_config.hf_config, "architectures", None) or [])
     arch = architectures[0] if architectures else None
     settings = server_settings(ctx.server_args.model_path)
@@ -397,14 +397,14 @@ def build_relay_cache(ctx: Any) -> Any:
             "--relay-host-tokens 0 (or give it room), or drop --relay-ship-*"
         )
     if (hicache or settings.ship_role is not None) and host_tokens > 0:
-        from sglang_relay.runtime.ship.build import prepare_tier
+        from sglang_relay.runtime.scale.ship.build import prepare_tier
 
         io_backend = "" if hicache else prepare_tier(ctx.server_args, view)
         runtime.store.tier = _host_tier(
             cache, runtime, allocator, tree_page, host_tokens, settings, model_runner, io_backend
         )
     if settings.ship_role is not None:
-        from sglang_relay.runtime.ship.build import build_shipper
+        from sglang_relay.runtime.scale.ship.build import build_shipper
 
         runtime.publish_only = view.disaggregation_mode == "decode"
         cache.ship = build_shipper(

@@ -23,19 +23,21 @@ from typing import Any
 
 import torch
 
-from sglang_relay.runtime import attention as extend_attention
 from sglang_relay.runtime import faults
-from sglang_relay.runtime.budget import budget_info, context_layer, side_layers
-from sglang_relay.runtime.decode import DecodeCapture, InfluenceHook, new_ledger
-from sglang_relay.runtime.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
-from sglang_relay.runtime.dp_fingerprints import FingerprintPublisher
-from sglang_relay.runtime.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
-from sglang_relay.runtime.gate import RequestGate
+from sglang_relay.runtime.cache.budget import budget_info, context_layer, side_layers
+from sglang_relay.runtime.cache.span_store import SpanStore
+from sglang_relay.runtime.config.settings import RelaySettings
+from sglang_relay.runtime.forward import attention as extend_attention
+from sglang_relay.runtime.forward.decode import DecodeCapture, InfluenceHook, new_ledger
+from sglang_relay.runtime.forward.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
+from sglang_relay.runtime.forward.layer_driver import LayerDriver, span_context
+from sglang_relay.runtime.forward.tp import TPMismatch, TPSync
 from sglang_relay.runtime.import_gc import collector_state
-from sglang_relay.runtime.layer_driver import LayerDriver, span_context
 from sglang_relay.runtime.metrics import RelayCounters
-from sglang_relay.runtime.planner import Planner, PlanningFailed
-from sglang_relay.runtime.settings import RelaySettings
+from sglang_relay.runtime.scale.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
+from sglang_relay.runtime.scale.dp_fingerprints import FingerprintPublisher
+from sglang_relay.runtime.sched.gate import RequestGate
+from sglang_relay.runtime.sched.planner import Planner, PlanningFailed
 from sglang_relay.runtime.sglang.model import (
     attach_decode_capture,
     check_model_anatomy,
@@ -51,9 +53,7 @@ from sglang_relay.runtime.sglang.model import (
 from sglang_relay.runtime.sglang.pool import moves_reach_hook
 from sglang_relay.runtime.sglang.scheduling import dp_rank, set_request_info
 from sglang_relay.runtime.sglang.server import attention_backend_name, chunk_size
-from sglang_relay.runtime.span_store import SpanStore
 from sglang_relay.runtime.stats import RequestStats
-from sglang_relay.runtime.tp import TPMismatch, TPSync
 from sglang_relay_kernels import kernel_family, pick_extend_attention
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class RelayRuntime:
         self.runner_forwards = 0
         self.disabled: str | None = None
         # a PD decode server's relay records and publishes spans, never relays (its
-        # prompts' KV arrives by transfer: runtime/ship)
+        # prompts' KV arrives by transfer: runtime/scale/ship)
         self.publish_only = False
 
     def side_bytes(self) -> int:

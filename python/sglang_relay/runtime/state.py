@@ -17,6 +17,8 @@ class ProcessState:
     # plug-in: register() ran here (plugin.py); the hooks it registered, for the start-up
     # proof that each wraps its target (sglang/hooks.py)
     plugin_registered: bool = False
+    # the CPU stand-in's register() ran here (standin/__init__.py)
+    standin_registered: bool = False
     hooks: list[tuple[str, object]] = field(default_factory=list)
     # looked up once: this process's TP group (None under tp 1; sglang/model.py), the
     # early-stop guard's policy (None: not a relay server; plugin.py), the server settings

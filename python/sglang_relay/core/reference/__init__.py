@@ -1,7 +1,7 @@
 """Reference executor of the relay semantics on a Hugging Face Llama-family causal LM
 (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
 
-This is the plain, per-request twin of :mod:`sglang_relay.runtime.extend`: the same
+This is the plain, per-request twin of :mod:`sglang_relay.runtime.forward.extend`: the same
 layer loop with explicit per-layer active rows, written on the HF modules of the model
 (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, the model's rotary embedding,
 ``post_attention_layernorm``, ``mlp``) and :func:`positional_causal_attention`. It owns its

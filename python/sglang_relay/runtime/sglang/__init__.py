@@ -14,7 +14,7 @@ module one job:
   controller hold them.
 
 The decoder modules each supported architecture has, and the attributes read off them,
-are the other half of the contract (``runtime/anatomy.py`` and the adapters). At start-up
+are the other half of the contract (``runtime/models/anatomy.py`` and the adapters). At start-up
 :func:`.hooks.check_hooks_installed` verifies that every hook is really in place and
 :func:`.model.check_model_anatomy` that the served model has the modules the relay loops
 call; either fails loudly instead of serving "nothing relayed, no error".
@@ -22,9 +22,8 @@ call; either fails loudly instead of serving "nothing relayed, no error".
 The plug-in replaces no attribute of an SGLang object. It adds two to the served model,
 the runtime reference and the decode capture (:mod:`.model`, installed before SGLang
 captures decode graphs), so the model-forward hook reaches them without a module-level
-registry. On a CPU-only machine the stand-in (``runtime/cpu.py``, ``runtime/cpu_graph.py``)
-also re-registers the ``torch_native`` attention backend factory for servers that compile
-their decode forwards.
+registry. On a CPU-only machine the stand-in (``runtime/standin/``) also re-registers the
+``torch_native`` attention backend factory for servers that compile their decode forwards.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SGLang's HiCache parts relay's host tier runs on (:mod:`sglang_relay.runtime.host_tier`):
+"""SGLang's HiCache parts relay's host tier runs on (:mod:`sglang_relay.runtime.cache.host_tier`):
 a host KV pool of the tree's own class and layout, HiCache's transfer engine, and the
 controller's rule for the indices each io backend takes. Checked when the tier is built."""
 

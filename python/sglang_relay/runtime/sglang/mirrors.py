@@ -2,7 +2,7 @@
 their source.
 
 Plain forwards are SGLang's own. The relay extend, the probe and the span context run
-SGLang's modules in an order of their own (:mod:`sglang_relay.runtime.layer_driver`), so
+SGLang's modules in an order of their own (:mod:`sglang_relay.runtime.forward.layer_driver`), so
 they are only right while the SGLang code they mirror is the code they were verified
 against: the stack's forward (embedding, residual start, final norm), each decoder
 layer's forward (the order of norm, attention, MLP and the layer boundaries), the

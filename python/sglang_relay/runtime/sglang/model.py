@@ -45,10 +45,10 @@ def inner_model(model_runner):
 
 def check_model_anatomy(model_runner):
     """Fail loudly unless the served decoder stack has exactly the modules its
-    architecture's adapter drives (``runtime/anatomy.py``), in every layer, and the SGLang
+    architecture's adapter drives (``runtime/models/anatomy.py``), in every layer, and the SGLang
     functions the layer driver mirrors are the ones it was verified on (``mirrors.py``).
     Returns the architecture's adapter (``anatomy.Anatomy``)."""
-    from sglang_relay.runtime.anatomy import anatomy_of, anatomy_problems
+    from sglang_relay.runtime.models.anatomy import anatomy_of, anatomy_problems
     from sglang_relay.runtime.sglang.mirrors import check_served_mirrors
 
     architecture = type(model_runner.model).__name__

@@ -18,7 +18,7 @@ def dp_loads(controller) -> tuple[list[int], list[int]]:
 def dp_controller_receiver(controller):
     """(the controller's socket from the tokenizer, receive one message without blocking,
     dispatch one message, feed the controller's soft watchdog), for an event loop that
-    waits on the socket (:func:`sglang_relay.runtime.dp_routing.blocking_event_loop`)."""
+    waits on the socket (:func:`sglang_relay.runtime.scale.dp_routing.blocking_event_loop`)."""
     import zmq
     from sglang.srt.managers import data_parallel_controller as dpc
 
@@ -82,7 +82,7 @@ def scheduler_times_sent(manager) -> bool:
     return bool(getattr(manager.server_args, "enable_metrics", False))
 
 
-# every routing decision the DP controller tags (runtime/dp_routing.py): a fixed label set
+# every routing decision the DP controller tags (runtime/scale/dp_routing.py): a fixed label set
 DP_DECISIONS = frozenset(
     {"matched", "key", "explicit", "fallback", "fallback_overloaded", "fallback_error"}
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_relay.runtime.server_view import ServerView
+from sglang_relay.runtime.sglang.server_view import ServerView
 
 
 def radix_cache_api():

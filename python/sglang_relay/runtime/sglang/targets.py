@@ -1,6 +1,6 @@
 """The SGLang functions relay wraps, as dotted targets for SGLang's hook registry
 (``sglang.srt.plugins.hook_registry``). The model forwards relay may take over are named per
-architecture by the adapters (``runtime/anatomy.py``: ``MODEL_FORWARD_TARGETS``)."""
+architecture by the adapters (``runtime/models/anatomy.py``: ``MODEL_FORWARD_TARGETS``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ META_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.updat
 
 
 # every generate request enters here (HTTP, OpenAI, the guard's redo): relay's trust
-# boundary (runtime/trust.py); a ValueError raised here is SGLang's 400
+# boundary (runtime/sched/trust.py); a ValueError raised here is SGLang's 400
 GENERATE_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
 
 
@@ -38,7 +38,7 @@ GENERATE_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManage
 TOKENIZER_INIT_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
 
 
-# /abort_request: an abort of a request also reaches its guard redo (runtime/guard.py)
+# /abort_request: an abort of a request also reaches its guard redo (runtime/sched/guard.py)
 ABORT_REQUEST_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request"
 
 
@@ -49,12 +49,12 @@ STREAM_RESPONSE_TARGET = (
 )
 
 
-# CPU stand-in only (runtime/cpu.py): model-parallel groups without PyNccl
+# CPU stand-in only (runtime/standin/cpu.py): model-parallel groups without PyNccl
 MODEL_PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 
 # decode graphs are captured here, before the relay runtime exists: the decode capture is
-# installed on the model first (runtime/decode.py)
+# installed on the model first (runtime/forward/decode.py)
 CAPTURE_DECODE_GRAPH_TARGET = (
     "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph"
 )
@@ -64,7 +64,7 @@ CAPTURE_DECODE_GRAPH_TARGET = (
 MODEL_RUNNER_FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
 
-# data parallel (runtime/dp_routing.py): the controller launches its ranks in __init__, and
+# data parallel (runtime/scale/dp_routing.py): the controller launches its ranks in __init__, and
 # routes every request through maybe_external_dp_rank_routing first
 DP_CONTROLLER_INIT_TARGET = (
     "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__"
@@ -83,12 +83,12 @@ DP_EVENT_LOOP_TARGET = (
 )
 
 
-# CPU stand-in only (runtime/cpu_graph.py): the CPU graph runner registers fake kernels for
+# CPU stand-in only (runtime/standin/cpu_graph.py): the CPU graph runner registers fake kernels for
 # sgl_kernel CPU ops, which must exist as torch operators first
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
 
 
-# CPU stand-in only (runtime/cpu_spec.py): torch_native attention has no TARGET_VERIFY path
+# CPU stand-in only (runtime/standin/cpu_spec.py): torch_native attention has no TARGET_VERIFY path
 # (it reads a verify batch as a stale extend and ignores the tree mask); speculative verify
 # batches take the stand-in's tree attention, every other batch SGLang's own path
 CPU_VERIFY_ATTENTION_TARGET = (
@@ -96,7 +96,7 @@ CPU_VERIFY_ATTENTION_TARGET = (
 )
 
 
-# CPU stand-in only (runtime/cpu_eagle.py): SGLang's draft backend factory has no
+# CPU stand-in only (runtime/standin/cpu_eagle.py): SGLang's draft backend factory has no
 # torch_native draft-extend backend; the stand-in gives it SGLang's TorchNativeAttnBackend
 CPU_DRAFT_EXTEND_BACKEND_TARGET = (
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
@@ -107,7 +107,7 @@ CPU_DRAFT_DECODE_BACKEND_TARGET = (
 )
 
 
-# CPU stand-in only, opted in (runtime/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
+# CPU stand-in only, opted in (runtime/standin/cpu.py): SGLang refuses --kv-cache-dtype fp8_e5m2 on
 # a CPU here; the stand-in lets its pool hold FP8 as on a GPU, to test relay on FP8 pools
 KV_CACHE_DTYPE_TARGET = "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype"
 
@@ -122,7 +122,7 @@ KV_BUDGET_TARGET = (
 # the KV pool's own KV writes outside any model forward: speculative decoding compacts the
 # accepted tokens' KV to the front of each verify window with it (spec_utils.
 # move_accept_tokens_to_target_kvcache, and EAGLE's topk > 1 path); the served pool's side
-# data follows every move (:meth:`~sglang_relay.runtime.side_data.SlotLedger.move`)
+# data follows every move (:meth:`~sglang_relay.runtime.cache.side_data.SlotLedger.move`)
 KV_MOVE_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cache"
 
 
@@ -139,5 +139,5 @@ CPU_RESTORE_TARGET = "sglang.srt.managers.schedule_batch.Req.load_kv_cache"
 
 # the launcher sets SGLang's process environment and start method ("spawn") here, before it
 # starts the scheduler and detokenizer processes; on the CPU stand-in those then fork from
-# one preloaded process instead (runtime/cpu.py: children_from_forkserver)
+# one preloaded process instead (runtime/standin/cpu.py: children_from_forkserver)
 PROCESS_START_TARGET = "sglang.srt.entrypoints.engine._set_envs_and_config"

@@ -82,7 +82,7 @@ class Req(Protocol):
 
 class TorchNativeLoRABatchInfo(Protocol):
     """A LoRA backend's ``batch_info``: read and replaced for a row subset
-    (``runtime/lora_rows.py``)."""
+    (``runtime/forward/lora_rows.py``)."""
 
     bs: int
     num_segments: int
@@ -222,7 +222,9 @@ class HostKVCache(Protocol):
     size: int
     page_size: int
     layout: str
-    kv_buffer: torch.Tensor  # read by span shipping (runtime/ship/pages.py): [2, L, size, ...]
+    kv_buffer: (
+        torch.Tensor
+    )  # read by span shipping (runtime/scale/ship/pages.py): [2, L, size, ...]
     dtype: torch.dtype
     layer_num: int
     head_num: int

@@ -1,0 +1,179 @@
+"""Plain forwards on SGLang's own model forward, and what relay keeps from them.
+
+Every decode and every extend without relay work (plain requests, mixed batches, a
+retracted request's re-prefill, fallbacks) runs the served model's own ``forward``,
+untouched: its layers, its layer boundaries (residual adds, TP sums, fused kernels), its
+attention backend. Relay adds three things around and inside it:
+
+* before it, a stamp on every KV slot it writes
+  (:class:`~sglang_relay.runtime.cache.side_data.SlotLedger`);
+* a forward pre-hook on ``layers[capture_layer].self_attn`` that copies the residual stream
+  SGLang's attention boundary has just written (the stream entering ``l_start``) into the
+  ledger at the batch's KV slots: an observer, no numerical effect, no collective (the
+  stream is complete and replicated on every TP rank in the layouts relay serves);
+* with influence scores on (eager decode only), a forward hook on the attention module of
+  ``influence_layer`` that accumulates the attention mass each context token receives.
+
+Decode graphs (CUDA graphs, SGLang's CPU graph runner) capture the decode forward once, at
+model-runner init, before the relay runtime exists, and torch.compile ignores hooks added
+after it compiled. :func:`install_decode_capture` therefore builds the
+:class:`DecodeCapture` (the ledger and the hidden-state hook) and hangs it on the model
+just before SGLang captures its decode graphs, so captured and eager decode run the same
+stamp and the same hook: tensor ops on static buffers indexed by ``out_cache_loc``, no
+host sync, no Python decision a replay would freeze.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.sglang.model import (
+    attach_decode_capture,
+    attention_entry_residual,
+    attention_inputs,
+    decode_capture_of,
+    inner_model,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCapture:
+    """What every plain forward writes besides KV: stamps, and (``capture_layer`` set) the
+    hidden state entering ``capture_layer``, stored by a hook inside SGLang's forward.
+    Graph-safe: see the module doc."""
+
+    def __init__(self, ledger: SlotLedger, capture_layer: int | None) -> None:
+        self.ledger = ledger
+        self.capture_layer = capture_layer
+        self.stores = 0  # eager forwards whose hidden-state hook fired
+        self._handles: list = []
+
+    def install(self, model) -> None:
+        """Register the hidden-state hook on ``model`` (idempotent). Must run before any
+        graph capture: torch.compile ignores hooks added to a module it already compiled."""
+        if self._handles or self.capture_layer is None:
+            return
+        attn = model.layers[self.capture_layer].self_attn
+        self._handles.append(attn.register_forward_pre_hook(self._store, with_kwargs=True))
+
+    @property
+    def hooked(self) -> bool:
+        return self.capture_layer is None or bool(self._handles)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _store(self, module, args, kwargs) -> None:
+        """Pre-hook of ``self_attn`` at ``capture_layer``: SGLang's attention boundary has
+        written the residual stream entering the layer; copy its rows to their KV slots."""
+        _, fb = attention_inputs(args, kwargs)
+        self.ledger.store_hidden(fb.out_cache_loc, attention_entry_residual(fb))
+        if not torch.compiler.is_compiling():  # a traced counter would be a guard
+            self.stores += 1
+
+    def matches(self, capture_layer: int | None, *, influence: bool, slots: int) -> bool:
+        """Whether this capture keeps what a runtime with these needs needs (a ledger sized
+        before a post-capture shrink of the KV pool still covers every slot)."""
+        return (
+            self.capture_layer == capture_layer
+            and self.hooked
+            and (self.ledger.influence is not None) == influence
+            and self.ledger.stamps.shape[0] >= slots
+        )
+
+    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+        """SGLang's forward, its slots stamped first (the hook stores the hidden rows)."""
+        self.ledger.stamp(fb.out_cache_loc, with_hidden=self.capture_layer is not None)
+        return original(model, input_ids, positions, fb, *args, **kwargs)
+
+
+class InfluenceHook:
+    """Eager decode with influence scores (the profile's ``tau_inf``): after SGLang's
+    attention at ``influence_layer`` has written the decode rows' KV, add the attention
+    mass each query puts on each context token to ``ledger.influence``. Armed only around
+    an eager DECODE forward (a host loop per request: refused with decode graphs)."""
+
+    def __init__(self, model, layer: int, ledger: SlotLedger, pool, req_to_token) -> None:
+        self.ledger, self.pool, self.req_to_token = ledger, pool, req_to_token
+        self.armed = False
+        attn = model.layers[layer].self_attn.attn
+        self._handle = attn.register_forward_hook(self._accumulate, with_kwargs=True)
+
+    def _accumulate(self, module, args, kwargs, output) -> None:
+        if not self.armed:
+            return
+        q = args[0] if args else kwargs["q"]
+        fb = args[3] if len(args) > 3 else kwargs["forward_batch"]
+        accumulate_influence(fb, module, q, self.ledger.influence, self.pool, self.req_to_token)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def new_ledger(model, pool, capture_layer: int | None, *, influence: bool = False) -> SlotLedger:
+    """The side data of ``pool``'s slots: a stamp each, the hidden row entering
+    ``capture_layer`` (None: none) and, with ``influence``, an influence score."""
+    kbuf = pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id)
+    weight = model.embed_tokens.weight
+    return SlotLedger(
+        kbuf.shape[0],
+        kbuf.device,
+        hidden_size=weight.shape[-1] if capture_layer is not None else None,
+        dtype=weight.dtype,
+        influence=influence,
+    )
+
+
+def install_decode_capture(model_runner) -> DecodeCapture | None:
+    """Before SGLang captures decode graphs: build the ledger and the decode capture of a
+    relay server and attach them to the served model (the runtime adopts them later).
+    None when the server is not a relay server, or its settings are refused later anyway
+    (the cache factory says why), or influence scores are on (not graph-safe: refused
+    with decode graphs)."""
+    from sglang_relay.runtime.backend import serves_relay
+    from sglang_relay.runtime.cache.budget import side_layers
+    from sglang_relay.runtime.config.settings import server_settings
+
+    args = model_runner.server_args
+    if not serves_relay(args) or getattr(model_runner, "is_draft_worker", False):
+        return None
+    model = inner_model(model_runner)
+    try:
+        settings = server_settings(args.model_path)
+        capture_layer, influence_layer = side_layers(settings, len(model.layers))
+    except ValueError:
+        return None
+    if influence_layer is not None:
+        return None
+    existing = decode_capture_of(model)
+    if existing is not None:
+        return existing
+    ledger = new_ledger(model, model_runner.token_to_kv_pool, capture_layer)
+    capture = DecodeCapture(ledger, capture_layer)
+    capture.install(model)
+    attach_decode_capture(model, capture)
+    logger.info(
+        "sglang-relay: decode capture installed before graph capture (capture_layer=%s)",
+        capture_layer,
+    )
+    return capture
+
+
+def accumulate_influence(fb, radix_attn, q, influence: torch.Tensor, pool, req_to_token) -> None:
+    """``influence[slot] += sum over heads of the attention probability`` that each decode
+    query puts on each context token (after the query's own KV was written)."""
+    hq, d = radix_attn.tp_q_head_num, radix_attn.qk_head_dim
+    group = hq // radix_attn.tp_k_head_num
+    keys = pool.get_key_buffer(radix_attn.layer_id)
+    q3 = q.reshape(-1, hq, d).float()
+    for i, seq_len in enumerate(fb.seq_lens.tolist()):
+        slots = req_to_token[fb.req_pool_indices[i], :seq_len].long()
+        k = keys[slots].float().repeat_interleave(group, dim=1)  # [T, Hq, D]
+        logits = torch.einsum("hd,thd->ht", q3[i], k) * radix_attn.scaling
+        influence.index_add_(0, slots, logits.softmax(dim=-1).sum(dim=0))

@@ -1,0 +1,223 @@
+"""The one object through which relay's own forwards drive the served decoder stack.
+
+Plain forwards are SGLang's (:mod:`.decode`). Three relay paths run SGLang's modules in an
+order of their own: the relay extend (:func:`.extend.relay_extend`, with its detection
+step), the last-row probe (:func:`.probe.run_probe`) and the context masses of a finished
+output (:func:`span_context`). They reach the model only through a
+:class:`LayerDriver`, whose small interface says what they do with it:
+
+* ``embed(ids)`` / ``final_norm(h, r)``: the stack's ends;
+* ``norm_in(l, h, r)``: layer ``l``'s input norm, ``(x, h + r)`` (``r`` None: the first
+  layer, or a stored stream that already is the residual);
+* ``qkv(l, positions, x)``: post-RoPE (and post q/k-norm) q, k, v of layer ``l``;
+* ``layer(l, positions, h, r, fb, attend)``: the whole layer on the given rows, with the
+  caller's attention (``attend(q, k, v)``); returns ``(h, r)``;
+* ``heads(l)``, ``kv(l)``, ``write_kv(l, loc, k, v)``: layer ``l``'s attention geometry and
+  KV buffers;
+* ``splice(src, dst, cos, sin)``: every layer's KV of ``src`` slots copied to ``dst`` with
+  keys re-rotated; ``rotation_table()`` the float32 cos || sin table it rotates with.
+
+Which SGLang behaviour this reproduces by hand, and the SGLang function each piece
+mirrors: docs/architecture.md ("What relay runs itself"). The per-architecture parts (q/k/v
+preparation, MLP block) are bound per layer when the driver is built, from the
+architecture's adapter (:mod:`.anatomy`); the start-up check has verified the model has
+what the adapter names, and that the SGLang functions this driver mirrors are the ones it
+was verified on (:mod:`.sglang.mirrors`). No state per batch: rows, positions and LoRA info
+stay with the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sglang_relay.core.selection import context_mass
+from sglang_relay.runtime.forward.lora_rows import base_only
+from sglang_relay.runtime.models.anatomy import (
+    Anatomy,
+    mlp_output,
+    mlp_takes_batch,
+    native_prepare,
+    rotation_table,
+    split_qkv,
+)
+from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
+from sglang_relay_kernels import splice_rerotate
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    """One layer's attention geometry on this rank (SGLang's ``RadixAttention``)."""
+
+    q: int  # query heads
+    kv: int  # key heads
+    v: int  # value heads
+    d: int  # qk head dim
+    dv: int  # v head dim
+    scale: float
+    layer_id: int  # the KV pool's layer index
+
+    @classmethod
+    def of(cls, radix_attn) -> Heads:
+        return cls(
+            radix_attn.tp_q_head_num,
+            radix_attn.tp_k_head_num,
+            radix_attn.tp_v_head_num,
+            radix_attn.qk_head_dim,
+            radix_attn.v_head_dim,
+            radix_attn.scaling,
+            radix_attn.layer_id,
+        )
+
+
+def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream entering a layer, from its ``(h, r)`` pair."""
+    return h if r is None else h + r
+
+
+class LayerDriver:
+    """Relay's view of one served decoder stack (``model.{embed_tokens, layers, norm}``)
+    and its KV pool. Built once per relay runtime."""
+
+    stream = staticmethod(stream)
+
+    def __init__(self, model, kv_pool, anatomy: Anatomy) -> None:
+        self.model = model
+        self.pool = kv_pool
+        self.layers = list(model.layers)
+        self.num_layers = len(self.layers)
+        self._heads = tuple(Heads.of(layer.self_attn.attn) for layer in self.layers)
+        native = anatomy.prepare == "native"
+        self._prepare = tuple(
+            native_prepare(layer.self_attn) if native else None for layer in self.layers
+        )
+        self._mlp = tuple(getattr(layer, anatomy.mlp_name) for layer in self.layers)
+        self._mlp_out = tuple(mlp_output(block) for block in self._mlp)
+        self._mlp_batch = tuple(mlp_takes_batch(block) for block in self._mlp)
+
+    # ---- the stack's ends ----------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def final_norm(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        out, _ = self.model.norm(h, r)
+        return out
+
+    # ---- one layer -----------------------------------------------------------------------
+    def norm_in(self, l: int, h: torch.Tensor, r: torch.Tensor | None):  # noqa: E741
+        """Layer ``l``'s input norm: ``(x, h + r)``; ``r`` None: ``(norm(h), h)``."""
+        norm = self.layers[l].input_layernorm
+        if r is None:
+            return norm(h), h
+        return norm(h, r)
+
+    def qkv(self, l: int, positions: torch.Tensor, x: torch.Tensor):  # noqa: E741
+        """Post-RoPE q, k, v (flat ``[n, heads * dim]``) of layer ``l`` for normed ``x``:
+        SGLang's own ``forward_prepare_native`` where the adapter says the block has one,
+        else its unfused sequence (:func:`.anatomy.split_qkv`)."""
+        prepare = self._prepare[l]
+        if prepare is not None:
+            return prepare(positions, x)
+        return split_qkv(self.layers[l].self_attn, positions, x)
+
+    def mlp(self, l: int, x: torch.Tensor, fb) -> torch.Tensor:  # noqa: E741
+        """Layer ``l``'s MLP block (SGLang's, called whole) on rows ``x``, TP-summed."""
+        block = self._mlp[l]
+        out = block(x, forward_batch=fb) if self._mlp_batch[l] else block(x)
+        return finish_row_parallel(self._mlp_out[l], out)
+
+    def layer(self, l: int, positions, h, r, fb, attend: Attend):  # noqa: E741
+        """Layer ``l`` on the given rows (``r`` None: no residual yet); ``attend(q, k, v)``
+        does the attention. ``h`` and ``r`` must be the caller's own row copies (SGLang's
+        norms may write in place). Returns ``(h, r)``."""
+        attn = self.layers[l].self_attn
+        x, r = self.norm_in(l, h, r)
+        o = attend(*self.qkv(l, positions, x))
+        h, _ = attn.o_proj(o)
+        h = finish_row_parallel(attn.o_proj, h)
+        x, r = self.layers[l].post_attention_layernorm(h, r)
+        return self.mlp(l, x, fb), r
+
+    # ---- KV --------------------------------------------------------------------------------
+    def heads(self, l: int) -> Heads:  # noqa: E741
+        return self._heads[l]
+
+    def kv(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+        """Layer ``l``'s key and value buffers, fetched per call (the pool may be resized
+        after start-up)."""
+        lid = self._heads[l].layer_id
+        return self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
+
+    def write_kv(self, l: int, loc, k: torch.Tensor, v: torch.Tensor) -> None:  # noqa: E741
+        """Write flat ``k`` / ``v`` rows into the pool slots ``loc`` of layer ``l``."""
+        hd = self._heads[l]
+        k = k.reshape(-1, hd.kv, hd.d)
+        v = v.reshape(-1, hd.v, hd.dv)
+        self.pool.set_kv_buffer(self.layers[l].self_attn.attn, kv_write_loc(loc), k, v)
+
+    def rotation_table(self) -> torch.Tensor:
+        """The float32 ``[max_pos, rot_dim]`` cos || sin table keys are re-rotated with."""
+        return rotation_table(self.layers[0].self_attn.rotary_emb)
+
+    def splice(self, src, dst, cos, sin) -> None:
+        """Every layer's KV of slots ``src`` copied into ``dst``, keys rotated by
+        ``(cos, sin)`` (Triton on CUDA, the torch reference elsewhere)."""
+        ids = [hd.layer_id for hd in self._heads]
+        splice_rerotate(
+            [self.pool.get_key_buffer(i) for i in ids],
+            [self.pool.get_value_buffer(i) for i in ids],
+            src,
+            dst,
+            cos,
+            sin,
+            is_neox=self.layers[0].self_attn.rotary_emb.is_neox_style,
+        )
+
+
+def span_context(
+    driver: LayerDriver,
+    stored: torch.Tensor | None,
+    lid: int,
+    lora,
+    row: torch.Tensor,
+    prompt_len: int,
+    tokens: list[int],
+    answer_start: int = 0,
+) -> torch.Tensor:
+    """``[n]`` context masses of a finished request's output tokens ``tokens`` (slots
+    ``row[prompt_len : prompt_len + n]``, prompt slots before them): each token's decode
+    query at layer ``lid``, rebuilt from the stream stored entering it (``stored``, indexed
+    by slot; the embedding at layer 0), over the row's keys, mass on prompt positions
+    ``1..prompt_len-1`` (:func:`~sglang_relay.core.selection.context_mass`). The answer of
+    a reasoning output (tokens from ``answer_start``) counts its reasoning as context too:
+    a paste of the answer alone replaces both. Runs outside any batch, so on the base
+    weights of a LoRA server (``lora``: SGLang's LoRA backend or None). Under tensor
+    parallelism each rank averages its own heads; selection averages the ranks."""
+    hd = driver.heads(lid)
+    n = len(tokens)
+    kbuf = driver.kv(lid)[0]
+    device = kbuf.device
+    slots = row[: prompt_len + n].to(device=device, dtype=torch.int64)
+    if lid == 0:
+        h = driver.embed(torch.tensor(tokens, dtype=torch.int64, device=device))
+    else:
+        h = stored[slots[prompt_len:]]  # the stored stream is the residual
+    pos = torch.arange(prompt_len, prompt_len + n, device=device)
+    with base_only(lora):  # outside any batch: no row-to-adapter info applies
+        q, _, _ = driver.qkv(lid, pos, driver.norm_in(lid, h, None)[0])
+    keys = kbuf[slots]
+    q = q.reshape(n, hd.q, hd.d)
+    keys = keys.reshape(prompt_len + n, hd.kv, hd.d)
+    if answer_start <= 0:
+        return context_mass(q, keys, pos, prompt_len, hd.scale)
+    a = answer_start
+    return torch.cat(
+        (
+            context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale),
+            context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale),
+        )
+    )

@@ -1,0 +1,129 @@
+"""The last-row probe of ``cfg.probe``: what the downstream's next token reads.
+
+Before the relay forward of an extend batch, every request whose rule probes (and whose
+chunk ends its prompt) runs one extra row through all layers: its last prompt token, over
+the spliced span KV, the context before the request's first span and nothing else (the
+rows between the spans and the last row are not computed yet, so they are left out of its
+attention). The attention that row gives each span token, averaged over query heads and
+the upper half of the layers, multiplies the token's context mass
+(:func:`~sglang_relay.core.selection.probed_mass`); the row is charged to the request's
+cap. The rows before the first span are computed here for good (their KV does not depend
+on the spans), so the forward that follows skips them.
+
+The same pass on the Hugging Face reference is
+:func:`sglang_relay.core.reference.last_row_probe`; a test compares the two. The last
+row's attention is one query per request, in plain torch (on any device); the rows before
+the first span use the batch's extend attention like every other row set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_relay.core.attention import attention_probs
+from sglang_relay.core.selection import probe_layers, probed_mass
+from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.forward.layer_driver import LayerDriver
+from sglang_relay.runtime.forward.lora_rows import info_for, installed
+from sglang_relay_kernels import gather_rows, scatter_rows
+
+
+@dataclass(slots=True)
+class ProbeTarget:
+    """One probing request of the batch.
+
+    Attributes:
+        group: index of its :class:`~sglang_relay.runtime.forward.extend.SpanGroup` in the plan.
+        lo, hi: its span rows' range in that group's ``rows`` (consecutive).
+        row: batch row of its last prompt token.
+        req: its index in the batch (``RowBatch.slots``).
+        first: row position of its first span token in this chunk (the context before it
+            is final: the prefix and the rows the probe computes).
+    """
+
+    group: int
+    lo: int
+    hi: int
+    row: int
+    req: int
+    first: int
+
+
+def pre_span_rows(targets: list[ProbeTarget], row_starts: list[int], prefix_lens: list[int]):
+    """``[n]`` int64 batch rows before each target's first span (ascending)."""
+    parts = [
+        torch.arange(row_starts[t.req], row_starts[t.req] + t.first - prefix_lens[t.req])
+        for t in targets
+    ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def run_probe(drv: LayerDriver, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
+    """The probe pass of ``plan.probes``: computes the rows before the first spans
+    (``plan.probe_pre``) for good, their final ``h`` scattered into ``h`` and their hidden
+    state stored at ``capture_layer``, and sets each probing group's ``probed`` scores.
+    Returns the pre rows' final residual (``None`` if there are none)."""
+    targets = plan.probes
+    pre = plan.probe_pre  # device rows
+    last = torch.tensor([t.row for t in targets], dtype=torch.int64, device=h.device)
+    rows = torch.cat([pre, last])
+    n_pre = pre.numel()
+    row_pos = positions[rows]
+    handle = plan.attention.plan(plan.batch, pre.cpu(), positions[pre]) if n_pre else None
+    hp = gather_rows(h, rows)
+    rp = None
+    layers = set(probe_layers(drv.num_layers))
+    att = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=h.device) for t in targets]
+    loc = fb.out_cache_loc[rows]
+    lora_info = info_for(plan.lora, rows)  # the same rows in every layer
+    # per target, the slots its last row sees (context before the first span, the spans,
+    # itself) and where its spans sit among them: the same in every layer
+    vis, where = [], []
+    for t in targets:
+        slots = plan.batch.slots[t.req]
+        span_pos = positions[plan.groups[t.group].rows[t.lo : t.hi]].to(slots.device)
+        own = positions[t.row : t.row + 1].to(slots.device)
+        head = torch.arange(t.first, device=slots.device)
+        vis.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
+        where.append(slice(t.first, t.first + t.hi - t.lo))
+    for lid in range(drv.num_layers):
+        if lid == capture_layer and n_pre:
+            rows_r = None if rp is None else rp[:n_pre]
+            ledger.store_hidden(loc[:n_pre], drv.stream(hp[:n_pre], rows_r))
+        hd = drv.heads(lid)
+
+        def attend(q, k, v, hd=hd, lid=lid):
+            drv.write_kv(lid, loc, k, v)
+            kbuf, vbuf = drv.kv(lid)
+            q = q.reshape(-1, hd.q, hd.d)
+            out = q.new_empty((q.shape[0], hd.q, vbuf.shape[-1]))
+            if handle is not None:
+                out[:n_pre] = plan.attention.run(handle, q[:n_pre], kbuf, vbuf, hd.scale)
+            for j in range(len(targets)):
+                keys, vals = kbuf[vis[j]].float(), vbuf[vis[j]].float()
+                seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
+                qj = q[n_pre + j : n_pre + j + 1].float()
+                probs = attention_probs(qj, keys, seen, hd.scale)  # [1, Hkv, group, T]
+                if lid in layers:
+                    att[j] += probs[0].mean((0, 1))[where[j]]
+                o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, hd.q, -1)
+                out[n_pre + j] = o[0].to(out.dtype)
+            return out.reshape(q.shape[0], -1)
+
+        with installed(plan.lora, lora_info):
+            hp, rp = drv.layer(lid, row_pos, hp, rp, fb, attend)
+    if n_pre:
+        scatter_rows(h, pre, hp[:n_pre])
+    tp = plan.tp
+    for j, t in enumerate(targets):
+        g = plan.groups[t.group]
+        a = att[j] / len(layers)
+        mass = g.context[t.lo : t.hi]
+        if tp is not None:  # each rank saw its own heads: the TP group's means
+            a, mass = tp.mean(a), tp.mean(mass)
+        if g.probed is None:
+            g.probed = torch.full_like(g.context, float("nan"))
+        g.probed[t.lo : t.hi] = probed_mass(mass, a, g.cfg.probe)
+    return rp[:n_pre] if n_pre else None

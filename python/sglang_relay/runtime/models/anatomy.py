@@ -1,0 +1,255 @@
+"""What an architecture adapter is, the registry of them (one file each in
+:mod:`sglang_relay.runtime.models.adapters`), and the check that a served model has exactly the
+modules its adapter drives.
+
+The relay loops (:mod:`.extend`, :mod:`.decode`, :mod:`.probe`) run a decoder layer as
+SGLang's own modules in SGLang's order: ``input_layernorm``, the attention block's own
+q/k/v preparation (``forward_prepare_native``: projection, any per-head q/k norm, RoPE),
+attention (relay's, over the request's KV), ``o_proj``, ``post_attention_layernorm``,
+``mlp``. Only the attention kernel is relay's. What an architecture adds inside its
+attention block therefore comes with SGLang's module, and what the loop would not run
+(a module the adapter does not list, a logit cap, a sliding window, partial rotary, KV
+scales) refuses the server at start-up instead of being dropped silently.
+
+Pure data plus checks on live modules; SGLang's dotted names live in
+:mod:`sglang_relay.runtime.sglang` and the adapters (their forward targets, gathered here
+as ``MODEL_FORWARD_TARGETS``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+# the layer modules every adapter's loop calls besides its MLP block (boundaries are plain
+# objects, not modules)
+LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm"})
+BASE_ATTENTION = frozenset({"qkv_proj", "o_proj", "rotary_emb", "attn"})
+# the MLP block's children: a dense gated MLP (its row-parallel ``down_proj`` ends it), a
+# sparse mixture of experts (router ``gate``, SGLang's ``topk`` and fused ``experts``), or
+# one with a gated shared expert beside the routed ones (Qwen2-MoE); the loop calls the
+# block whole, so what it sums comes with SGLang's module
+DENSE_MLP = frozenset({"gate_up_proj", "down_proj", "act_fn"})
+SPARSE_MLP = frozenset({"gate", "topk", "experts"})
+SHARED_EXPERT_MLP = SPARSE_MLP | {"shared_expert", "shared_expert_gate"}
+# the name a layer's MLP block goes by (Mixtral: ``block_sparse_moe``)
+MLP_NAMES = ("mlp", "block_sparse_moe")
+
+
+@dataclass(frozen=True, slots=True)
+class Anatomy:
+    """How the relay loop drives one architecture's SGLang decoder.
+
+    Attributes:
+        architecture: the Hugging Face ``architectures`` name SGLang serves it under.
+        model_forward: the dotted ``forward`` of its decoder stack (the hook target).
+        attention_modules: every child module of a layer's ``self_attn`` the q/k/v
+            preparation uses; a model with any other is refused.
+        prepare: ``"native"``: SGLang's own ``self_attn.forward_prepare_native(positions,
+            x)`` gives post-RoPE q, k, v; ``"split"``: the block has no such method (or
+            one that takes the forward batch and may write the KV cache itself, as
+            Qwen3-MoE's fused q/k-norm + RoPE + KV-store path does on CUDA) and the loop
+            runs SGLang's unfused sequence: ``qkv_proj`` -> split -> SGLang's
+            ``apply_qk_norm`` where the block has ``q_norm`` / ``k_norm`` ->
+            ``rotary_emb`` (Qwen2, Qwen3-MoE).
+        mlp_blocks: the child sets a layer's MLP block may have (:data:`DENSE_MLP`,
+            :data:`SPARSE_MLP`, :data:`SHARED_EXPERT_MLP`; a MoE model may keep dense
+            layers); the loop calls SGLang's block whole and sums its tensor-parallel
+            partials (:func:`mlp_output`).
+        mlp_name: the layer's attribute holding the block (one of :data:`MLP_NAMES`).
+    """
+
+    architecture: str
+    model_forward: str
+    attention_modules: frozenset[str] = BASE_ATTENTION
+    prepare: str = "native"
+    mlp_blocks: tuple[frozenset[str], ...] = (DENSE_MLP,)
+    mlp_name: str = "mlp"
+
+
+LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"  # Llama, Mistral, Phi-3
+
+
+def _registry() -> dict[str, Anatomy]:
+    """Every adapter of :mod:`sglang_relay.runtime.models.adapters` (one file per architecture)."""
+    from sglang_relay.runtime.models.adapters import discover
+
+    found: dict[str, Anatomy] = {}
+    for adapter in discover():
+        if adapter.architecture in found:
+            raise ValueError(f"two adapters for {adapter.architecture}")
+        found[adapter.architecture] = adapter
+    return found
+
+
+_REGISTRY: dict[str, object] = {}
+
+
+def __getattr__(name: str):
+    """``ANATOMIES`` (architecture -> adapter), ``SUPPORTED_ARCHITECTURES`` and
+    ``MODEL_FORWARD_TARGETS``, built from the adapters on first use, not at import: an
+    adapter module imports this one, so one imported first must find it whole."""
+    if name not in ("ANATOMIES", "SUPPORTED_ARCHITECTURES", "MODEL_FORWARD_TARGETS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _REGISTRY:
+        found = _registry()
+        _REGISTRY.update(
+            ANATOMIES=found,
+            SUPPORTED_ARCHITECTURES=frozenset(found),
+            MODEL_FORWARD_TARGETS=tuple(dict.fromkeys(a.model_forward for a in found.values())),
+        )
+    return _REGISTRY[name]
+
+
+def anatomy_of(architecture: str) -> Anatomy:
+    try:
+        return __getattr__("ANATOMIES")[architecture]
+    except KeyError:
+        raise ValueError(
+            f"sglang-relay has no adapter for the {architecture} architecture (supported: "
+            f"{', '.join(sorted(__getattr__('SUPPORTED_ARCHITECTURES')))})"
+        ) from None
+
+
+def native_prepare(attn_mod):
+    """The block's ``forward_prepare_native(positions, x) -> (q, k, v)`` if it has that
+    contract (Llama, Qwen3), else None (the split sequence runs)."""
+    prepare = getattr(attn_mod, "forward_prepare_native", None)
+    if prepare is None:
+        return None
+    kind = type(attn_mod)
+    native = _NATIVE_CONTRACT.get(kind)
+    if native is None:
+        import inspect
+
+        params = list(inspect.signature(prepare).parameters)
+        native = _NATIVE_CONTRACT[kind] = len(params) == 2  # (positions, hidden_states)
+    return prepare if native else None
+
+
+_NATIVE_CONTRACT: dict[type, bool] = {}
+
+
+def split_qkv(attn_mod, positions, x):
+    """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of an attention block without a
+    native preparation (``prepare="split"``): SGLang's unfused sequence."""
+    out, _ = attn_mod.qkv_proj(x)
+    q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+    if hasattr(attn_mod, "q_norm"):
+        q, k = apply_qk_norm(attn_mod, q, k)
+    q, k = attn_mod.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def apply_qk_norm(attn_mod, q, k):
+    """SGLang's own per-head q/k RMSNorm (``models.utils.apply_qk_norm``), as the
+    non-fused path of a Qwen3-style attention block runs it before RoPE."""
+    from sglang.srt.models.utils import apply_qk_norm as norm
+
+    alt_stream = getattr(attn_mod, "alt_stream", None)
+    return norm(q=q, k=k, q_norm=attn_mod.q_norm, k_norm=attn_mod.k_norm,
+                head_dim=attn_mod.head_dim, alt_stream=alt_stream)  # fmt: skip
+
+
+def mlp_takes_batch(block) -> bool:
+    """Whether SGLang's MLP block takes the forward batch (Llama, Qwen MoE) or not
+    (Mixtral)."""
+    import inspect
+
+    return "forward_batch" in inspect.signature(block.forward).parameters
+
+
+def mlp_output(block):
+    """The module whose ``reduce_results`` says whether the block's output is still a
+    tensor-parallel partial: a dense block's row-parallel ``down_proj``; a sparse block's
+    ``experts`` (the shared expert is summed into their output inside the block), unless
+    the block reduces itself (``reduce_results`` on the block)."""
+    if hasattr(block, "experts"):
+        return block if getattr(block, "reduce_results", False) else block.experts
+    return block.down_proj
+
+
+def rotation_table(rope):
+    """The ``[max_pos, rot_dim]`` cos || sin table keys are re-rotated with, in float32:
+    SGLang's own ``cos_sin_cache`` where it keeps it in float32 (CUDA, HIP, XPU), else the
+    module's own ``_compute_cos_sin_cache()`` (float32; SGLang casts its cache to the model
+    dtype elsewhere, e.g. bf16 on a CPU, which would round every re-rotation angle).
+    Computed once per module (kept here, not on SGLang's object)."""
+    import torch
+
+    cache = rope.cos_sin_cache
+    if cache.dtype == torch.float32:
+        return cache
+    table = _ROTATION_TABLES.get(rope)
+    if table is None or table.device != cache.device:
+        table = rope._compute_cos_sin_cache().float().to(cache.device)
+        _ROTATION_TABLES[rope] = table
+    return table
+
+
+_ROTATION_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) -> list[str]:
+    """What in the served decoder stack ``model`` the relay loop of ``anatomy`` would not
+    run as SGLang does (empty: nothing). Checks every layer."""
+    problems = [f"no {a}" for a in ("embed_tokens", "layers", "norm") if not hasattr(model, a)]
+    if problems or not len(model.layers):
+        return problems or ["no decoder layers"]
+    for lid, layer in enumerate(model.layers):
+        where = f"layers[{lid}]"
+        expected = LAYER_MODULES | {anatomy.mlp_name}
+        extra = {n for n, _ in layer.named_children()} - expected
+        missing = expected - {n for n, _ in layer.named_children()}
+        if extra or missing:
+            problems.append(f"{where} has modules {sorted(extra)} / lacks {sorted(missing)}")
+            continue
+        attn_mod = layer.self_attn
+        children = {n for n, _ in attn_mod.named_children()}
+        if children != anatomy.attention_modules:
+            problems.append(
+                f"{where}.self_attn has {sorted(children - anatomy.attention_modules)} / lacks "
+                f"{sorted(anatomy.attention_modules - children)} (the {anatomy.architecture} "
+                "adapter runs exactly "
+                f"{sorted(anatomy.attention_modules)})"
+            )
+            continue
+        native = native_prepare(attn_mod) is not None
+        if native != (anatomy.prepare == "native"):
+            problems.append(
+                f"{where}.self_attn ({type(attn_mod).__name__}): the {anatomy.architecture} "
+                f"adapter expects {'a' if anatomy.prepare == 'native' else 'no'} "
+                "forward_prepare_native(positions, hidden_states)"
+            )
+        block = getattr(layer, anatomy.mlp_name)
+        mlp_children = frozenset(n for n, _ in block.named_children())
+        if mlp_children not in anatomy.mlp_blocks:
+            closest = min(anatomy.mlp_blocks, key=lambda b: len(b ^ mlp_children))
+            problems.append(
+                f"{where}.{anatomy.mlp_name} ({type(block).__name__}) has "
+                f"{sorted(mlp_children - closest)} / lacks {sorted(closest - mlp_children)} "
+                f"(the {anatomy.architecture} adapter runs "
+                f"{' or '.join(str(sorted(b)) for b in anatomy.mlp_blocks)})"
+            )
+        ra, rope = attn_mod.attn, attn_mod.rotary_emb
+        if type(rope).__name__ not in supported_rope:
+            problems.append(
+                f"{where}: cannot re-rotate keys of {type(rope).__name__} "
+                f"(supported: {', '.join(sorted(supported_rope))})"
+            )
+        elif getattr(rope, "position_start", 0) != 0:  # the table's row p is not angle p
+            problems.append(f"{where}: RoPE positions start at {rope.position_start}")
+        elif getattr(rope, "rotary_dim", None) != getattr(rope, "head_size", None):
+            problems.append(f"{where}: partial rotary (rotary_dim {rope.rotary_dim} of "
+                            f"{rope.head_size})")  # fmt: skip
+        if getattr(ra, "logit_cap", 0) not in (0, 0.0, None):
+            problems.append(f"{where}: attention logit cap {ra.logit_cap}")
+        if getattr(ra, "sliding_window_size", -1) not in (-1, None):
+            problems.append(f"{where}: sliding-window attention ({ra.sliding_window_size})")
+        if getattr(ra, "k_scale", None) is not None or getattr(ra, "v_scale", None) is not None:
+            problems.append(f"{where}: scaled (quantized) KV")
+        if getattr(ra, "is_cross_attention", False) or getattr(ra, "use_irope", False):
+            problems.append(f"{where}: cross attention / iRoPE")
+        if ra.qk_head_dim != ra.v_head_dim:
+            problems.append(f"{where}: qk head dim {ra.qk_head_dim} != v head dim")
+    return problems

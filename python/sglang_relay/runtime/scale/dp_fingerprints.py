@@ -1,0 +1,214 @@
+"""The fingerprints a data-parallel rank publishes of the spans it stores, and the routing
+rules the controller applies to them (:mod:`.dp_routing`): 32-token window hashes salted
+with the span's namespace, the messages a rank sends over its ``SOCK_SEQPACKET`` socket,
+which rank a prompt's matched windows favour. Pure functions and the publisher;
+``benchmark/scale_sim.py`` simulates policies with the rules."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import struct
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 32  # tokens per fingerprint (the span store's min_span)
+
+
+STRIDE = 16  # a span publishes the window at every 16th token
+
+
+ENDPOINT_ENV = "SGLANG_RELAY_DP_ENDPOINT"
+
+
+_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: the polynomial hash is a bijection per term
+
+
+def _powers() -> np.ndarray:
+    out = np.empty(WINDOW, dtype=np.uint64)
+    acc = np.uint64(1)
+    with np.errstate(over="ignore"):
+        for i in range(WINDOW - 1, -1, -1):
+            out[i] = acc
+            acc = acc * _BASE
+    return out
+
+
+_POWERS = _powers()
+
+
+def namespace_salt(namespace: Hashable) -> np.uint64:
+    """A 64-bit salt per relay namespace (:func:`sglang_relay.runtime.sched.options.namespace`:
+    SGLang's ``extra_key`` and ``cache_salt`` and the relay key), mixed into every
+    fingerprint: a prompt only matches the spans of its own namespace, so routing (and its
+    timing) does not tell one tenant whether another holds a text. The default namespace
+    (nothing set) has salt 0."""
+    if namespace is None or all(part is None for part in namespace):
+        return np.uint64(0)
+    digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(digest, "little"))
+
+
+def window_hashes(tokens, stride: int = 1, salt: int = 0) -> np.ndarray:
+    """``uint64`` hashes of the ``WINDOW``-token windows of ``tokens`` starting at every
+    ``stride``-th position (none if shorter than a window), XOR ``salt`` (the namespace's);
+    identical in every process."""
+    ids = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    if ids.shape[0] < WINDOW:
+        return np.empty(0, dtype=np.uint64)
+    windows = np.lib.stride_tricks.sliding_window_view(ids, WINDOW)[::stride]
+    with np.errstate(over="ignore"):
+        return (windows * _POWERS).sum(axis=1, dtype=np.uint64) ^ np.uint64(salt)
+
+
+def span_fingerprints(tokens, salt: int = 0) -> np.ndarray:
+    """The fingerprints a rank publishes for a stored span: the windows at every
+    ``STRIDE``-th token and the span's last window (so the windows published cover every
+    token of the span: a prompt that pastes it whole is credited with all of it)."""
+    n = len(tokens)
+    if n < WINDOW:
+        return np.empty(0, dtype=np.uint64)
+    hashes = window_hashes(tokens, STRIDE, salt)
+    if (n - WINDOW) % STRIDE:
+        hashes = np.append(hashes, window_hashes(tokens[n - WINDOW :], 1, salt))
+    return hashes
+
+
+def covered_tokens(starts: Sequence[int]) -> int:
+    """Tokens covered by ``WINDOW``-token windows starting at ``starts`` (ascending)."""
+    if not len(starts):
+        return 0
+    gaps = np.diff(np.asarray(starts, dtype=np.int64))
+    return int(np.minimum(gaps, WINDOW).sum()) + WINDOW
+
+
+# ---- the routing rules (pure; benchmark/scale_sim.py simulates policies with them) -----------
+def key_worker(routing_key: str, active: Sequence[int]) -> int:
+    """The rank for a routing key (a request with a key and no matched fingerprint): a
+    stable hash of the key (blake2b, the same in every process) indexes the ``active`` ranks
+    (non-empty), so every agent of a keyed chain meets on one rank while the active ranks
+    stay the same."""
+    digest = hashlib.blake2b(routing_key.encode(), digest_size=8).digest()
+    return active[int.from_bytes(digest, "little") % len(active)]
+
+
+def fingerprint_choice(
+    held: Mapping[int, int], loads: Sequence[int], active: Iterable[int], max_imbalance: int
+) -> int | None:
+    """The rank for a request whose fingerprints matched: of ``held`` (rank -> prompt tokens
+    it holds; non-empty, active ranks only) the rank holding the most (ties: the lower load,
+    then the first in ``held``'s order), unless its load exceeds the least loaded ``active``
+    rank's by more than ``max_imbalance`` (None: the load-balance method decides).
+    ``loads``: running + waiting requests per rank."""
+    rank = max(held, key=lambda r: (held[r], -loads[r]))
+    if loads[rank] - min(loads[r] for r in active) <= max_imbalance:
+        return rank
+    return None
+
+
+# a fingerprint message: rank (u32), op (u8: 1 add, 2 drop), span id (i64), then the
+# span's window hashes as little-endian u64 (add only). Raw bytes, not pickle: the
+# controller never unpickles what a socket hands it.
+_HEADER = struct.Struct("<IBq")
+
+
+_OPS = {"add": 1, "drop": 2}
+
+
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+
+
+def encode_message(rank: int, op: str, span_id: int, hashes: np.ndarray | None) -> bytes:
+    body = b"" if hashes is None else np.asarray(hashes, dtype="<u8").tobytes()
+    return _HEADER.pack(rank, _OPS[op], span_id) + body
+
+
+def decode_message(raw: bytes) -> tuple[int, str, int, np.ndarray | None]:
+    """The fields of :func:`encode_message`'s bytes; ValueError when they are not one."""
+    if len(raw) < _HEADER.size or (len(raw) - _HEADER.size) % 8:
+        raise ValueError(f"fingerprint message of {len(raw)} bytes")
+    rank, code, span_id = _HEADER.unpack_from(raw)
+    op = _OP_NAMES.get(code)
+    if op is None or (op == "drop" and len(raw) != _HEADER.size):
+        raise ValueError(f"fingerprint message with op {code} and {len(raw)} bytes")
+    hashes = np.frombuffer(raw, dtype="<u8", offset=_HEADER.size).astype(np.uint64)
+    return rank, op, span_id, hashes if op == "add" else None
+
+
+MAX_MESSAGE = 1 << 20  # bytes: a span of up to ~2M tokens; a longer one is not published
+
+
+_SEND_BUFFER = 4 << 20  # bytes of messages in the socket (the kernel caps it at wmem_max)
+
+
+MAX_PENDING = 100_000  # messages a rank keeps, in order, while its socket is full
+
+
+class FingerprintPublisher:
+    """The rank side: tells the controller which span fingerprints this rank holds.
+
+    Sends never block and never raise. While the socket is full (the controller has not
+    read the messages in it yet) new messages wait here, in order, and go with the next
+    send: a burst of span drops is late, never lost (a lost drop would leave the controller
+    routing to a span that is gone). A message beyond ``MAX_PENDING`` waiting ones, or with
+    the controller gone, is counted in ``dropped``; routing then degrades to the
+    load-balance method, never to a wrong relay (the rank checks its own store)."""
+
+    def __init__(self, endpoint: str, rank: int) -> None:
+        self.rank = rank
+        self.sent = 0
+        self.dropped = 0
+        self._pending: deque[bytes] = deque()
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+            self._sock.connect(endpoint)
+            self._sock.setblocking(False)
+        except OSError as exc:
+            logger.warning("sglang-relay: rank %d cannot reach the DP router at %s (%s); "
+                           "its spans are not routed to", rank, endpoint, exc)  # fmt: skip
+            self._sock.close()
+            self._sock = None
+
+    def _send(self, op: str, span_id: int, hashes: np.ndarray | None) -> None:
+        raw = encode_message(self.rank, op, span_id, hashes)
+        if self._sock is None or len(raw) >= MAX_MESSAGE or len(self._pending) >= MAX_PENDING:
+            self.dropped += 1
+            return
+        self._pending.append(raw)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the waiting messages, oldest first, until the socket is full."""
+        while self._pending and self._sock is not None:
+            try:
+                self._sock.send(self._pending[0], socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                return  # full: the rest waits for the next send
+            except OSError:  # the controller gone (BrokenPipeError): nothing will arrive
+                self.dropped += len(self._pending)
+                self._pending.clear()
+                return
+            self._pending.popleft()
+            self.sent += 1
+
+    @property
+    def waiting(self) -> int:
+        """Messages waiting for room in the socket."""
+        return len(self._pending)
+
+    def added(self, span_id: int, tokens: list[int], namespace: Hashable = None) -> None:
+        self._send("add", span_id, span_fingerprints(tokens, namespace_salt(namespace)))
+
+    def dropped_span(self, span_id: int) -> None:
+        self._send("drop", span_id, None)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

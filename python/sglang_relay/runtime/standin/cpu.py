@@ -1,0 +1,313 @@
+"""Running the real SGLang runtime on a machine without CUDA.
+
+Everything CPU-specific lives here and is active only where ``torch.cuda`` is unavailable;
+on a GPU machine :func:`activate` does nothing and :func:`apply_server_defaults` leaves the
+arguments alone. What it does on a CPU-only machine:
+
+* sets ``SGLANG_USE_CPU_ENGINE=1`` (without it ``device="cpu"`` still takes GPU paths)
+  and ``SGLANG_RELAY_CPU_STANDIN=1`` (the plug-in's CPU hooks act only where it is set);
+* puts a stand-in ``sgl_kernel`` package first on ``sys.path`` and ``PYTHONPATH`` so that
+  the spawned scheduler and detokenizer processes import it too. The PyPI ``sgl_kernel``
+  needs libcuda; the stand-in raises a clear error if a kernel is ever called;
+* fills server defaults the CPU needs unless the user set them: ``device=cpu``,
+  ``attention_backend=torch_native``, ``disable_cuda_graph``, ``dtype=float32``,
+  ``sleep_on_idle`` (an idle scheduler busy-polls a core otherwise) and a bounded KV pool
+  (SGLang's default pool would take ~15 GB of RAM);
+* for ``sglang-relay serve``, the environment and graph bounds of the shape it serves
+  (:func:`serve_defaults`): passive OpenMP waits, a thread binding for more ranks than NUMA
+  nodes, a bounded list of captured batch sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from sglang_relay.runtime.platform import CPU_STANDIN_ENV, cpu_engine_active, cuda_available
+
+SHIM_DIR = str(Path(__file__).with_name("_cpu_shim"))
+DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
+
+
+def activate() -> bool:
+    """Prepare this process (and the processes it spawns) for CPU serving.
+
+    Must run before anything imports ``sglang.srt``. Returns True if CPU mode is active.
+    Idempotent.
+    """
+    if cuda_available():
+        return False
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[CPU_STANDIN_ENV] = "1"
+    if SHIM_DIR not in sys.path:
+        sys.path.insert(0, SHIM_DIR)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if SHIM_DIR not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, *parts])
+    loaded = sys.modules.get("sgl_kernel")
+    if loaded is not None and not getattr(loaded, "SGL_RELAY_CPU_SHIM", False):
+        raise RuntimeError("sgl_kernel was imported before sglang_relay could set up CPU mode")
+    return True
+
+
+def apply_server_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Return ``kwargs`` (ServerArgs fields) with CPU defaults filled where unset."""
+    if cuda_available():
+        return kwargs
+    out = dict(kwargs)
+    out.setdefault("device", "cpu")
+    out.setdefault("attention_backend", "torch_native")
+    out.setdefault("disable_cuda_graph", True)
+    out.setdefault("dtype", "float32")
+    if out.get("max_total_tokens") is None and out.get("mem_fraction_static") is None:
+        out["max_total_tokens"] = DEFAULT_CPU_MAX_TOTAL_TOKENS
+    return out
+
+
+# CPU graph mode (--enable-torch-compile) captures every batch size SGLang lists by default
+# (24 on 0.5.23, ~30 s each on a 2-core VM: 12 minutes before serving); these bound it.
+CPU_GRAPH_BATCH_SIZES = ("1", "2", "4")
+
+
+def numa_node_count() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def usable_cpus() -> list[int]:
+    """The cpus this process may run on (all of them where affinity is not reported)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def threads_bind(ranks: int, cpus: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on ``cpus``: contiguous, equal
+    groups (``"0,1|2,3"``); with more ranks than cpus, one cpu each, round robin."""
+    if ranks > len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    per, extra = divmod(len(cpus), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        size = per + (1 if r < extra else 0)
+        groups.append(",".join(str(c) for c in cpus[start : start + size]))
+        start += size
+    return "|".join(groups)
+
+
+def serve_defaults(
+    ranks: int, torch_compile: bool, user_flags: set[str], environ: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment a CPU server needs for the shape it serves (``ranks`` = tp x dp
+    x pp processes), where the user set none of them (``user_flags``: the flags given,
+    ``environ``: the environment). Returns (flags to add, environment to add).
+
+    * ``OMP_WAIT_POLICY=PASSIVE`` (unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+      set): OpenMP's default spin-wait has a rank's idle threads burn a core another
+      process (or rank) needs. Measured on 2 cores, one rank of the embedded model,
+      greedy decode tokens/s at batch 1 / 4 (``benchmark/omp_wait.py``, docs/results.md):
+      idle 10.3 / 22.4 spinning vs 8.4 / 15.8 passive; beside one busy process 1.3 / 1.0 spinning vs
+      8.8 / 20.6 passive (a spin count of 10,000: 10.3 / 23.8 idle, 6.1 / 7.3 busy). DP 2
+      beside one busy process decoded at 0.44 tokens/s spinning. A server that owns its
+      cores can set ``OMP_WAIT_POLICY=ACTIVE`` for the idle-machine figures.
+    * ``SGLANG_CPU_OMP_THREADS_BIND`` when there are more ranks than NUMA nodes (SGLang
+      asserts at start-up otherwise): the cores this process may use, split evenly.
+    * with ``--enable-torch-compile``, the captured batch sizes bounded to
+      :data:`CPU_GRAPH_BATCH_SIZES` (larger batches decode eagerly).
+    """
+    if cuda_available():
+        return [], {}
+    env: dict[str, str] = {}
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in environ and ranks > numa_node_count():
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks, usable_cpus())
+    flags: list[str] = []
+    bounds = {"--cuda-graph-bs-decode", "--torch-compile-max-bs", "--cuda-graph-max-bs-decode"}
+    if torch_compile and not (bounds & user_flags):
+        flags += ["--cuda-graph-bs-decode", *CPU_GRAPH_BATCH_SIZES]
+        flags += ["--torch-compile-max-bs", max(CPU_GRAPH_BATCH_SIZES, key=int)]
+    return flags, env
+
+
+# The scheduler and detokenizer processes SGLang starts ("spawn") each import SGLang and torch
+# again, ~13 s of one core apiece here. On the stand-in they fork from one process that
+# imported them once (multiprocessing's forkserver). That process is itself a fresh
+# interpreter, started at the first child's start, after SGLang and relay have set the
+# environment, so the children import under the environment spawned ones would see. It
+# also loads SGLang's plug-ins once (relay's hooks applied), last, so the children do not.
+FORKSERVER_PRELOAD = [
+    # the collector off for the imports (import_gc)
+    "sglang_relay.runtime.standin.forkserver_first",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang_relay.runtime.standin.forkserver_preload",
+]
+# set to 1: SGLang's own spawn on the stand-in too (the way back, and the comparison)
+CPU_SPAWN_ENV = "SGLANG_RELAY_CPU_SPAWN"
+
+
+def children_from_forkserver(result, server_args, *args, **kwargs):
+    """After SGLang's ``_set_envs_and_config`` chose "spawn": on the CPU stand-in, start the
+    server's children from a preloaded forkserver instead, unless SGLang would set a child
+    up at its start in a way a fork from that server does not carry (then it stays spawn)."""
+    import logging
+    import multiprocessing as mp
+
+    from sglang_relay.runtime.sglang.server import per_child_process_setup
+
+    log = logging.getLogger(__name__)
+    spawn_asked = os.environ.get(CPU_SPAWN_ENV) == "1"
+    setup = CPU_SPAWN_ENV if spawn_asked else per_child_process_setup(server_args)
+    if setup is not None:
+        log.info("sglang-relay: server processes spawned one by one (%s)", setup)
+        return result
+    mp.set_start_method("forkserver", force=True)
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    log.info("sglang-relay: server processes fork from one preloaded process (CPU stand-in)")
+    return result
+
+
+# opt-in (tests): let SGLang's CPU KV pool hold --kv-cache-dtype fp8_e5m2
+CPU_FP8_KV_ENV = "SGLANG_RELAY_CPU_FP8_KV"
+
+
+def cpu_fp8_kv_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_FP8_KV_ENV) == "1"
+
+
+def fp8_e5m2_kv_on_cpu(original, *args, **kwargs):
+    """Around-hook of ``configure_kv_cache_dtype`` with ``SGLANG_RELAY_CPU_FP8_KV=1`` on
+    the CPU: SGLang 0.5.23 refuses ``--kv-cache-dtype fp8_e5m2`` there ("not supported on
+    CPU"; ``fp8_e4m3`` needs Intel AMX and its scaled CPU pool). Its pool, write and read
+    paths for FP8 are device-independent (``MHATokenToKVPool`` stores uint8 and views
+    float8; ``torch_native`` attention upcasts what it reads), so the stand-in resolves
+    fp8_e5m2 as a CUDA machine does: an unscaled ``torch.float8_e5m2`` pool. What relay
+    serves on GPUs' FP8 pools is tested on it (test/e2e/test_kv_dtypes.py)."""
+    import torch
+
+    if kwargs.get("server_args_kv_cache_dtype") == "fp8_e5m2" and not kwargs.get("is_draft_worker"):
+        return None, torch.float8_e5m2
+    return original(*args, **kwargs)
+
+
+# opt-in (tests): SGLang's LoRA layers and torch_native LoRA backend on the CPU
+CPU_LORA_ENV = "SGLANG_RELAY_CPU_LORA"
+_PINNING_FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange")
+
+
+def cpu_lora_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_LORA_ENV) == "1"
+
+
+def pinning_off() -> None:
+    """With ``SGLANG_RELAY_CPU_LORA=1`` on a CPU host: pinned host memory becomes ordinary
+    memory. SGLang 0.5.23's LoRA layers and its torch_native LoRA backend pin their
+    per-batch index tensors unconditionally (``Tensor.pin_memory()`` and
+    ``pin_memory=True``; ``research/lora-study.md`` lists the 13 calls), which raises "Found
+    no NVIDIA driver" without CUDA, so no LoRA server starts here. Pinning only speeds up
+    host-to-device copies, and there is no device: every call it changes would have
+    raised. Measured 2026-11-26: a ``--no-relay`` server with two adapters and
+    ``--lora-backend torch_native`` starts and serves each adapter's own output."""
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch, "_sglang_relay_unpinned", False):
+        return
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    def unpinned(factory):
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        call.__wrapped__ = factory
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch._sglang_relay_unpinned = True
+
+
+# opt-in (tests): SGLang's HiCache host tier on the CPU
+CPU_HICACHE_ENV = "SGLANG_RELAY_CPU_HICACHE"
+
+
+def cpu_hicache_opted_in() -> bool:
+    return cpu_engine_active() and os.environ.get(CPU_HICACHE_ENV) == "1"
+
+
+def host_tier_on_cpu() -> None:
+    """With ``SGLANG_RELAY_CPU_HICACHE=1`` on a CPU host: SGLang 0.5.23's HiCache host tier
+    runs here with two stand-ins, everything else SGLang's own code (the host pools, the
+    cache controller, its transfer engine, events and acks; research/design-hicache.md):
+
+    * host pools are allocated unpinned: SGLang's allocator for a ``cpu`` transfer device
+      registers its buffer with CUDA (``cudaHostRegister``), which raises without a driver;
+      this takes SGLang's same allocator with ``pin_memory`` off (pinning only speeds
+      host-to-device copies, and there is no device);
+    * ``transfer_kv_direct`` (the copy under ``--hicache-io-backend direct`` and
+      ``--hicache-mem-layout layer_first``), imported by ``pool_host/mha.py`` from
+      ``sgl_kernel.kvcacheio`` only on CUDA/ROCm/XPU and so an undefined name on a CPU, is
+      bound to :func:`transfer_kv_direct`: the same row copy in torch;
+    * the host RAM SGLang leaves free when it sizes a host pool (a fixed 10 GiB, for GPU
+      hosts) is 1 GiB: a 24 GB test machine running two servers has less than 10 GiB
+      beyond them, and the pool is still checked against what is free.
+
+    The other layouts and the ``kernel`` backend stay undefined here: a CPU server serves
+    HiCache with ``--hicache-io-backend direct --hicache-mem-layout layer_first``."""
+    from sglang.srt.mem_cache.pool_host import base, common, mha
+
+    if getattr(mha, "transfer_kv_direct", None) is transfer_kv_direct:
+        return
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+    pinning = common.ALLOC_MEMORY_FUNCS["cpu"]
+
+    def unpinned(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return pinning(*args, **kwargs)
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
+    mha.transfer_kv_direct = transfer_kv_direct
+
+
+def shipping_tier_on_cpu(server_args: Any, view: Any) -> None:
+    """Before a shipping server's relay host tier is built on the CPU: its copies are
+    HiCache's host tier's (:func:`host_tier_on_cpu`), and a PD prefill server's sender
+    takes CPU page indices (:func:`pd_prefill_on_cpu`)."""
+    host_tier_on_cpu()
+    if view.disaggregation_mode == "prefill":
+        pd_prefill_on_cpu()
+
+
+def pd_prefill_on_cpu() -> None:
+    """SGLang 0.5.23's PD prefill server on a CPU host: its Mooncake sender takes CPU page
+    indices (``supports_host_tensor_indices`` False: ``prefill.py:_send_kv_chunk`` then
+    builds no pinned index buffer and records no CUDA event), the path SGLang has for its
+    other senders."""
+    from sglang.srt.disaggregation.mooncake import conn
+
+    conn.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct`` in torch: for each ``(src, dst)`` layer
+    buffer pair (``[slots, ...]``), ``dst[dst_indices] = src[src_indices]`` (token rows;
+    ``page_size`` does not change a row copy)."""
+    import torch
+
+    if len(src_layers) != len(dst_layers) or src_indices.numel() != dst_indices.numel():
+        raise ValueError("transfer_kv_direct: layer lists or index lengths differ")
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        rows = src.index_select(0, src_indices.to(src.device, torch.long))
+        dst.index_copy_(0, dst_indices.to(dst.device, torch.long), rows.to(dst.device))
+
+
+def model_parallel_group_without_pynccl(original, *args, **kwargs):
+    """Around-hook of ``init_model_parallel_group`` on the CPU: SGLang 0.5.23 gives every
+    in-tree platform a PyNccl communicator when the caller does not say otherwise, and
+    PyNccl needs a CUDA device, so ``--tp 2`` on the CPU fails before loading the model.
+    Without it the groups all-reduce through torch.distributed (gloo on the CPU)."""
+    kwargs["use_pynccl"] = False
+    return original(*args, **kwargs)
