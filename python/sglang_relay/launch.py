@@ -94,7 +94,7 @@ def check_model_path(path: str, *, relay: bool) -> None:
     except (OSError, ValueError) as exc:
         raise RelayError(f"--model-path {path}: unreadable config.json ({exc})") from exc
     if relay:
-        from sglang_relay.runtime.models.anatomy import SUPPORTED_ARCHITECTURES
+        from sglang_relay.runtime.models.registry import SUPPORTED_ARCHITECTURES
 
         archs = config.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -1,4 +1,5 @@
-"""Relay's safety nets under injected faults (runtime/faults.py), on real servers.
+"""Relay's safety nets under injected faults (the test-only plug-in
+``fault_plugin/relay_test_faults.py``), on real servers.
 
 * A model forward that skips relay's hook (as an option that replaced SGLang's forward
   would) writes KV relay never stamped: the runtime invariant turns relay off for the rest
@@ -14,17 +15,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fault_plugin.relay_test_faults import server_env
 from relay_helpers import chat, generate, generate_ids, relay_info, running_server
 
 from sglang_relay.client import healthy
-from sglang_relay.runtime.faults import ENV_FAULTS
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_forward_past_the_hook_turns_relay_off(model_dir, tok):
     args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
-    with running_server(args, env={ENV_FAULTS: "bypass_forward@200"}) as server:
+    with running_server(args, env=server_env("bypass_forward@200")) as server:
         url = server.url
         up = generate(url, chat(tok, "Writer.", "Describe a harbour in detail."), n=120)
         relayed = generate(url, chat(tok, "Reviewer.", f"Draft:\n\n{up['text']}\n\nJudge it."))
@@ -70,7 +71,7 @@ def tp_model(model_dir, tmp_path_factory) -> Path:
 @pytest.mark.full  # a third TP server start; make test-full
 def test_a_planning_failure_on_one_tp_rank_falls_back_on_all(tp_model):
     args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]
-    with running_server(args, env={ENV_FAULTS: "plan_error@rank1"}) as server:
+    with running_server(args, env=server_env("plan_error@rank1")) as server:
         url = server.url
         head = list(range(1000, 1040))
         up = generate_ids(url, head, 96)

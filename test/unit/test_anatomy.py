@@ -19,16 +19,15 @@ from sglang_relay.core.reference import (
 )
 from sglang_relay.runtime.forward.layer_driver import LayerDriver
 from sglang_relay.runtime.models.anatomy import (
-    ANATOMIES,
     BASE_ATTENTION,
     DENSE_MLP,
     SHARED_EXPERT_MLP,
     SPARSE_MLP,
-    anatomy_of,
     anatomy_problems,
     mlp_output,
     mlp_takes_batch,
 )
+from sglang_relay.runtime.models.registry import ANATOMIES, anatomy_of
 from sglang_relay.runtime.sglang.model import SUPPORTED_ROPE
 
 FULL = RelayConfig(l_start=0, l_det=0, l_end=-1, top_ratio=1.0, l_suf=0)
@@ -55,7 +54,8 @@ def test_reference_executor_is_the_hf_forward_of_each_architecture(arch):
 
 def test_each_adapter_file_registers_its_architectures():
     """One file per architecture in runtime/models/adapters: the registry is exactly what the
-    files define, each file at least one adapter, no architecture twice."""
+    files define, each file at least one adapter, no architecture twice, and the package's
+    explicit list names every file in the folder."""
     import pkgutil
     from importlib import import_module
 
@@ -66,6 +66,7 @@ def test_each_adapter_file_registers_its_architectures():
     assert all(import_module(f"{adapters.__name__}.{n}").ADAPTERS for n in names)
     assert sorted(a.architecture for a in defined) == sorted(ANATOMIES)
     assert len(names) >= 8 and len(ANATOMIES) == len(defined)
+    assert [m.__name__.rpartition(".")[2] for m in adapters.MODULES] == sorted(names)
 
 
 def test_every_random_model_has_an_adapter():

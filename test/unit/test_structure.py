@@ -1,5 +1,6 @@
 """The package's structure, read from its own source: no import circles (lazy imports inside
-functions count: they are imports too) and no module past its size budget."""
+functions count: they are imports too), the runtime's layer map, and no module past its size
+budget."""
 
 from __future__ import annotations
 
@@ -65,6 +66,82 @@ def test_no_module_imports_itself_through_others():
     assert not _circles(), f"modules on an import circle: {_circles()}"
 
 
+# The runtime's layer map (runtime/__init__.py): a module may import its own layer and the
+# layers before it. Modules directly in runtime/ are the leaf layer or the composition.
+RUNTIME = "sglang_relay.runtime"
+LAYERS = ("base", "models", "sglang", "config", "cache", "forward", "sched", "scale", "top")
+TOP = {"runtime", "radix_cache", "plugin"}
+STANDIN = f"{RUNTIME}.standin"
+# outside the runtime, the one module that may import the CPU stand-in: ``serve`` sets a CPU
+# machine up (``standin.cpu.activate``, its server defaults) before SGLang is imported
+STANDIN_USERS = {"sglang_relay.launch"}
+
+
+def _layer(module: str) -> str | None:
+    """The runtime layer of ``module`` (None outside the runtime)."""
+    if module != RUNTIME and not module.startswith(RUNTIME + "."):
+        return None
+    rest = module[len(RUNTIME) + 1 :].split(".") if module != RUNTIME else [""]
+    if rest[0] in LAYERS[1:-1] or rest[0] == "standin":
+        return rest[0]
+    return "top" if rest[0] in TOP else "base"  # a module directly in runtime/
+
+
+def _layer_violations(root: Path = PACKAGE) -> list[str]:
+    known = _modules(root)
+    out = []
+    for name, path in sorted(known.items()):
+        mine = _layer(name)
+        for dep in sorted(_imports(name, path, known)):
+            theirs = _layer(dep)
+            if dep == STANDIN or dep.startswith(STANDIN + "."):
+                if mine != "standin" and name not in STANDIN_USERS:
+                    out.append(f"{name} imports the CPU stand-in {dep}")
+            elif mine == "standin":
+                if theirs == "top":
+                    out.append(f"{name} (standin) imports the composition {dep}")
+            elif name.startswith("sglang_relay.core") and theirs is not None:
+                out.append(f"{name} (core) imports the runtime {dep}")
+            elif mine is not None and theirs is not None:
+                if theirs not in LAYERS or LAYERS.index(theirs) > LAYERS.index(mine):
+                    out.append(f"{name} ({mine}) imports {dep} ({theirs}), a later layer")
+    return out
+
+
+def test_the_runtime_keeps_its_layer_map():
+    """runtime/__init__.py's map: no layer imports a later one, nothing imports the CPU
+    stand-in but the stand-in and ``serve``'s machine set-up, core imports no runtime."""
+    assert set(LAYERS) - {"base", "top"} | {"standin"} == {
+        p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").exists()
+    }
+    assert _layer_violations() == []
+
+
+def test_a_layer_violation_is_found(tmp_path):
+    pkg = tmp_path / "python" / "sglang_relay"
+    for sub in ("runtime", "runtime/cache", "runtime/forward", "runtime/standin", "core"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "cache" / "store.py").write_text("from ..forward.run import f\n")
+    (pkg / "runtime" / "forward" / "run.py").write_text(
+        "def f():\n    from sglang_relay.runtime.standin import cpu\n"
+        "    from sglang_relay.runtime.cache import store\n"
+    )
+    (pkg / "runtime" / "standin" / "cpu.py").write_text("from sglang_relay.runtime import plugin\n")
+    (pkg / "runtime" / "plugin.py").write_text("")
+    (pkg / "core" / "x.py").write_text("import sglang_relay.runtime.cache.store\n")
+    assert _layer_violations(pkg) == [
+        "sglang_relay.core.x (core) imports the runtime sglang_relay.runtime.cache.store",
+        "sglang_relay.runtime.cache.store (cache) imports sglang_relay.runtime.forward.run "
+        "(forward), a later layer",
+        "sglang_relay.runtime.forward.run imports the CPU stand-in "
+        "sglang_relay.runtime.standin.cpu",
+        "sglang_relay.runtime.standin.cpu (standin) imports the composition "
+        "sglang_relay.runtime.plugin",
+    ]
+
+
 def test_a_circle_through_a_lazy_or_relative_import_is_found(tmp_path):
     pkg = tmp_path / "python" / "sglang_relay"
     (pkg / "sub").mkdir(parents=True)
@@ -88,12 +165,12 @@ def test_every_module_is_within_its_size_budget():
 
 
 def test_each_adapter_module_imports_first_in_a_fresh_interpreter():
-    """The adapters package is walked at run time (``adapters.discover``), an import the
-    source does not show: an adapter imported before anything else must still load."""
+    """An adapter imported before anything else of relay's must load (its package lists
+    every adapter; the registry is built from that list)."""
     import subprocess
     import sys
 
-    names = sorted(p.stem for p in (PACKAGE / "runtime" / "adapters").glob("[!_]*.py"))
+    names = sorted(p.stem for p in (PACKAGE / "runtime" / "models" / "adapters").glob("[!_]*.py"))
     assert len(names) >= 8
     for n in names:
         module = f"sglang_relay.runtime.models.adapters.{n}"

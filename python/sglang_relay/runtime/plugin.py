@@ -39,7 +39,7 @@ def register() -> None:
     """Register the ``relay`` radix-cache backend and the plug-in's hooks. Idempotent."""
     if STATE.plugin_registered:
         return
-    from sglang_relay.runtime.models.anatomy import MODEL_FORWARD_TARGETS
+    from sglang_relay.runtime.models.registry import MODEL_FORWARD_TARGETS
     from sglang_relay.runtime.sglang.hooks import register_hook
     from sglang_relay.runtime.sglang.server import radix_cache_api
     from sglang_relay.runtime.sglang.targets import (
@@ -112,7 +112,6 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
     A forward being captured into a decode graph (and a decode before the runtime exists)
     runs the decode capture installed before graph capture: it never reads the runtime, so
     what is captured does not depend on when the runtime was built."""
-    from sglang_relay.runtime import faults
     from sglang_relay.runtime.sglang.model import (
         capturing_graph,
         decode_capture_of,
@@ -127,8 +126,6 @@ def _model_forward(original, model, input_ids, positions, forward_batch, *args, 
             return original(model, input_ids, positions, fb, *args, **kwargs)
         return capture.forward(original, model, input_ids, positions, fb, *args, **kwargs)
     rt = runtime_of(model)
-    if rt is not None and faults.bypass_this_forward():  # tests only (runtime/faults.py)
-        return original(model, input_ids, positions, fb, *args, **kwargs)
     if rt is None:
         capture = decode_capture_of(model)
         if capture is not None and forward_mode_name(fb) == "DECODE":

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from sglang_relay.runtime import faults
 from sglang_relay.runtime.cache.budget import budget_info, context_layer, side_layers
 from sglang_relay.runtime.cache.span_store import SpanStore
 from sglang_relay.runtime.config.settings import RelaySettings
@@ -272,7 +271,6 @@ class RelayRuntime:
         if self.disabled is not None:
             return None, [(p.stats, "relay_disabled") for p in self.planner.take_pending()]
         try:
-            faults.plan_error(self.tp.rank if self.tp is not None else 0)
             return self.planner.plan_batch(fb)
         except Exception as exc:  # noqa: BLE001 - the scheduler must keep serving
             logger.exception("relay planning of an extend batch failed; standard prefill")

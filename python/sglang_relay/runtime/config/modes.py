@@ -20,7 +20,8 @@ graph-mode decode (the decode capture is installed before SGLang captures its gr
 
 from __future__ import annotations
 
-from sglang_relay.runtime.models.anatomy import SPARSE_MLP, SUPPORTED_ARCHITECTURES, anatomy_of
+from sglang_relay.runtime.models.anatomy import SPARSE_MLP
+from sglang_relay.runtime.models.registry import SUPPORTED_ARCHITECTURES, anatomy_of
 from sglang_relay.runtime.sglang.server_view import ServerView
 
 # --kv-cache-dtype values relay serves: the model's own dtype, a lower-precision float, or

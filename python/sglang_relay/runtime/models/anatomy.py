@@ -1,5 +1,5 @@
-"""What an architecture adapter is, the registry of them (one file each in
-:mod:`sglang_relay.runtime.models.adapters`), and the check that a served model has exactly the
+"""What an architecture adapter is (one file each in :mod:`sglang_relay.runtime.models.adapters`,
+looked up through :mod:`.registry`), and the check that a served model has exactly the
 modules its adapter drives.
 
 The relay loops (:mod:`.extend`, :mod:`.decode`, :mod:`.probe`) run a decoder layer as
@@ -13,7 +13,7 @@ scales) refuses the server at start-up instead of being dropped silently.
 
 Pure data plus checks on live modules; SGLang's dotted names live in
 :mod:`sglang_relay.runtime.sglang` and the adapters (their forward targets, gathered here
-as ``MODEL_FORWARD_TARGETS``).
+as ``registry.MODEL_FORWARD_TARGETS``).
 """
 
 from __future__ import annotations
@@ -68,47 +68,6 @@ class Anatomy:
 
 
 LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"  # Llama, Mistral, Phi-3
-
-
-def _registry() -> dict[str, Anatomy]:
-    """Every adapter of :mod:`sglang_relay.runtime.models.adapters` (one file per architecture)."""
-    from sglang_relay.runtime.models.adapters import discover
-
-    found: dict[str, Anatomy] = {}
-    for adapter in discover():
-        if adapter.architecture in found:
-            raise ValueError(f"two adapters for {adapter.architecture}")
-        found[adapter.architecture] = adapter
-    return found
-
-
-_REGISTRY: dict[str, object] = {}
-
-
-def __getattr__(name: str):
-    """``ANATOMIES`` (architecture -> adapter), ``SUPPORTED_ARCHITECTURES`` and
-    ``MODEL_FORWARD_TARGETS``, built from the adapters on first use, not at import: an
-    adapter module imports this one, so one imported first must find it whole."""
-    if name not in ("ANATOMIES", "SUPPORTED_ARCHITECTURES", "MODEL_FORWARD_TARGETS"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if not _REGISTRY:
-        found = _registry()
-        _REGISTRY.update(
-            ANATOMIES=found,
-            SUPPORTED_ARCHITECTURES=frozenset(found),
-            MODEL_FORWARD_TARGETS=tuple(dict.fromkeys(a.model_forward for a in found.values())),
-        )
-    return _REGISTRY[name]
-
-
-def anatomy_of(architecture: str) -> Anatomy:
-    try:
-        return __getattr__("ANATOMIES")[architecture]
-    except KeyError:
-        raise ValueError(
-            f"sglang-relay has no adapter for the {architecture} architecture (supported: "
-            f"{', '.join(sorted(__getattr__('SUPPORTED_ARCHITECTURES')))})"
-        ) from None
 
 
 def native_prepare(attn_mod):

@@ -56,3 +56,10 @@ def check_hooks_installed() -> None:
             + (f" ({', '.join(missing)})" if missing else " (register() never ran)")
             + "; is the plug-in loaded (pip show sglang-relay, SGLANG_PLUGINS)?"
         )
+    from sglang_relay.runtime.platform import cpu_engine_active
+
+    if cpu_engine_active() and not STATE.standin_registered:
+        raise RuntimeError(
+            "sglang-relay: this CPU server was set up for relay's CPU stand-in, but its plug-in "
+            "(relay-cpu) did not run; add it to SGLANG_PLUGINS (relay,relay-cpu)"
+        )

@@ -48,7 +48,8 @@ def check_model_anatomy(model_runner):
     architecture's adapter drives (``runtime/models/anatomy.py``), in every layer, and the SGLang
     functions the layer driver mirrors are the ones it was verified on (``mirrors.py``).
     Returns the architecture's adapter (``anatomy.Anatomy``)."""
-    from sglang_relay.runtime.models.anatomy import anatomy_of, anatomy_problems
+    from sglang_relay.runtime.models.anatomy import anatomy_problems
+    from sglang_relay.runtime.models.registry import anatomy_of
     from sglang_relay.runtime.sglang.mirrors import check_served_mirrors
 
     architecture = type(model_runner.model).__name__

@@ -1,0 +1,89 @@
+"""A test-only SGLang plug-in that injects faults into a relay server, so the tests prove that
+relay's safety nets catch what they are meant to catch. The product never calls it: a test
+puts this folder on the server's ``PYTHONPATH`` (:data:`PLUGIN_DIR`), where SGLang's plug-in
+loader finds its entry point (``relay_test_faults-0.dist-info``) in every server process,
+and names the faults in ``SGLANG_RELAY_FAULTS`` (comma-separated):
+
+- ``bypass_forward@N``: the N-th model forward that reaches a scheduler's relay runtime
+  runs SGLang's forward instead, unstamped, as an unclassified option that replaced the
+  forward would; the runtime invariant must turn relay off (``RelayRuntime.check_forward``).
+- ``plan_error@rankR``: planning a relay extend raises on TP rank R; every rank must fall
+  back together (no rank left waiting in a collective).
+
+Each fault wraps one method of relay's classes when the plug-in registers; without
+``SGLANG_RELAY_FAULTS`` it registers nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+ENV_FAULTS = "SGLANG_RELAY_FAULTS"
+PLUGIN_DIR = str(Path(__file__).resolve().parent)
+
+
+_REGISTERED: list[bool] = []
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a test asked for a failure."""
+
+
+def faults(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``SGLANG_RELAY_FAULTS`` as ``{name: argument}``."""
+    out = {}
+    for item in (os.environ if env is None else env).get(ENV_FAULTS, "").split(","):
+        name, _, arg = item.strip().partition("@")
+        if name:
+            out[name] = arg
+    return out
+
+
+def server_env(spec: str) -> dict[str, str]:
+    """The environment a test server needs for the faults ``spec`` names."""
+    path = [PLUGIN_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {ENV_FAULTS: spec, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _bypass_forward(n: int) -> None:
+    from sglang_relay.runtime.runtime import RelayRuntime
+
+    relay_forward = RelayRuntime.forward
+    seen = [0]
+
+    @functools.wraps(relay_forward)
+    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+        seen[0] += 1
+        if seen[0] == n:
+            return original(model, input_ids, positions, fb, *args, **kwargs)
+        return relay_forward(self, original, model, input_ids, positions, fb, *args, **kwargs)
+
+    RelayRuntime.forward = forward
+
+
+def _plan_error(rank: str) -> None:
+    from sglang_relay.runtime.sched.planner import Planner
+
+    plan_batch = Planner.plan_batch
+
+    @functools.wraps(plan_batch)
+    def planned(self, *args, **kwargs):
+        if f"rank{self.tp.rank if self.tp is not None else 0}" == rank:
+            raise InjectedFault(f"injected plan failure on TP {rank}")
+        return plan_batch(self, *args, **kwargs)
+
+    Planner.plan_batch = planned
+
+
+def register() -> None:
+    """SGLang's plug-in entry point: wrap what ``SGLANG_RELAY_FAULTS`` names (once)."""
+    asked = faults()
+    if not asked or _REGISTERED:  # a forked child has its parent's wrapped classes
+        return
+    _REGISTERED.append(True)
+    if "bypass_forward" in asked:
+        _bypass_forward(int(asked["bypass_forward"]))
+    if "plan_error" in asked:
+        _plan_error(asked["plan_error"])
