@@ -135,6 +135,7 @@ def test_a_layer_violation_is_found(tmp_path):
         "sglang_relay.core.x (core) imports the runtime sglang_relay.runtime.cache.store",
         "sglang_relay.runtime.cache.store (cache) imports sglang_relay.runtime.forward.run "
         "(forward), a later layer",
+        "sglang_relay.runtime.forward.run imports the CPU stand-in sglang_relay.runtime.standin",
         "sglang_relay.runtime.forward.run imports the CPU stand-in "
         "sglang_relay.runtime.standin.cpu",
         "sglang_relay.runtime.standin.cpu (standin) imports the composition "
