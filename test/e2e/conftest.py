@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from relay_helpers import running_server
+from relay_helpers import E2E_KV_TOKENS, server_fixture
 
-E2E_KV_TOKENS = 16384
-
-
-@pytest.fixture(scope="session")
-def server(model_dir):
-    args = ["--model-path", str(model_dir), "--max-total-tokens", str(E2E_KV_TOKENS)]
-    with running_server([*args, "--enable-metrics"]) as proc:
-        yield proc
+server = server_fixture("--enable-metrics", kv_tokens=E2E_KV_TOKENS, scope="session")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Iterator
 
 import psutil
+import pytest
 import requests
 from launcher_zygote import launcher_env, start_launcher
 
@@ -18,6 +19,8 @@ from sglang_relay.process import ServerProcess
 
 # extra flags for every e2e server, e.g. "--dtype float32" on a GPU (docs/gpu.md)
 EXTRA_ARGS = shlex.split(os.environ.get("SGLANG_RELAY_TEST_SERVER_ARGS", ""))
+# the session server's KV pool (conftest.py), two contexts of the embedded model
+E2E_KV_TOKENS = 16384
 
 
 # graph-mode decode on the CPU: one captured batch size keeps the compile short on 2 cores;
@@ -52,6 +55,28 @@ class PreloadedServerProcess(ServerProcess):
         env = launcher_env(self.env)
         forked = start_launcher(command, log.name, env)
         return forked if forked is not None else super()._start_child(command, log, env)
+
+
+def server_fixture(
+    *flags: str,
+    kv_tokens: int = 8192,
+    env: dict[str, str] | None = None,
+    scope: str = "module",
+    needs: str | None = None,
+):
+    """A pytest fixture of one real server on the embedded model (``model_dir``): a KV pool
+    of ``kv_tokens``, ``flags`` and ``env`` added; the fixture's name is the name it is
+    assigned to. ``needs``: a module the server cannot run without (skipped if absent)."""
+
+    @pytest.fixture(scope=scope)
+    def fixture(model_dir):
+        if needs is not None:
+            pytest.importorskip(needs)
+        args = ["--model-path", str(model_dir), "--max-total-tokens", str(kv_tokens), *flags]
+        with running_server(args, env=env) as proc:
+            yield proc
+
+    return fixture
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from relay_helpers import (
     relay_info,
     relay_one_upstream,
     running_server,
+    server_fixture,
 )
 
 from sglang_relay.core import reference as R
@@ -40,11 +41,9 @@ HICACHE = [
 PREFIX = list(range(6000, 6600))  # 600 tokens
 
 
-@pytest.fixture(scope="module")
-def hicache_server(model_dir):
-    args = ["--model-path", str(model_dir), "--max-total-tokens", str(DEVICE_TOKENS), *HICACHE]
-    with running_server(args, env={"SGLANG_RELAY_CPU_HICACHE": "1"}) as proc:
-        yield proc
+hicache_server = server_fixture(
+    *HICACHE, kv_tokens=DEVICE_TOKENS, env={"SGLANG_RELAY_CPU_HICACHE": "1"}
+)
 
 
 def _push_off_device(url: str, salt: int) -> None:

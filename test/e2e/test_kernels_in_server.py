@@ -5,19 +5,22 @@ what the pure-torch path serves."""
 from __future__ import annotations
 
 import pytest
-from relay_helpers import ALL_SELECTED, chat, first_logprobs, generate, relay_info, running_server
+from relay_helpers import (
+    ALL_SELECTED,
+    chat,
+    first_logprobs,
+    generate,
+    relay_info,
+    server_fixture,
+)
 
 # Triton under its CPU interpreter (minutes): kernels/tests checks the kernels in CI
 pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
-@pytest.fixture(scope="module")
-def triton_server(model_dir):
-    pytest.importorskip("triton")
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "4096"]
-    env = {"SGLANG_RELAY_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    with running_server(args, env=env) as p:
-        yield p
+triton_server = server_fixture(
+    kv_tokens=4096, env={"SGLANG_RELAY_KERNELS": "triton", "TRITON_INTERPRET": "1"}, needs="triton"
+)
 
 
 def _chain(url, tok, **relay):

@@ -16,7 +16,16 @@ import json
 import time
 
 import pytest
-from relay_helpers import GRAPH_ARGS, chat, generate, generate_ids, relay_info, running_server
+from relay_helpers import (
+    E2E_KV_TOKENS,
+    GRAPH_ARGS,
+    chat,
+    generate,
+    generate_ids,
+    relay_info,
+    running_server,
+    server_fixture,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -67,12 +76,8 @@ def _paste_chat(url, tok):
     return paste
 
 
-@pytest.fixture(scope="module")
-def plain_server(model_dir):
-    """A --no-relay server with the session relay server's flags."""
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "16384", "--enable-metrics"]
-    with running_server([*args, "--no-relay"]) as proc:
-        yield proc
+# a --no-relay server with the session relay server's flags
+plain_server = server_fixture("--enable-metrics", "--no-relay", kv_tokens=E2E_KV_TOKENS)
 
 
 def test_plain_requests_equal_a_no_relay_server_bit_for_bit(server, plain_server, tok):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import requests
-from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
+from relay_helpers import ALL_SELECTED, chat, generate, relay_info, server_fixture
 
 from sglang_relay.client import healthy
 
@@ -17,14 +17,11 @@ _unique = itertools.count(1000)
 CHUNK = 32
 
 
-@pytest.fixture(scope="module")
-def small_server(model_dir):
-    """Chunks of 32 tokens (min_span) and a 3000-token KV pool: spans cross chunk
-    boundaries and get evicted under load."""
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "3000"]
-    args += ["--chunked-prefill-size", str(CHUNK), "--relay-span-tokens", "1200"]
-    with running_server(args) as p:
-        yield p
+# chunks of 32 tokens (min_span) and a 3000-token KV pool: spans cross chunk boundaries
+# and get evicted under load
+small_server = server_fixture(
+    "--chunked-prefill-size", str(CHUNK), "--relay-span-tokens", "1200", kv_tokens=3000
+)
 
 
 def _pool_balanced(url: str) -> dict:

@@ -19,7 +19,7 @@ import concurrent.futures as cf
 
 import pytest
 import requests
-from relay_helpers import generate_ids, running_server
+from relay_helpers import generate_ids, server_fixture
 
 from sglang_relay.process import RouterProcess
 
@@ -29,12 +29,8 @@ CHAINS = 8
 OUT = 40  # upstream outputs: 39-token spans (>= min_span 32)
 
 
-@pytest.fixture(scope="module")
-def dp_server(model_dir):
-    # no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
-    args = ["--model-path", str(model_dir), "--dp-size", "2", "--max-total-tokens", "8192"]
-    with running_server(args) as server:
-        yield server
+# no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
+dp_server = server_fixture("--dp-size", "2")
 
 
 def _chain(url: str, i: int, key: str | None = None) -> tuple[dict, dict, int, int]:

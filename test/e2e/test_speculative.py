@@ -26,7 +26,14 @@ tree-verify attention (runtime/standin/cpu_spec.py). Here, on a real server:
 from __future__ import annotations
 
 import pytest
-from relay_helpers import assert_matches_reference, chat, generate_ids, relay_info, running_server
+from relay_helpers import (
+    assert_matches_reference,
+    chat,
+    generate_ids,
+    relay_info,
+    running_server,
+    server_fixture,
+)
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.config.settings import settings_from_env
@@ -36,11 +43,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 HEAD, TAIL = list(range(2100, 2123)), list(range(3100, 3111))
 
 
-@pytest.fixture(scope="module")
-def spec_server(model_dir):
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192"]
-    with running_server([*args, "--speculative-algorithm", "NGRAM"]) as server:
-        yield server
+spec_server = server_fixture("--speculative-algorithm", "NGRAM")
 
 
 @pytest.fixture(scope="module")

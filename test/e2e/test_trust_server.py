@@ -22,7 +22,7 @@ import uuid
 import psutil
 import pytest
 import requests
-from relay_helpers import ALL_SELECTED, chat, generate, relay_info, running_server
+from relay_helpers import ALL_SELECTED, chat, generate, relay_info, server_fixture
 
 from sglang_relay.client import healthy
 from sglang_relay.runtime.config import server_options
@@ -57,12 +57,7 @@ def test_the_group_is_what_the_table_says_this_file_checks():
     assert changed == group
 
 
-@pytest.fixture(scope="module")
-def fuzz_server(model_dir):
-    args = ["--model-path", str(model_dir), "--max-total-tokens", "8192", "--enable-metrics"]
-    args += SCHEDULING
-    with running_server(args) as proc:
-        yield proc
+fuzz_server = server_fixture("--enable-metrics", *SCHEDULING)
 
 
 def _post(url, body, timeout=120):

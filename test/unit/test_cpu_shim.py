@@ -80,14 +80,15 @@ def test_sglangs_lora_batch_is_prepared_on_the_cpu_with_pinning_off(tmp_path):
 
 _REGISTER = """
 import os
-from sglang_relay.runtime.standin import cpu
-from sglang_relay.runtime import plugin
+from sglang_relay.runtime import plugin, standin
+from sglang_relay.runtime.platform import CPU_STANDIN_ENV
 from sglang_relay.runtime.state import STATE
-for standin in ("0", "1"):  # one process: SGLang's imports are the cost
-    os.environ[cpu.CPU_STANDIN_ENV] = standin
-    STATE.plugin_registered = False
+for on in ("0", "1"):  # one process: SGLang's imports are the cost
+    os.environ[CPU_STANDIN_ENV] = on
+    STATE.plugin_registered = STATE.standin_registered = False
     STATE.hooks.clear()
-    plugin.register()
+    plugin.register()  # SGLang's loader calls both entry points (pyproject.toml)
+    standin.register()
     print(sorted({(t, h.__name__) for t, h in STATE.hooks}))
 """
 

@@ -296,7 +296,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
             pass
 
     router = _router(tmp_path)
-    monkeypatch.setattr(STATE, "dp_router", [router])
+    monkeypatch.setattr(STATE, "dp_router", router)
     pub = FingerprintPublisher(router.endpoint, rank=1)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -339,7 +339,7 @@ def test_the_routing_hook_never_raises_into_the_controller(tmp_path, monkeypatch
     router = _router(tmp_path)
     span = list(range(500, 600))
     router.apply(1, "add", 1, span_fingerprints(span))  # rank 1 holds the prompt's text
-    monkeypatch.setattr(STATE, "dp_router", [router])
+    monkeypatch.setattr(STATE, "dp_router", router)
     req = TokenizedEmbeddingReqInput(
         input_text=None,
         input_ids=array("i", [3] * 5 + span),

@@ -25,7 +25,7 @@ class Req:  # a request object as SGLang builds it: fields only
 
 @pytest.fixture(scope="module")
 def gate(model_dir):
-    return trust.RequestGate(settings_from_env(str(model_dir), {}), 30, 49152)
+    return trust.RequestValidator(settings_from_env(str(model_dir), {}), 30, 49152)
 
 
 def test_private_keys_are_removed_from_client_requests(gate):

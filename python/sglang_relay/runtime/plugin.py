@@ -9,9 +9,22 @@ installing the package changes nothing for servers that do not select it.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from sglang_relay.runtime.backend import BACKEND_NAME, serves_relay
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import (
+        ForwardBatch,
+        GenerateReqInput,
+        KVCacheConfigurator,
+        ModelRunner,
+        Req,
+        ReqState,
+        ScheduleBatch,
+        TokenizerManager,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +98,7 @@ def register() -> None:
     register_hook(REQUEST_LEVEL_KEY_TARGET, _request_level_key, "around")
     register_hook(META_INFO_TARGET, _unwrap_meta_info, "after")
     register_hook(STREAM_RESPONSE_TARGET, _unwrapped_responses, "around")
-    register_hook(TOKENIZER_INIT_TARGET, _build_gate, "after")
+    register_hook(TOKENIZER_INIT_TARGET, _build_validator, "after")
     register_hook(GENERATE_REQUEST_TARGET, _admitted_request, "around")
     register_hook(ABORT_REQUEST_TARGET, _abort_with_redo, "around")
     register_hook(KV_BUDGET_TARGET, _config_from_budget, "around")
@@ -106,7 +119,9 @@ def _add_relay_state(result, controller, *args, **kwargs):
     return result
 
 
-def _model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
+def _model_forward(
+    original, model, input_ids, positions, forward_batch: ForwardBatch, *args, **kwargs
+):
     """Every forward of a Llama/Qwen2 model: through the relay runtime if it serves it.
 
     A forward being captured into a decode graph (and a decode before the runtime exists)
@@ -143,7 +158,7 @@ def _before_decode_graphs(*args, **kwargs):
         install_decode_capture(runner)
 
 
-def _after_runner_forward(result, runner, *args, **kwargs):
+def _after_runner_forward(result, runner: ModelRunner, *args, **kwargs):
     """A decode forward that replayed a captured graph did not come through the runtime's
     forward: count it there (and drop plans no extend will run)."""
     from sglang_relay.runtime.sglang.model import forward_mode_name, inner_model, runtime_of
@@ -188,7 +203,7 @@ def _before_host_load(engine, *args, **kwargs):
     return (engine, *args), kwargs
 
 
-def _before_cpu_restore(req, req_to_token_pool, allocator, *args, **kwargs):
+def _before_cpu_restore(req: Req, req_to_token_pool, allocator, *args, **kwargs):
     """A retracted request's KV is about to be copied back from CPU tensors into its row's
     slots (a PD decode server), outside any forward: they get fresh stamps first."""
     from sglang_relay.runtime.sglang.pool import pool_runtime
@@ -200,7 +215,7 @@ def _before_cpu_restore(req, req_to_token_pool, allocator, *args, **kwargs):
     return (req, req_to_token_pool, allocator, *args), kwargs
 
 
-def _after_prepare_for_extend(result, batch, *args, **kwargs):
+def _after_prepare_for_extend(result, batch: ScheduleBatch, *args, **kwargs):
     """Plan every request of an extend batch (mixed batches reuse nothing)."""
     rt = getattr(batch.tree_cache, "relay", None)
     if rt is None or batch.forward_mode.name != "EXTEND" or rt.publish_only:
@@ -218,7 +233,7 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
     return result
 
 
-def _after_mix(result, batch, *args, **kwargs):
+def _after_mix(result, batch: ScheduleBatch, *args, **kwargs):
     """Count extend batches that SGLang mixed with running decodes (``--enable-mixed-chunk``)."""
     rt = getattr(batch.tree_cache, "relay", None)
     if rt is not None:
@@ -226,7 +241,7 @@ def _after_mix(result, batch, *args, **kwargs):
     return result
 
 
-def _add_one_req(original, adder, req, *args, **kwargs):
+def _add_one_req(original, adder, req: Req, *args, **kwargs):
     """A prefill batch holds relaying requests or plain ones, never both."""
     from sglang_relay.runtime.sglang.scheduling import (
         add_req_stop,
@@ -240,30 +255,32 @@ def _add_one_req(original, adder, req, *args, **kwargs):
     return original(adder, req, *args, **kwargs)
 
 
-def _config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
+def _config_from_budget(original, configurator: KVCacheConfigurator, budget_bytes, *args, **kwargs):
     """The KV pool's byte budget: relay's side data comes out of it (:mod:`.budget`)."""
     from sglang_relay.runtime.cache.budget import config_from_budget
 
     return config_from_budget(original, configurator, budget_bytes, *args, **kwargs)
 
 
-def _build_gate(result, manager, *args, **kwargs):
+def _build_validator(result, manager: TokenizerManager, *args, **kwargs):
     from sglang_relay.runtime.sched import trust
 
-    trust.gate_for(manager)
+    trust.validator_for(manager)
     return result
 
 
-async def _admitted_request(original, manager, obj, *args, **kwargs):
+async def _admitted_request(
+    original, manager: TokenizerManager, obj: GenerateReqInput, *args, **kwargs
+):
     """Every generate request on a relay server passes the trust boundary first
     (:mod:`.trust`): private keys stripped, the relay option resolved; a bad one raises
     ValueError before anything is sent to a scheduler (SGLang answers 400)."""
     from sglang_relay.runtime.sched import trust
 
-    gate = trust.gate_for(manager)
-    if gate is not None and hasattr(obj, "sampling_params"):
+    validator = trust.validator_for(manager)
+    if validator is not None and hasattr(obj, "sampling_params"):
         try:
-            gate.admit(obj)
+            validator.admit(obj)
         except ValueError:
             # refused before SGLang normalized it: what SGLang's clean-up of a refused
             # stream reads (create_abort_task: obj.is_single; nothing to abort yet)
@@ -274,7 +291,7 @@ async def _admitted_request(original, manager, obj, *args, **kwargs):
         yield out
 
 
-def _abort_with_redo(original, manager, rid: str = "", *args, **kwargs):
+def _abort_with_redo(original, manager: TokenizerManager, rid: str = "", *args, **kwargs):
     """An abort of a request reaches the early-stop guard's redo of it too."""
     from sglang_relay.runtime.sched import guard
 
@@ -298,12 +315,12 @@ def _unwrap(meta_info) -> None:
         meta_info[RELAY_INFO_KEY] = value[-1]
 
 
-def _unwrap_meta_info(result, manager, meta_info, *args, **kwargs):
+def _unwrap_meta_info(result, manager: TokenizerManager, meta_info, *args, **kwargs):
     _unwrap(meta_info)
     return result
 
 
-async def _unwrapped_responses(original, manager, *args, **kwargs):
+async def _unwrapped_responses(original, manager: TokenizerManager, *args, **kwargs):
     """Every response the client gets has ``meta_info["relay"]`` as one object, also the
     streamed chunks SGLang completes from its accumulated list (chunked prefills). On a
     relay server the final one also carries the server-measured TTFT, and a relayed reply
@@ -337,11 +354,11 @@ async def _unwrapped_responses(original, manager, *args, **kwargs):
         yield out
 
 
-def _guard_policy(manager, state):
+def _guard_policy(manager: TokenizerManager, state: ReqState):
     """The guard's policy in this process (:class:`.guard.GuardPolicy`), or None on a
     server that does not serve relay (nothing is added or held back there). A bad value
     was refused at launch; here it only turns the guard off, loudly."""
-    if not STATE.guard_policy:
+    if not STATE.guard_policy_known:
         from sglang_relay.runtime.sched.guard import GuardPolicy, guard_policy
         from sglang_relay.runtime.sglang.views import check_tokenizer_surface
 
@@ -354,5 +371,5 @@ def _guard_policy(manager, state):
             except ValueError:
                 logger.exception("sglang-relay: early-stop guard off")
                 policy = GuardPolicy(tokens=0, streams=False)
-        STATE.guard_policy.append(policy)
-    return STATE.guard_policy[0]
+        STATE.guard_policy, STATE.guard_policy_known = policy, True
+    return STATE.guard_policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from sglang_relay.runtime.sglang.server import (
     unified_radix_cache_class,
 )
 from sglang_relay.runtime.sglang.views import check_startup_surface
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ModelRunner, Req, TreeCacheBuildContext
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class RelayRadixCache(UnifiedRadixCache):
         attach_pool_runtime(runtime.kv_pool, runtime)
 
     # ---- tree insertion ------------------------------------------------------------
-    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
         rt = self.relay
         if rt is None:
             return super().checkpoint(req, up_to=up_to, **kwargs)
@@ -158,7 +161,7 @@ class RelayRadixCache(UnifiedRadixCache):
             if self.ship is not None and self.ship.role == "publisher":
                 self.ship.offer(added, tokens)  # never raises
 
-    def _span_of(self, req: Any, up_to: int, *, with_context: bool):
+    def _span_of(self, req: Req, up_to: int, *, with_context: bool):
         """The output tokens that have KV in the row (all but the last sampled one), and
         their context masses when the server ranks by them and ``with_context``."""
         rt = self.relay
@@ -200,7 +203,7 @@ class RelayRadixCache(UnifiedRadixCache):
             ranges = [(a, b) for a, b in kept if b > a]
         super().free_kv_row(kv, ranges)
 
-    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
         """The row is gone (finished, aborted or retracted): drop the request's relay state."""
         super().on_release(req, checkpointed=checkpointed)
         if self.relay is not None:
@@ -280,7 +283,7 @@ class RelayRadixCache(UnifiedRadixCache):
 
 
 def _host_tier(
-    cache, runtime, allocator, page_size: int, tokens: int, settings, model_runner,
+    cache, runtime, allocator, page_size: int, tokens: int, settings, model_runner: ModelRunner,
     io_backend: str = "",
 ) -> HostTier:  # fmt: skip
     """The relay host tier (:mod:`sglang_relay.runtime.cache.host_tier`): on a HiCache server
@@ -325,7 +328,7 @@ def _host_tier(
     return tier
 
 
-def build_relay_cache(ctx: Any) -> Any:
+def build_relay_cache(ctx: TreeCacheBuildContext) -> Any:
     """Factory for ``register_radix_cache_backend`` (``ctx`` is a TreeCacheBuildContext).
     Refuses, with one message naming the option, every configuration relay cannot serve
     correctly (:mod:`sglang_relay.runtime.config.modes`)."""

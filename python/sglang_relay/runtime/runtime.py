@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from sglang_relay.runtime.sglang.server import attention_backend_name, chunk_siz
 from sglang_relay.runtime.stats import RequestStats
 from sglang_relay_kernels import kernel_family, pick_extend_attention
 
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch, ModelRunner
+
 logger = logging.getLogger(__name__)
 
 # forwards that store the hidden states of the slots they write (when the profile needs
@@ -83,7 +86,7 @@ class RelayRuntime:
     def __init__(
         self,
         settings: RelaySettings,
-        model_runner: Any,
+        model_runner: ModelRunner,
         *,
         span_budget: int,
         release_slots,
@@ -197,7 +200,7 @@ class RelayRuntime:
         )
 
     # ---- model side ----------------------------------------------------------------------
-    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+    def forward(self, original, model, input_ids, positions, fb: ForwardBatch, *args, **kwargs):
         """Every forward of the served model comes through here. An extend batch with an
         agreed plan runs the relay extend; every other forward runs SGLang's own, its
         slots stamped first (:meth:`_plain`)."""
@@ -220,7 +223,9 @@ class RelayRuntime:
         hidden = mode in PLAIN_MODES and not embeds and self.disabled is None
         return self._plain(original, model, input_ids, positions, fb, args, kwargs, mode, hidden)
 
-    def _plain(self, original, model, input_ids, positions, fb, args, kwargs, mode, hidden):
+    def _plain(
+        self, original, model, input_ids, positions, fb: ForwardBatch, args, kwargs, mode, hidden
+    ):
         """SGLang's own forward, untouched. Its KV slots are stamped first, as holding a
         stored hidden state when ``hidden`` and the profile stores them (the decode
         capture's hook copies them from inside the forward); with influence scores on, a
@@ -265,7 +270,7 @@ class RelayRuntime:
         self.ledger.stamp(slots.to(self.ledger.stamps.device), with_hidden=False)
         self.counters["host_loaded_slots"] += int(slots.numel())
 
-    def _plan_batch(self, fb) -> tuple[BatchPlan | None, list]:
+    def _plan_batch(self, fb: ForwardBatch) -> tuple[BatchPlan | None, list]:
         """The batch's plan. Never raises: under TP every rank must reach the agreement
         that follows (a rank that failed sends no plan, so all ranks fall back together)."""
         if self.disabled is not None:
@@ -329,7 +334,7 @@ class RelayRuntime:
             self._discard(stats, reason)
         return False
 
-    def _relay(self, original, model, input_ids, positions, fb, plan, args, kwargs):
+    def _relay(self, original, model, input_ids, positions, fb: ForwardBatch, plan, args, kwargs):
         plan.lora = self.lora
         try:
             out = relay_extend(

@@ -23,21 +23,23 @@ class ProcessState:
     # looked up once: this process's TP group (None under tp 1; sglang/model.py), the
     # early-stop guard's policy (None: not a relay server; plugin.py), the server settings
     # per model path and SGLANG_RELAY_* environment (settings.py)
-    tp_group: list[Any] = field(default_factory=list)
-    guard_policy: list[Any] = field(default_factory=list)
+    tp_group: Any | None = None
+    tp_group_known: bool = False
+    guard_policy: Any | None = None
+    guard_policy_known: bool = False
     settings: dict[tuple, Any] = field(default_factory=dict)
     # the DP controller's router, at most one (dp_routing.py)
-    dp_router: list[Any] = field(default_factory=list)
+    dp_router: Any | None = None
     # rid of a request -> rid of its early-stop redo in flight, so an abort reaches both
     # (guard.py)
     live_redos: dict[str, str] = field(default_factory=dict)
-    # side memory the KV-budget hook reserved, per KVCacheConfigurator (a slots dataclass:
-    # no attribute can be added; the model runner keeps its configurator for the life of
-    # the process; budget.py)
-    reserved: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # side memory the KV-budget hook reserved, per KVCacheConfigurator, found by identity (a
+    # slots dataclass: no attribute can be added, no weak reference taken, not hashable;
+    # the model runner keeps its configurator for the life of the process; budget.py)
+    reserved: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
     # the torch.library fragment defining the CPU graph runner's placeholder ops
-    # (cpu_graph.py)
-    cpu_graph_placeholders: list[Any] = field(default_factory=list)
+    # (standin/cpu_graph.py)
+    cpu_graph_library: Any | None = None
 
 
 STATE = ProcessState()

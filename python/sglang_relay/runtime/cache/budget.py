@@ -20,7 +20,7 @@ What was reserved is reported in ``get_server_info`` (``relay.kv_budget``).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.runtime.backend import serves_relay
@@ -28,6 +28,9 @@ from sglang_relay.runtime.config.settings import RelaySettings, server_settings
 from sglang_relay.runtime.sglang.server import resolved_value
 from sglang_relay.runtime.sglang.views import check_surface
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import KVCacheConfigurator, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def bytes_per_slot(
     )
 
 
-def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
+def config_from_budget(original, kvc: KVCacheConfigurator, budget_bytes, *args, **kwargs):
     """Around-hook of ``KVCacheConfigurator.config_from_budget`` (see the module doc)."""
     server_args = kvc.server_args
     if not serves_relay(server_args) or getattr(kvc, "is_draft_worker", False):
@@ -111,7 +114,7 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
         "tokens_without_relay": int(first.max_total_num_tokens),
         "tokens": int(config.max_total_num_tokens),
     }
-    STATE.reserved[id(kvc)] = info
+    STATE.reserved.append((kvc, info))
     logger.info(
         "sglang-relay: KV pool %d -> %d tokens to keep %.1f MB of relay side data inside "
         "the %.1f MB budget",
@@ -123,7 +126,7 @@ def config_from_budget(original, kvc, budget_bytes, *args, **kwargs):
     return config
 
 
-def budget_info(model_runner) -> dict[str, Any] | None:
+def budget_info(model_runner: ModelRunner) -> dict[str, Any] | None:
     """What the hook reserved for this runner's pool (``None``: it did not run)."""
     kvc = getattr(model_runner, "kv_cache_configurator", None)
-    return None if kvc is None else STATE.reserved.get(id(kvc))
+    return next((info for held, info in STATE.reserved if held is kvc), None)

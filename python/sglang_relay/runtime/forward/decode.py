@@ -26,6 +26,7 @@ host sync, no Python decision a replay would freeze.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from sglang_relay.runtime.sglang.model import (
     decode_capture_of,
     inner_model,
 )
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ class DecodeCapture:
             and self.ledger.stamps.shape[0] >= slots
         )
 
-    def forward(self, original, model, input_ids, positions, fb, *args, **kwargs):
+    def forward(self, original, model, input_ids, positions, fb: ForwardBatch, *args, **kwargs):
         """SGLang's forward, its slots stamped first (the hook stores the hidden rows)."""
         self.ledger.stamp(fb.out_cache_loc, with_hidden=self.capture_layer is not None)
         return original(model, input_ids, positions, fb, *args, **kwargs)
@@ -130,7 +134,7 @@ def new_ledger(model, pool, capture_layer: int | None, *, influence: bool = Fals
     )
 
 
-def install_decode_capture(model_runner) -> DecodeCapture | None:
+def install_decode_capture(model_runner: ModelRunner) -> DecodeCapture | None:
     """Before SGLang captures decode graphs: build the ledger and the decode capture of a
     relay server and attach them to the served model (the runtime adopts them later).
     None when the server is not a relay server, or its settings are refused later anyway
@@ -165,7 +169,9 @@ def install_decode_capture(model_runner) -> DecodeCapture | None:
     return capture
 
 
-def accumulate_influence(fb, radix_attn, q, influence: torch.Tensor, pool, req_to_token) -> None:
+def accumulate_influence(
+    fb: ForwardBatch, radix_attn, q, influence: torch.Tensor, pool, req_to_token
+) -> None:
     """``influence[slot] += sum over heads of the attention probability`` that each decode
     query puts on each context token (after the query's own KV was written)."""
     hq, d = radix_attn.tp_q_head_num, radix_attn.qk_head_dim

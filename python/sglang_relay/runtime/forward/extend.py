@@ -15,6 +15,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from sglang_relay.runtime.forward.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync, fingerprint
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
 from sglang_relay_kernels import gather_rows, scatter_rows
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch
 
 
 @dataclass(slots=True)
@@ -64,14 +68,22 @@ class BatchPlan:
     lora: object | None = None  # SGLang's LoRA backend on a LoRA server (lora_rows.py)
 
 
-def splice(fb, drv: LayerDriver, plan: BatchPlan) -> None:
+def splice(fb: ForwardBatch, drv: LayerDriver, plan: BatchPlan) -> None:
     """Copy every span's KV into the request's slots, keys re-rotated, in all layers."""
     cos, sin = delta_cos_sin(drv.rotation_table(), plan.span_delta)
     drv.splice(plan.span_src, fb.out_cache_loc[plan.span_rows], cos, sin)
 
 
 def detect_and_select(
-    fb, drv: LayerDriver, lid: int, group: SpanGroup, h, r, influence, tp=None, lora=None
+    fb: ForwardBatch,
+    drv: LayerDriver,
+    lid: int,
+    group: SpanGroup,
+    h,
+    r,
+    influence,
+    tp=None,
+    lora=None,
 ) -> None:
     """At ``l_det``: fresh K/V of the group's span rows vs the spliced ones, then select
     per matched run; fills ``group.selected`` and each run's ``ChunkUse``."""
@@ -146,7 +158,7 @@ def plan_fingerprint(plan: BatchPlan) -> list[int]:
 
 
 def relay_extend(
-    drv: LayerDriver, input_ids, positions, fb, plan: BatchPlan, ledger: SlotLedger,
+    drv: LayerDriver, input_ids, positions, fb: ForwardBatch, plan: BatchPlan, ledger: SlotLedger,
     capture_layer=None,
 ):  # fmt: skip
     """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``.

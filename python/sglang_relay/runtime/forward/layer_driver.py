@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from sglang_relay.runtime.models.anatomy import (
 )
 from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
 from sglang_relay_kernels import splice_rerotate
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -124,13 +128,13 @@ class LayerDriver:
             return prepare(positions, x)
         return split_qkv(self.layers[l].self_attn, positions, x)
 
-    def mlp(self, l: int, x: torch.Tensor, fb) -> torch.Tensor:  # noqa: E741
+    def mlp(self, l: int, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:  # noqa: E741
         """Layer ``l``'s MLP block (SGLang's, called whole) on rows ``x``, TP-summed."""
         block = self._mlp[l]
         out = block(x, forward_batch=fb) if self._mlp_batch[l] else block(x)
         return finish_row_parallel(self._mlp_out[l], out)
 
-    def layer(self, l: int, positions, h, r, fb, attend: Attend):  # noqa: E741
+    def layer(self, l: int, positions, h, r, fb: ForwardBatch, attend: Attend):  # noqa: E741
         """Layer ``l`` on the given rows (``r`` None: no residual yet); ``attend(q, k, v)``
         does the attention. ``h`` and ``r`` must be the caller's own row copies (SGLang's
         norms may write in place). Returns ``(h, r)``."""

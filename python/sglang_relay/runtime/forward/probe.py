@@ -19,6 +19,7 @@ the first span use the batch's extend attention like every other row set.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.forward.layer_driver import LayerDriver
 from sglang_relay.runtime.forward.lora_rows import info_for, installed
 from sglang_relay_kernels import gather_rows, scatter_rows
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch
 
 
 @dataclass(slots=True)
@@ -60,7 +64,9 @@ def pre_span_rows(targets: list[ProbeTarget], row_starts: list[int], prefix_lens
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-def run_probe(drv: LayerDriver, positions, fb, plan, h, ledger: SlotLedger, capture_layer):
+def run_probe(
+    drv: LayerDriver, positions, fb: ForwardBatch, plan, h, ledger: SlotLedger, capture_layer
+):
     """The probe pass of ``plan.probes``: computes the rows before the first spans
     (``plan.probe_pre``) for good, their final ``h`` scattered into ``h`` and their hidden
     state stored at ``capture_layer``, and sets each probing group's ``probed`` scores.

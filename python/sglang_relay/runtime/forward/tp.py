@@ -21,8 +21,12 @@ same rows. Two things would break that, and this module closes both:
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import GroupCoordinator
 
 MOD = (1 << 61) - 1
 
@@ -40,7 +44,7 @@ def fingerprint(*tensors: torch.Tensor) -> list[int]:
 class TPSync:
     """The TP group's view for the relay runtime (one per scheduler process)."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: GroupCoordinator) -> None:
         self.group = group  # SGLang's GroupCoordinator for the TP group
         self.size = int(group.world_size)
         self.rank = int(group.rank_in_group)

@@ -48,7 +48,7 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,6 +65,9 @@ from sglang_relay.runtime.scale.dp_fingerprints import (
 )
 from sglang_relay.runtime.sched.options import namespace, request_option
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import DataParallelController, TokenizedGenerateReqInput
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ class DPRouter:
         self.scope = os.environ.get(ENV_SCOPE) or "shared"  # the ranks' relay scope
         self.lora = os.environ.get(ENV_LORA) or "adapter"  # and their LoRA namespaces
 
-    def namespace(self, req) -> tuple | None:
+    def namespace(self, req: TokenizedGenerateReqInput) -> tuple | None:
         """The namespace ``req`` relays from, as its rank will compute it (None: none)."""
         from sglang_relay.runtime.sglang.scheduling import tokenized_isolation
 
@@ -228,12 +231,14 @@ class DPRouter:
 # ---- controller process hooks ---------------------------------------------------------------
 
 
-def before_controller_init(controller, server_args, port_args, *args, **kwargs) -> None:
+def before_controller_init(
+    controller: DataParallelController, server_args, port_args, *args, **kwargs
+) -> None:
     """Before the DP controller launches its ranks: bind the fingerprint socket and tell the
     ranks where it is (the environment is inherited by the spawned schedulers)."""
     from sglang_relay.runtime.backend import serves_relay
 
-    if not serves_relay(server_args) or STATE.dp_router:
+    if not serves_relay(server_args) or STATE.dp_router is not None:
         return
     if os.environ.get(ROUTING_ENV, "1") == "0":  # SGLang's load-balance method alone
         logger.info("sglang-relay: DP routing by span fingerprints is off (%s=0)", ROUTING_ENV)
@@ -246,19 +251,23 @@ def before_controller_init(controller, server_args, port_args, *args, **kwargs) 
     if len(endpoint.encode()) > 100:  # a Unix socket path holds at most 107 bytes
         endpoint = os.path.join("/tmp", name)
     imbalance = int(os.environ.get(IMBALANCE_ENV, DEFAULT_MAX_IMBALANCE))
-    STATE.dp_router.append(DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance))
+    STATE.dp_router = DPRouter(int(server_args.dp_size), endpoint, max_imbalance=imbalance)
     os.environ[ENDPOINT_ENV] = endpoint
     logger.info("sglang-relay: routing DP requests by span fingerprints (%s)", endpoint)
 
 
-def route_request(original, controller, req, *args, **kwargs):
+def route_request(
+    original, controller: DataParallelController, req: TokenizedGenerateReqInput, *args, **kwargs
+):
     """Around ``maybe_external_dp_rank_routing``: pick the rank holding ``req``'s spans."""
-    if STATE.dp_router and getattr(req, "input_ids", None):
-        _route(STATE.dp_router[0], controller, req)
+    if STATE.dp_router is not None and getattr(req, "input_ids", None):
+        _route(STATE.dp_router, controller, req)
     return original(controller, req, *args, **kwargs)
 
 
-def _route(router: DPRouter, controller, req) -> None:
+def _route(
+    router: DPRouter, controller: DataParallelController, req: TokenizedGenerateReqInput
+) -> None:
     """Set ``req.routed_dp_rank`` to the rank holding its spans and tag the decision.
 
     Never raises into SGLang's controller loop: a request the router cannot read (an
@@ -298,7 +307,7 @@ def _route(router: DPRouter, controller, req) -> None:
             )
 
 
-def blocking_event_loop(original, controller, *args, **kwargs):
+def blocking_event_loop(original, controller: DataParallelController, *args, **kwargs):
     """Around the DP controller's event loop, on the CPU stand-in only: wait on the socket.
 
     SGLang 0.5.23's loop receives without blocking in a ``while True`` with no wait, which
@@ -317,8 +326,8 @@ def blocking_event_loop(original, controller, *args, **kwargs):
     poller.register(sock, zmq.POLLIN)
     while True:
         feed()
-        if STATE.dp_router:
-            STATE.dp_router[0].drain()
+        if STATE.dp_router is not None:
+            STATE.dp_router.drain()
         if not poller.poll(timeout=1000):
             continue
         while True:

@@ -15,7 +15,7 @@ It never touches a forward; the model side is :class:`~.runtime.RelayRuntime`'s.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.operating import OperatingPoint
@@ -37,6 +37,9 @@ from sglang_relay.runtime.sglang.scheduling import (
 )
 from sglang_relay.runtime.sglang.views import check_surface
 from sglang_relay.runtime.stats import RequestStats
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import Req
 
 MEMO_ENTRIES = 4096  # per-request memos keep at most this many requests
 
@@ -64,7 +67,7 @@ class RequestGate:
         self._routes_counted: OrderedDict[str, bool] = OrderedDict()  # DP decisions counted
 
     # ---- options ---------------------------------------------------------------------------
-    def config(self, req: Any) -> tuple[RelayConfig | None, OperatingPoint | None]:
+    def config(self, req: Req) -> tuple[RelayConfig | None, OperatingPoint | None]:
         """``req``'s relay config (None: standard) and operating point; ValueError on bad
         options."""
         rt = self.rt
@@ -76,13 +79,13 @@ class RequestGate:
             context_layer=rt.context_layer,
         )
 
-    def namespace(self, req: Any) -> tuple | None:
+    def namespace(self, req: Req) -> tuple | None:
         """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
         a key); ValueError on a bad relay key."""
         isolation = request_isolation(req, self.settings.lora)
         return namespace(self.settings.scope, isolation, request_option(req))
 
-    def store_namespace(self, req: Any) -> tuple | None:
+    def store_namespace(self, req: Req) -> tuple | None:
         """Where ``req``'s output is stored as a span (None: it is not): its namespace, if
         it has one and did not opt out of relay without asking to store."""
         if self.rt.disabled is not None:
@@ -93,7 +96,7 @@ class RequestGate:
             return None
 
     # ---- admission -------------------------------------------------------------------------
-    def admits(self, req: Any, admitted: list) -> bool:
+    def admits(self, req: Req, admitted: list) -> bool:
         """Whether ``req`` may join a prefill batch that already holds ``admitted``: plain
         requests never share a batch with relaying ones, so they run SGLang's own forward
         (its kernels, its numerics) exactly as on a server without relay."""
@@ -108,7 +111,7 @@ class RequestGate:
         self.rt.counters["batches_split"] += 1
         return False
 
-    def relays_in(self, req: Any) -> bool:
+    def relays_in(self, req: Req) -> bool:
         """Whether the next chunk of ``req``'s input holds a related stored span it would
         relay (what its plan will find)."""
         key = (req.rid, req.prefix_len)
@@ -129,7 +132,7 @@ class RequestGate:
             _remember(self._relays, key, known)
         return known
 
-    def related(self, req: Any, ns: Any) -> set[int]:
+    def related(self, req: Req, ns: Any) -> set[int]:
         """The stored spans ``req``'s prompt relates to (see ``related_spans``): decided
         once per request, on its whole remaining input, so every chunk agrees."""
         related = self._related.get(req.rid)
@@ -145,7 +148,7 @@ class RequestGate:
         return related
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, req: Any, written: Any = None) -> None:
+    def plan(self, req: Req, written: Any = None) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``
         (``written``: the slots the batch writes, ``out_cache_loc``)."""
         rt = self.rt
@@ -208,14 +211,14 @@ class RequestGate:
             return self.publish(req, stats, fallback="unrelated_match")
         self.publish(req, stats)
 
-    def plan_failed(self, req: Any) -> None:
+    def plan_failed(self, req: Req) -> None:
         """Planning raised: the request runs standard prefill and says so."""
         rt = self.rt
         rt.planner.forget(req.rid)
         stats = rt.requests.get(req.rid) or RequestStats(rt.cfg.method, rt.num_layers)
         self.publish(req, stats, fallback="error")
 
-    def publish(self, req: Any, stats: RequestStats, fallback: str | None = None) -> None:
+    def publish(self, req: Req, stats: RequestStats, fallback: str | None = None) -> None:
         """``stats`` become ``req``'s relay info (with ``fallback``, counted, if given)."""
         if fallback is not None:
             stats.discard(fallback)

@@ -28,11 +28,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_relay.runtime.config.settings import DEFAULT_GUARD_TOKENS
 from sglang_relay.runtime.sglang.scheduling import GUARD_KEY, request_times, submit_request
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import GenerateReqInput, ReqState, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ def stop_reason(out: dict[str, Any], limit: int) -> str | None:
     return f"stopped after {n} tokens with {info['reused_tokens']} relayed prompt tokens"
 
 
-def eligible(obj: Any, policy: GuardPolicy) -> bool:
+def eligible(obj: GenerateReqInput, policy: GuardPolicy) -> bool:
     """Whether a request may be guarded at all: a generate request of one prompt that may
     run longer than the limit, not streamed (unless the policy holds streams back), outside
     SGLang's sessions (a redo would append twice)."""
@@ -115,7 +118,7 @@ def live_redo(rid: str) -> str | None:
     return STATE.live_redos.get(rid)
 
 
-def redo_request(obj: Any, out: dict[str, Any]) -> Any:
+def redo_request(obj: GenerateReqInput, out: dict[str, Any]) -> Any:
     """A copy of request ``obj`` that runs with standard prefill, under a new rid: one
     sample (the guarded request is one sample of its request, whatever its ``n``), marked
     as built here so the trust boundary keeps its private note (:mod:`.trust`)."""
@@ -140,7 +143,14 @@ def _first_usage(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in keys if k in meta}
 
 
-async def guarded(responses, manager: Any, obj: Any, request: Any, policy: GuardPolicy, state):
+async def guarded(
+    responses,
+    manager: TokenizerManager,
+    obj: GenerateReqInput,
+    request: Any,
+    policy: GuardPolicy,
+    state: ReqState,
+):
     """The responses of request ``obj`` (tokenizer-manager state ``state``) with the guard
     applied (see the module text)."""
     limit = policy.tokens

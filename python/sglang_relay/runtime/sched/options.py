@@ -13,11 +13,14 @@ server's ``SGLANG_RELAY_REUSE``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_relay.core.config import METHODS, RelayConfig
 from sglang_relay.core.operating import OperatingPoint, answer_cap, parse_target
 from sglang_relay.runtime.config.settings import RelaySettings
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import Req
 
 OPTION_KEYS = {"method", "config", "reuse", "key", "store"}
 
@@ -122,7 +125,7 @@ def check_option_fields(option: Any) -> None:
         raise ValueError("custom_params.relay.store must be true or false")
 
 
-def request_option(req: Any) -> Any:
+def request_option(req: Req) -> Any:
     """The raw ``custom_params["relay"]`` of a request (None when absent)."""
     params = getattr(req.sampling_params, "custom_params", None)
     return params.get("relay") if isinstance(params, dict) else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +28,9 @@ from sglang_relay.runtime.forward.extend import BatchPlan, SpanGroup
 from sglang_relay.runtime.forward.probe import ProbeTarget, pre_span_rows
 from sglang_relay.runtime.forward.tp import TPSync
 from sglang_relay.runtime.stats import RequestStats
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +160,9 @@ class Planner:
         plans, self.pending = list(self.pending.values()), {}
         return plans
 
-    def plan_batch(self, fb: Any) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
+    def plan_batch(
+        self, fb: ForwardBatch
+    ) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
         """The plan for this extend batch (None: nothing to relay) and the requests whose
         plan could not run, with the reason. Takes every pending plan; if planning raises,
         :class:`PlanningFailed` hands back the requests it took."""
@@ -169,7 +174,7 @@ class Planner:
             raise PlanningFailed(taken) from exc
 
     def _plan_batch(
-        self, fb: Any, pending: dict[str, RequestPlan]
+        self, fb: ForwardBatch, pending: dict[str, RequestPlan]
     ) -> tuple[BatchPlan | None, list[tuple[RequestStats, str]]]:
         rids = fb.rids or []
         plans = [pending.pop(rid, None) for rid in rids]

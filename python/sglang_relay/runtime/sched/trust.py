@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import GenerateReqInput, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +39,18 @@ _SENTINEL = object()
 _MARK = "_sglang_relay_trusted"
 
 
-def trust(obj: Any) -> Any:
+def trust(obj: GenerateReqInput) -> Any:
     """Mark a request object built inside this process as carrying relay's own private
     keys (kept by :func:`admit`). Returns ``obj``."""
     setattr(obj, _MARK, _SENTINEL)
     return obj
 
 
-def trusted(obj: Any) -> bool:
+def trusted(obj: GenerateReqInput) -> bool:
     return getattr(obj, _MARK, None) is _SENTINEL
 
 
-def _param_dicts(obj: Any) -> list[dict]:
+def _param_dicts(obj: GenerateReqInput) -> list[dict]:
     """The sampling-parameter dicts of a (single or batch) generate request."""
     sp = getattr(obj, "sampling_params", None)
     if isinstance(sp, dict):
@@ -57,7 +60,7 @@ def _param_dicts(obj: Any) -> list[dict]:
     return []
 
 
-def strip_private(obj: Any) -> int:
+def strip_private(obj: GenerateReqInput) -> int:
     """Remove every private relay key from a client request's ``custom_params``; the
     number removed (0 for a request this process built, :func:`trust`)."""
     if trusted(obj):
@@ -75,7 +78,7 @@ def strip_private(obj: Any) -> int:
     return removed
 
 
-class RequestGate:
+class RequestValidator:
     """Resolves each request's relay option as the scheduler will (same settings, same
     layer count, same stored layers), so a bad one is refused with 400 at the door."""
 
@@ -133,7 +136,7 @@ class RequestGate:
                         f"[0, {self.vocab_size})"
                     )
 
-    def admit(self, obj: Any) -> None:
+    def admit(self, obj: GenerateReqInput) -> None:
         """Strip private keys and check every relay option of a generate request;
         ValueError (HTTP 400) on a bad one."""
         if strip_private(obj):
@@ -159,18 +162,18 @@ class RequestGate:
             self.check_option(params.get(RELAY_FIELD))
 
 
-def gate_for(manager: Any) -> RequestGate | None:
-    """The gate of a tokenizer manager on a relay server (None: relay is not selected).
+def validator_for(manager: TokenizerManager) -> RequestValidator | None:
+    """The validator of a tokenizer manager on a relay server (None: relay is not selected).
     Built once per manager; a server whose settings do not resolve was refused at launch,
     so failing here is a start-up error, raised."""
-    gate = getattr(manager, "_sglang_relay_gate", False)
-    if gate is not False:
-        return gate
+    validator = getattr(manager, "_sglang_relay_validator", False)
+    if validator is not False:
+        return validator
     from sglang_relay.runtime.backend import serves_relay
     from sglang_relay.runtime.config.settings import server_settings
 
     args = getattr(manager, "server_args", None)
-    gate = None
+    validator = None
     if serves_relay(args):
         from sglang_relay.runtime.sglang.views import check_surface
 
@@ -178,6 +181,8 @@ def gate_for(manager: Any) -> RequestGate | None:
         check_surface("TokenizerModelConfig", manager.model_config)
         settings = server_settings(args.model_path)
         config = manager.model_config
-        gate = RequestGate(settings, int(config.num_hidden_layers), int(config.vocab_size))
-    manager._sglang_relay_gate = gate
-    return gate
+        validator = RequestValidator(
+            settings, int(config.num_hidden_layers), int(config.vocab_size)
+        )
+    manager._sglang_relay_validator = validator
+    return validator

@@ -5,11 +5,14 @@ controller's rule for the indices each io backend takes. Checked when the tier i
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_relay.runtime.sglang.views import check_surface
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import HiCacheController, ModelRunner
 
 
 def l2_transfer(host_pool: Any, kv_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor):
@@ -46,7 +49,7 @@ def transfer_engine(io_backend: str) -> Any:
     return L2TransferEngine(io_backend)
 
 
-def transfer_indices(controller: Any, host_pool: Any):
+def transfer_indices(controller: HiCacheController, host_pool: Any):
     """The index rule of ``controller`` (a ``HiCacheController``) for ``host_pool``:
     :func:`transfer_indices_for` its io backend and device."""
     check_surface("HiCacheController", controller)
@@ -78,14 +81,14 @@ def transfer_indices_for(io_backend: str, device: Any, host_pool: Any):
     return indices
 
 
-def load_fence(controller: Any):
+def load_fence(controller: HiCacheController):
     """The start event of a host-to-device copy into reclaimed slots: recorded on the
     stream SGLang fences its own loads with (``load_fence_stream``, the forward stream,
     set by the scheduler after the cache is built; None until then)."""
     return stream_fence(lambda: getattr(controller, "load_fence_stream", None))
 
 
-def forward_fence(model_runner: Any):
+def forward_fence(model_runner: ModelRunner):
     """The same fence without HiCache (a tier that ships spans): the model runner's
     ``forward_stream``, the stream SGLang gives the controller as ``load_fence_stream``."""
     return stream_fence(lambda: getattr(model_runner, "forward_stream", None))

@@ -3,9 +3,14 @@ the two attributes relay adds to it (the runtime, the decode capture)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sglang_relay.runtime.sglang.server import cuda_graphs_enabled
 from sglang_relay.runtime.sglang.views import check_surface
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch, ModelRunner
 
 MODEL_RUNTIME_ATTR = "_sglang_relay_runtime"
 
@@ -30,20 +35,20 @@ def kv_write_loc(loc):
     return KVWriteLoc(loc)
 
 
-def lora_backend(model_runner):
+def lora_backend(model_runner: ModelRunner):
     """SGLang's LoRA backend of a model runner serving LoRA (its layers read
     ``backend.batch_info``), else None."""
     manager = getattr(model_runner, "lora_manager", None)
     return None if manager is None else manager.lora_backend
 
 
-def inner_model(model_runner):
+def inner_model(model_runner: ModelRunner):
     """The decoder stack (``LlamaModel`` / ``Qwen2Model``) of the runner's model."""
     outer = model_runner.model
     return getattr(outer, "model", outer)
 
 
-def check_model_anatomy(model_runner):
+def check_model_anatomy(model_runner: ModelRunner):
     """Fail loudly unless the served decoder stack has exactly the modules its
     architecture's adapter drives (``runtime/models/anatomy.py``), in every layer, and the SGLang
     functions the layer driver mirrors are the ones it was verified on (``mirrors.py``).
@@ -67,8 +72,8 @@ def check_model_anatomy(model_runner):
 
 def tp_group():
     """SGLang's tensor-parallel GroupCoordinator of this process, or None under tp 1."""
-    if STATE.tp_group:
-        return STATE.tp_group[0]
+    if STATE.tp_group_known:
+        return STATE.tp_group
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -76,8 +81,9 @@ def tp_group():
         return None
     if int(group.world_size) > 1:
         check_surface("GroupCoordinator", group)
-    STATE.tp_group.append(group if int(group.world_size) > 1 else None)
-    return STATE.tp_group[0]
+    STATE.tp_group = group if int(group.world_size) > 1 else None
+    STATE.tp_group_known = True
+    return STATE.tp_group
 
 
 def finish_row_parallel(linear, out):
@@ -100,7 +106,7 @@ def attention_inputs(args: tuple, kwargs: dict):
     return hidden, fb
 
 
-def attention_entry_residual(fb):
+def attention_entry_residual(fb: ForwardBatch):
     """The residual stream entering the current layer's attention, as SGLang's attention
     boundary has just written it (``layer_boundary.residual.batch.written_residual``:
     the residual after the previous layer's adds, complete under TP, one row per token
@@ -187,17 +193,17 @@ def capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def decode_graphs_captured(model_runner) -> bool:
+def decode_graphs_captured(model_runner: ModelRunner) -> bool:
     """Whether the runner captured decode graphs (CUDA graphs or the CPU graph runner)."""
     return bool(model_runner.decode_cuda_graph_captured)
 
 
-def forward_mode_name(fb) -> str:
+def forward_mode_name(fb: ForwardBatch) -> str:
     """``EXTEND``, ``DECODE``, ``MIXED``, ``TARGET_VERIFY``, ... of a ForwardBatch."""
     return fb.forward_mode.name
 
 
-def graphs_enabled(model_runner) -> dict[str, bool]:
+def graphs_enabled(model_runner: ModelRunner) -> dict[str, bool]:
     """Whether decode / prefill batches may replay captured graphs (CUDA or CPU runner)."""
     out = {phase: cuda_graphs_enabled(model_runner, phase) for phase in ("decode", "prefill")}
     out["decode"] = out["decode"] or decode_graphs_captured(model_runner)

@@ -4,10 +4,22 @@ a request (the guard's redo, the DP route) and the times SGLang stamps."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sglang_relay.runtime.sglang.views import check_surface
 
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import (
+        DataParallelController,
+        GenerateReqInput,
+        Req,
+        ReqState,
+        TokenizedGenerateReqInput,
+        TokenizerManager,
+    )
 
-def dp_loads(controller) -> tuple[list[int], list[int]]:
+
+def dp_loads(controller: DataParallelController) -> tuple[list[int], list[int]]:
     """(running + waiting requests per DP rank, the ranks that take work) as SGLang's
     controller sees them (its load snapshot, refreshed at most every 20 ms)."""
     check_surface("DataParallelController", controller)
@@ -15,7 +27,7 @@ def dp_loads(controller) -> tuple[list[int], list[int]]:
     return list(controller.dp_budget.total_requests), list(controller._active_workers)
 
 
-def dp_controller_receiver(controller):
+def dp_controller_receiver(controller: DataParallelController):
     """(the controller's socket from the tokenizer, receive one message without blocking,
     dispatch one message, feed the controller's soft watchdog), for an event loop that
     waits on the socket (:func:`sglang_relay.runtime.scale.dp_routing.blocking_event_loop`)."""
@@ -34,7 +46,7 @@ def dp_controller_receiver(controller):
 DP_ROUTE_KEY = "__sglang_relay_dp_route"  # private custom_params key: controller -> rank
 
 
-def tag_dp_route(req, decision: str) -> None:
+def tag_dp_route(req: TokenizedGenerateReqInput, decision: str) -> None:
     """Record the DP controller's routing decision on a tokenized request."""
     sp = req.sampling_params
     params = sp.custom_params if isinstance(sp.custom_params, dict) else {}
@@ -45,7 +57,7 @@ def tag_dp_route(req, decision: str) -> None:
 GUARD_KEY = "__sglang_relay_guard"  # private custom_params key: guard redo -> scheduler
 
 
-def guard_redo_of(req) -> dict | None:
+def guard_redo_of(req: Req) -> dict | None:
     """The early-stop guard's note on a scheduler request that redoes a relayed one
     (``{"of": rid, "reused_tokens": n}``), else None. The tokenizer removes private keys
     from client requests (:mod:`.trust`); a note not shaped as the guard writes it is
@@ -60,14 +72,14 @@ def guard_redo_of(req) -> dict | None:
     return {"of": of[:256], "reused_tokens": min(n, 1 << 40)}
 
 
-def submit_request(manager, obj, request):
+def submit_request(manager: TokenizerManager, obj: GenerateReqInput, request):
     """Send a new generate request through the tokenizer manager as the HTTP server
     would; its responses (an async generator)."""
     check_surface("GenerateReqInput", obj)
     return manager.generate_request(obj, request)
 
 
-def request_times(state) -> tuple[float, float] | None:
+def request_times(state: ReqState) -> tuple[float, float] | None:
     """(arrival, first output) of a tokenizer-manager request state, on the monotonic
     clock SGLang stamps them with (``time.perf_counter``); None before its first output."""
     stats = getattr(state, "time_stats", None)
@@ -76,7 +88,7 @@ def request_times(state) -> tuple[float, float] | None:
     return (float(created), float(first)) if created and first else None
 
 
-def scheduler_times_sent(manager) -> bool:
+def scheduler_times_sent(manager: TokenizerManager) -> bool:
     """Whether the schedulers send their per-request time stats (``--enable-metrics``), the
     only source of a non-streamed request's first-token time in the tokenizer manager."""
     return bool(getattr(manager.server_args, "enable_metrics", False))
@@ -88,7 +100,7 @@ DP_DECISIONS = frozenset(
 )
 
 
-def dp_route(req) -> str | None:
+def dp_route(req: Req) -> str | None:
     """The DP controller's routing decision for a scheduler request (None: no DP routing,
     or a value the controller does not write)."""
     params = getattr(req.sampling_params, "custom_params", None)
@@ -115,7 +127,7 @@ class IsolationError(ValueError):
     LoRA adapter id: it neither stores nor reuses spans."""
 
 
-def request_isolation(req, lora: str = "adapter") -> tuple:
+def request_isolation(req: Req, lora: str = "adapter") -> tuple:
     """SGLang's cache isolation keys of a scheduler ``Req``: ``(extra_key the user set,
     LoRA adapter id, cache_salt)``. ``Req.__init__`` stores ``extra_key`` as the user's
     key with the adapter id appended and keeps ``lora_id`` apart, so the two are split
@@ -142,7 +154,7 @@ def _isolation(key, lora_id, salt, lora: str) -> tuple:
     return (key, lora_id if lora == "adapter" else None, salt)
 
 
-def request_refusal(req) -> str | None:
+def request_refusal(req: Req) -> str | None:
     """Why this request must not relay (it runs standard prefill), else None."""
     # SGLang sets logprob_start_len to the input length for output-only logprobs; -1 asks
     # for none; anything inside the prompt asks for input-token logprobs
@@ -159,12 +171,12 @@ def request_refusal(req) -> str | None:
     return None
 
 
-def beam_search(req) -> bool:
+def beam_search(req: Req) -> bool:
     """Beam requests share slots between rows (SGLang remaps them): never relay or record."""
     return (getattr(req.sampling_params, "beam_width", 1) or 1) > 1
 
 
-def extend_chunk(req) -> tuple[list[int], int, bool]:
+def extend_chunk(req: Req) -> tuple[list[int], int, bool]:
     """The tokens this extend computes, the row position of the first, and whether the
     chunk ends the request's input (chunked prefill truncates ``get_fill_ids()`` to the
     chunk, so the full length comes from the untruncated ids)."""
@@ -175,7 +187,7 @@ def extend_chunk(req) -> tuple[list[int], int, bool]:
     return tokens, start, end >= total
 
 
-def remaining_input(req, limit: int | None = None) -> list[int]:
+def remaining_input(req: Req, limit: int | None = None) -> list[int]:
     """The input tokens a waiting request still has to prefill (after its prefix match),
     at most ``limit`` of them."""
     end = None if limit is None else req.prefix_len + limit
@@ -199,7 +211,7 @@ def add_req_stop():
     return AddReqResult.OTHER
 
 
-def set_request_info(req, info: dict) -> None:
+def set_request_info(req: Req, info: dict) -> None:
     """Publish ``info`` as the request's ``meta_info["relay"]`` (request-level info)."""
     if req.customized_info is None:
         req.customized_info = {}

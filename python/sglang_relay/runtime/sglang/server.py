@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from sglang_relay.runtime.sglang.server_view import ServerView
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ModelRunner, TreeCacheBuildContext
 
 
 def radix_cache_api():
@@ -25,7 +29,7 @@ def unified_radix_cache_class():
     return UnifiedRadixCache
 
 
-def attention_backend_name(model_runner) -> str | None:
+def attention_backend_name(model_runner: ModelRunner) -> str | None:
     """The attention backend the runner resolved for prefill (``--attention-backend`` or
     SGLang's platform default); the raw ``ServerArgs`` value when the runner has none."""
     resolved = getattr(model_runner, "prefill_attention_backend_str", None)
@@ -35,7 +39,7 @@ def attention_backend_name(model_runner) -> str | None:
     return getattr(args, "attention_backend", None)
 
 
-def cuda_graphs_enabled(model_runner, phase: str) -> bool:
+def cuda_graphs_enabled(model_runner: ModelRunner, phase: str) -> bool:
     """Whether ``phase`` (``"decode"`` or ``"prefill"``) batches may replay captured CUDA
     graphs: the published per-phase graph config (``--cuda-graph-backend-decode``,
     ``--disable-prefill-cuda-graph``, ``--disable-cuda-graph``, ...), else the legacy flag."""
@@ -73,7 +77,7 @@ def register_attention_backend(name: str, factory) -> None:
     register_attention_backend(name)(factory)
 
 
-def torch_compile_enabled(model_runner=None) -> bool:
+def torch_compile_enabled(model_runner: ModelRunner = None) -> bool:
     """Whether this server compiles its decode forwards (``--enable-torch-compile``: the
     CPU graph runner on a CPU)."""
     from sglang.srt.runtime_context import get_flags
@@ -95,11 +99,12 @@ def load_sglang_plugins() -> None:
 
 
 # SGLang's general plug-ins (entry-point group ``sglang.srt.plugins``) whose ``register`` only
-# registers hooks, chosen from the environment: relay's, and the two of smg-grpc-servicer (an
-# SGLang dependency). Loaded in a process its children fork from, they give the children what
+# registers hooks, chosen from the environment: relay's two (the plug-in and its CPU
+# stand-in, which also patches SGLang's CPU paths as its environment asks), the two of
+# smg-grpc-servicer (an SGLang dependency). Loaded in a process its children fork from, they give the children what
 # loading them in each child gives; an unknown plug-in might start a thread or read which
 # process it runs in, so with one installed each child loads the plug-ins itself.
-ENV_ONLY_PLUGINS = frozenset({"relay", "smg-servicer", "smg-zmq"})
+ENV_ONLY_PLUGINS = frozenset({"relay", "relay-cpu", "smg-servicer", "smg-zmq"})
 
 
 def installed_general_plugins() -> set[str]:
@@ -243,7 +248,7 @@ def server_view(obj) -> ServerView:
     )
 
 
-def live_kv_layout(ctx) -> tuple[int, str, str, bool]:
+def live_kv_layout(ctx: TreeCacheBuildContext) -> tuple[int, str, str, bool]:
     """(page size, KV buffer dtype, model dtype, scaled) of the pools a
     TreeCacheBuildContext hands the cache: what the allocator and the KV pool really use,
     whatever the arguments said (a checkpoint's own FP8 KV scheme resolves
@@ -305,7 +310,7 @@ def quantization_of(obj) -> str | None:
     return getattr(config, "quantization", None) if config is not None else None
 
 
-def chunk_size(model_runner) -> int | None:
+def chunk_size(model_runner: ModelRunner) -> int | None:
     """The prefill chunk size SGLang resolved (``--chunked-prefill-size``, or its default
     when unset: 4096 on a CPU); None when prefill is not chunked."""
     size = resolved_value(model_runner.server_args, "chunked_prefill_size")

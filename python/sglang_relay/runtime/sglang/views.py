@@ -14,7 +14,8 @@ from sglang_relay.runtime.sglang import SGLANG_VERSION
 
 # One view per SGLang object relay reads: the attributes relay touches, typed as relay uses
 # them (the annotations document; the check, :func:`check_surface`, is by name). Relay's
-# code does not annotate its parameters with these views yet.
+# functions that take an SGLang object annotate it with its view (imported for type
+# checking only).
 
 
 class ModelRunner(Protocol):

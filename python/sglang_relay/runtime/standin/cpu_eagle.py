@@ -20,6 +20,11 @@ the factory's own refusal. Only the CPU stand-in uses this module.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch, ModelRunner
+
 # what the stand-in ``sgl_kernel`` resolves here
 OPS = ("assign_draft_cache_locs_contiguous_cpu", "build_tree_kernel_efficient_cpu")
 
@@ -145,16 +150,16 @@ def draft_extend_on_torch_native(original, factory, *args, **kwargs):
     return backend
 
 
-def _draft_step_backend(runner, step: int):
+def _draft_step_backend(runner: ModelRunner, step: int):
     """SGLang's ``TorchNativeAttnBackend`` for draft step ``step`` (one token per request):
     its decode sees the committed tokens and the drafts written up to this step."""
     from sglang_relay.runtime.sglang.server import torch_native_backend_class
 
     class DraftStep(torch_native_backend_class()):
-        def init_forward_metadata(self, forward_batch) -> None:
+        def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
             pass
 
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True):
             committed = forward_batch.seq_lens
             forward_batch.seq_lens = committed + (step + 1)
             try:
@@ -172,11 +177,11 @@ class TorchNativeMultiStepDraft:
     """The per-step container EAGLE's worker drives (``attn_backends[i]`` for draft step
     i, ``init_forward_metadata`` once per draft), for topk 1."""
 
-    def __init__(self, runner, topk: int, steps: int) -> None:
+    def __init__(self, runner: ModelRunner, topk: int, steps: int) -> None:
         self.topk, self.speculative_num_steps = topk, steps
         self.attn_backends = [_draft_step_backend(runner, i) for i in range(steps - 1)]
 
-    def init_forward_metadata(self, forward_batch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pass
 
 

@@ -20,10 +20,15 @@ code): it is what lets the CPU prove graph-mode decode for real.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_relay.runtime.state import STATE
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch, ModelRunner
 
 
 @torch.library.custom_op("sglang_relay::paged_decode_attention", mutates_args=("output",))
@@ -82,7 +87,9 @@ def graph_backend_class():
         def init_forward_metadata_capture_cpu_graph(self, *args, **kwargs) -> None:
             self.swa_out_cache_loc = None
 
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        def forward_decode(
+            self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs
+        ):
             if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1:
                 raise NotImplementedError(
                     "sglang-relay's CPU graph stand-in decodes full self-attention only; "
@@ -116,9 +123,9 @@ def define_missing_kernel(original, op_name: str):
     one is defined here with a kernel that raises the stand-in's error if it is ever called
     (the torch_native paths never call them)."""
     if not hasattr(torch.ops.sgl_kernel, op_name):
-        if not STATE.cpu_graph_placeholders:
-            STATE.cpu_graph_placeholders.append(torch.library.Library("sgl_kernel", "FRAGMENT"))
-        lib = STATE.cpu_graph_placeholders[0]
+        if STATE.cpu_graph_library is None:
+            STATE.cpu_graph_library = torch.library.Library("sgl_kernel", "FRAGMENT")
+        lib = STATE.cpu_graph_library
         lib.define(f"{op_name}(Tensor[] args) -> ()")
 
         def unavailable(*args, **kwargs):
@@ -145,7 +152,7 @@ def register_graph_backend() -> None:
         return
     cls: list = []
 
-    def factory(runner):
+    def factory(runner: ModelRunner):
         if not torch_compile_enabled(runner):
             return stock(runner)
         if not cls:

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_relay.runtime.sglang.views import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +189,7 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
         view[tgt] = view[src]
 
 
-def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
+def verify_attention(backend, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True):
     """``torch_native`` attention for a ``TARGET_VERIFY`` batch: request b's ``N`` draft
     rows (``out_cache_loc[b*N:(b+1)*N]``, written first) attend to its committed prefix
     (``req_to_token[req, :seq_len]``) and to the draft rows the tree mask
@@ -240,7 +244,9 @@ def verify_attention_unsupported(layer) -> str | None:
     return None
 
 
-def torch_native_with_verify(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+def torch_native_with_verify(
+    original, backend, q, k, v, layer, forward_batch: ForwardBatch, *args, **kwargs
+):
     """Around-hook of ``TorchNativeAttnBackend.forward_extend`` on the CPU stand-in: a
     ``TARGET_VERIFY`` batch takes :func:`verify_attention`, everything else SGLang's path."""
     mode = forward_batch.forward_mode
