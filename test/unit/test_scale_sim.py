@@ -1,4 +1,4 @@
-"""The scale-out simulation (benchmark/scale_sim.py) against independent references: a
+"""The scale-out simulation (research/studies/scale_sim.py) against independent references: a
 replay of the span store on one worker, analytic hit rates of round robin and chain keys,
 brute-force LRU and prefix-tree models, and the runtime's own ``SpanStore`` and
 ``DPRouter``."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "scale_sim.py"
+_PATH = Path(__file__).resolve().parents[2] / "research" / "studies" / "scale_sim.py"
 _SPEC = importlib.util.spec_from_file_location("scale_sim", _PATH)
 sim = importlib.util.module_from_spec(_SPEC)
 sys.modules["scale_sim"] = sim  # dataclasses resolve annotations through sys.modules

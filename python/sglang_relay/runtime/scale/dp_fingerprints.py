@@ -2,7 +2,7 @@
 rules the controller applies to them (:mod:`.dp_routing`): 32-token window hashes salted
 with the span's namespace, the messages a rank sends over its ``SOCK_SEQPACKET`` socket,
 which rank a prompt's matched windows favour. Pure functions and the publisher;
-``benchmark/scale_sim.py`` simulates policies with the rules."""
+``research/studies/scale_sim.py`` simulates policies with the rules."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def covered_tokens(starts: Sequence[int]) -> int:
     return int(np.minimum(gaps, WINDOW).sum()) + WINDOW
 
 
-# ---- the routing rules (pure; benchmark/scale_sim.py simulates policies with them) -----------
+# ---- the routing rules (pure; research/studies/scale_sim.py simulates policies with them) ----
 def key_worker(routing_key: str, active: Sequence[int]) -> int:
     """The rank for a routing key (a request with a key and no matched fingerprint): a
     stable hash of the key (blake2b, the same in every process) indexes the ``active`` ranks

@@ -101,9 +101,10 @@ def load_sglang_plugins() -> None:
 # SGLang's general plug-ins (entry-point group ``sglang.srt.plugins``) whose ``register`` only
 # registers hooks, chosen from the environment: relay's two (the plug-in and its CPU
 # stand-in, which also patches SGLang's CPU paths as its environment asks), the two of
-# smg-grpc-servicer (an SGLang dependency). Loaded in a process its children fork from, they give the children what
-# loading them in each child gives; an unknown plug-in might start a thread or read which
-# process it runs in, so with one installed each child loads the plug-ins itself.
+# smg-grpc-servicer (an SGLang dependency). Loaded in a process its children fork from, they
+# give the children what loading them in each child gives; an unknown plug-in might start a
+# thread or read which process it runs in, so with one installed each child loads the
+# plug-ins itself.
 ENV_ONLY_PLUGINS = frozenset({"relay", "relay-cpu", "smg-servicer", "smg-zmq"})
 
 

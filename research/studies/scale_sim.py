@@ -29,8 +29,8 @@ Policies: ``round_robin``, ``least_load`` (fewest requests in flight), ``prefix`
 
 Usage::
 
-    python benchmark/scale_sim.py [--quick] [--seed S] [--json OUT] [--plot PNG]
-    python benchmark/scale_sim.py --disagg [--json OUT]   # moving a span vs prefilling it
+    python research/studies/scale_sim.py [--quick] [--seed S] [--json OUT] [--plot PNG]
+    python research/studies/scale_sim.py --disagg [--json OUT]   # moving a span vs prefilling it
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ import numpy as np
 try:
     import sglang_relay  # noqa: F401
 except ImportError:  # running from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sglang_relay.runtime.scale.dp_fingerprints import WINDOW, fingerprint_choice, key_worker
 from sglang_relay.runtime.scale.dp_routing import DEFAULT_MAX_IMBALANCE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIN_SPAN = WINDOW  # the span store's min_match: shorter outputs are not recorded
 POLICIES = ("round_robin", "least_load", "prefix", "chain_key", "fingerprints", "fingerprints_key")
 CPU_POOL_TOKENS = 65_536  # `serve` on a CPU: --max-total-tokens 65536 (docs/configuration.md)
