@@ -4,8 +4,8 @@ Every row is one extend token. Normal rows (new tokens, whole plain requests) ru
 layer. Span rows (tokens whose KV is spliced from a recorded span) run only where their
 group's schedule says: densely in ``[l_start, l_det)`` from the span's stored hidden state
 at ``l_start``, and, if selected at ``l_det``, in ``[l_det, l_end]``. Elsewhere their
-spliced, re-rotated KV stands. The active rows change only at group phase boundaries, so
-attention is planned once per row set and run per layer (:mod:`.attention`).
+spliced, re-rotated KV stands. That schedule is a :class:`ExtendPlan`, run by the driver's
+one layer loop (:meth:`.layer_driver.LayerDriver.run`).
 
 The batch plan is built by :mod:`.planner`; nothing here calls back into it.
 """
@@ -24,8 +24,9 @@ from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.forward.attention import ExtendAttention, RowBatch
-from sglang_relay.runtime.forward.layer_driver import LayerDriver
-from sglang_relay.runtime.forward.lora_rows import info_for, installed, rows_swapped
+from sglang_relay.runtime.forward.layer_driver import LayerDriver, LayerPlan, RowSet, Stream
+from sglang_relay.runtime.forward.layer_driver import stream as stream_of
+from sglang_relay.runtime.forward.lora_rows import info_for, rows_swapped
 from sglang_relay.runtime.forward.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync, fingerprint
 from sglang_relay.runtime.stats import ChunkUse, RequestStats
@@ -157,6 +158,62 @@ def plan_fingerprint(plan: BatchPlan) -> list[int]:
     return [len(plan.groups), methods] + fingerprint(plan.span_rows, plan.span_src)
 
 
+class ExtendPlan(LayerPlan):
+    """The layers of a relay extend: normal rows run every layer; a group's span rows start
+    at ``l_start`` from their stored hidden state (injected at its entry), run densely to
+    ``l_det``, where detection selects the rows that run on to ``l_end``. Normal rows'
+    stream is stored at ``capture_layer``. The rows change only at group phase boundaries,
+    so each row set's attention is planned once and run per layer (:mod:`.attention`)."""
+
+    def __init__(self, fb: ForwardBatch, plan: BatchPlan, ledger: SlotLedger, normal_rows,
+                 positions, capture_layer, drv: LayerDriver):  # fmt: skip
+        self.fb, self.plan, self.ledger, self.drv = fb, plan, ledger, drv
+        self.normal_rows, self.positions, self.capture_layer = normal_rows, positions, capture_layer
+        self.normal_loc = fb.out_cache_loc[normal_rows]
+        self.lora_backend = plan.lora
+        self._phase: tuple | None = None
+        self._rows: RowSet | None = None
+
+    def enter(self, lid: int, stream: Stream) -> RowSet | None:
+        plan, ledger, normal = self.plan, self.ledger, self.normal_rows
+        if lid == self.capture_layer and normal.numel():
+            rows_r = None if stream.r is None else gather_rows(stream.r, normal)
+            ledger.store_hidden(self.normal_loc, stream_of(gather_rows(stream.h, normal), rows_r))
+        for g in plan.groups:
+            if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
+                # no row ran yet (a chunk made of span rows only): the residual starts here
+                r = stream.residual()
+                scatter_rows(stream.h, g.rows, gather_rows(ledger.hidden, g.src))
+                r[g.rows] = 0  # the stored stream is h + r: carry it in h
+            if lid == g.sched.l_det and lid <= g.sched.l_end:
+                detect_and_select(
+                    self.fb, self.drv, lid, g, stream.h, stream.r, ledger.influence, plan.tp,
+                    plan.lora,
+                )  # fmt: skip
+        phase = tuple(_phase(g, lid) for g in plan.groups)
+        if phase != self._phase:  # the active rows change at group boundaries only
+            self._phase = phase
+            parts = [normal]
+            for g, ph in zip(plan.groups, phase, strict=True):
+                if ph == "dense":
+                    parts.append(g.rows)
+                elif ph == "selected":
+                    parts.append(g.selected)
+            rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
+            self._rows = None
+            if rows.numel():
+                row_pos = self.positions[rows]
+                handle = plan.attention.plan(plan.batch, rows.cpu(), row_pos)
+                self._rows = RowSet(
+                    rows, row_pos, self.fb.out_cache_loc[rows],
+                    lambda lid, hd, q, k, v, handle=handle: plan.attention.run(
+                        handle, q, k, v, hd.scale
+                    ),
+                    info_for(plan.lora, rows),  # a LoRA server: each row's own adapter
+                )  # fmt: skip
+        return self._rows
+
+
 def relay_extend(
     drv: LayerDriver, input_ids, positions, fb: ForwardBatch, plan: BatchPlan, ledger: SlotLedger,
     capture_layer=None,
@@ -169,60 +226,14 @@ def relay_extend(
     ledger.stamp(fb.out_cache_loc[plan.normal_rows], with_hidden=capture_layer is not None)
     splice(fb, drv, plan)
     plan.attention.reset()
-    h = drv.embed(input_ids)
-    r = None
+    stream = Stream(drv.embed(input_ids))
     normal_rows, pre_r = plan.normal_rows, None
     if plan.probes:  # the rows before the first spans are final after the probe
-        pre_r = run_probe(drv, positions, fb, plan, h, ledger, capture_layer)
+        pre_r = run_probe(drv, positions, fb, plan, stream.h, ledger, capture_layer)
         if plan.probe_pre is not None and plan.probe_pre.numel():
             normal_rows = normal_rows[~torch.isin(normal_rows, plan.probe_pre)]
-    normal_loc = fb.out_cache_loc[normal_rows]
-    last_phase = rows = handle = row_pos = lora_info = None
-    for lid in range(drv.num_layers):
-        if lid == capture_layer and normal_rows.numel():
-            rows_h = gather_rows(h, normal_rows)
-            ledger.store_hidden(normal_loc, drv.stream(rows_h, gather_rows(r, normal_rows)))
-        for g in plan.groups:
-            if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
-                if r is None:  # no row ran yet (a chunk made of span rows only)
-                    r = torch.zeros_like(h)
-                scatter_rows(h, g.rows, gather_rows(ledger.hidden, g.src))
-                r[g.rows] = 0  # the stored stream is h + r: carry it in h
-            if lid == g.sched.l_det and lid <= g.sched.l_end:
-                detect_and_select(fb, drv, lid, g, h, r, ledger.influence, plan.tp, plan.lora)
-        phase = tuple(_phase(g, lid) for g in plan.groups)
-        if phase != last_phase:  # the active rows change at group boundaries only
-            last_phase = phase
-            parts = [normal_rows]
-            for g, ph in zip(plan.groups, phase, strict=True):
-                if ph == "dense":
-                    parts.append(g.rows)
-                elif ph == "selected":
-                    parts.append(g.selected)
-            rows = torch.cat(parts).sort().values if len(parts) > 1 else parts[0]
-            row_pos = positions[rows]
-            handle = plan.attention.plan(plan.batch, rows.cpu(), row_pos) if rows.numel() else None
-            lora_info = info_for(plan.lora, rows)  # a LoRA server: each row's own adapter
-        if handle is None:
-            continue
-        hd = drv.heads(lid)
-
-        def attend(q, k, v, rows=rows, handle=handle, lid=lid, hd=hd):
-            drv.write_kv(lid, fb.out_cache_loc[rows], k, v)
-            kbuf, vbuf = drv.kv(lid)
-            out = plan.attention.run(handle, q.reshape(-1, hd.q, hd.d), kbuf, vbuf, hd.scale)
-            return out.reshape(q.shape[0], -1)
-
-        # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
-        r_in = None if r is None else gather_rows(r, rows)
-        with installed(plan.lora, lora_info):
-            h_out, r_out = drv.layer(lid, row_pos, gather_rows(h, rows), r_in, fb, attend)
-        if r is None:
-            r = torch.zeros_like(h)
-        scatter_rows(h, rows, h_out)
-        scatter_rows(r, rows, r_out)
-    if r is None:  # no row was active anywhere: a chunk of span rows with nothing selected
-        r = torch.zeros_like(h)
+    layers = ExtendPlan(fb, plan, ledger, normal_rows, positions, capture_layer, drv)
+    r = drv.run(layers, stream, fb).residual()  # zeros if no row was active anywhere
     if pre_r is not None:
         scatter_rows(r, plan.probe_pre, pre_r)
-    return drv.final_norm(h, r)
+    return drv.final_norm(stream.h, r)

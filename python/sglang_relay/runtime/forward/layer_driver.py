@@ -1,9 +1,10 @@
 """The one object through which relay's own forwards drive the served decoder stack.
 
 Plain forwards are SGLang's (:mod:`.decode`). Three relay paths run SGLang's modules in an
-order of their own: the relay extend (:func:`.extend.relay_extend`, with its detection
-step), the last-row probe (:func:`.probe.run_probe`) and the context masses of a finished
-output (:func:`span_context`). They reach the model only through a
+order of their own: the relay extend (:class:`.extend.ExtendPlan`, with its detection
+step), the last-row probe (:class:`.probe.ProbePlan`) and the context masses of a finished
+output (:func:`span_context`). The first two are a :class:`LayerPlan` each, run by the one
+layer loop, :meth:`LayerDriver.run`. They reach the model only through a
 :class:`LayerDriver`, whose small interface says what they do with it:
 
 * ``embed(ids)`` / ``final_norm(h, r)``: the stack's ends;
@@ -12,6 +13,7 @@ output (:func:`span_context`). They reach the model only through a
 * ``qkv(l, positions, x)``: post-RoPE (and post q/k-norm) q, k, v of layer ``l``;
 * ``layer(l, positions, h, r, fb, attend)``: the whole layer on the given rows, with the
   caller's attention (``attend(q, k, v)``); returns ``(h, r)``;
+* ``run(plan, stream, fb)``: every layer on the rows a :class:`LayerPlan` says;
 * ``heads(l)``, ``kv(l)``, ``write_kv(l, loc, k, v)``: layer ``l``'s attention geometry and
   KV buffers;
 * ``splice(src, dst, cos, sin)``: every layer's KV of ``src`` slots copied to ``dst`` with
@@ -23,19 +25,20 @@ preparation, MLP block) are bound per layer when the driver is built, from the
 architecture's adapter (:mod:`.anatomy`); the start-up check has verified the model has
 what the adapter names, and that the SGLang functions this driver mirrors are the ones it
 was verified on (:mod:`.sglang.mirrors`). No state per batch: rows, positions and LoRA info
-stay with the caller.
+stay with the plan.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_relay.core.selection import context_mass
-from sglang_relay.runtime.forward.lora_rows import base_only
+from sglang_relay.runtime.forward.lora_rows import base_only, installed
 from sglang_relay.runtime.models.anatomy import (
     Anatomy,
     mlp_output,
@@ -45,7 +48,7 @@ from sglang_relay.runtime.models.anatomy import (
     split_qkv,
 )
 from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
-from sglang_relay_kernels import splice_rerotate
+from sglang_relay_kernels import gather_rows, scatter_rows, splice_rerotate
 
 if TYPE_CHECKING:
     from sglang_relay.runtime.sglang.views import ForwardBatch
@@ -81,6 +84,62 @@ class Heads:
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     """The residual stream entering a layer, from its ``(h, r)`` pair."""
     return h if r is None else h + r
+
+
+@dataclass(slots=True)
+class Stream:
+    """The residual stream of the rows a relay forward computes: ``h`` ``[rows, H]`` and
+    ``r`` (same shape; None until some layer ran: a layer's input norm then starts it)."""
+
+    h: torch.Tensor
+    r: torch.Tensor | None = None
+
+    def residual(self) -> torch.Tensor:
+        """``r``, zeros where no layer ran yet."""
+        if self.r is None:
+            self.r = torch.zeros_like(self.h)
+        return self.r
+
+
+# a row set's attention: (layer, its heads, q [n, q_heads, d], key and value buffers) ->
+# [n, q_heads, dv]; the rows' own K/V are in the buffers already
+RowAttention = Callable[[int, "Heads", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class RowSet:
+    """The rows that run one layer of a relay forward.
+
+    Attributes:
+        index: ``[n]`` int64 rows of the :class:`Stream`, ascending.
+        positions: ``[n]`` their token positions.
+        loc: ``[n]`` the KV slots their fresh K/V is written to.
+        attention: what their queries attend (:data:`RowAttention`).
+        lora: SGLang's LoRA batch info of these rows (None: no LoRA in this forward).
+    """
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    loc: torch.Tensor
+    attention: RowAttention
+    lora: Any = None
+
+
+class LayerPlan(ABC):
+    """What one relay forward does with the stack, layer by layer: which rows run each
+    layer and what happens at its entry (a stored hidden row injected into the stream, the
+    stream stored for later forwards, fresh K/V observed for detection).
+
+    :meth:`LayerDriver.run` calls :meth:`enter` once per layer, in order; a plan may decide
+    later layers' rows from what it observed at earlier ones (the detection layer's
+    selection)."""
+
+    lora_backend: Any = None  # SGLang's LoRA backend on a LoRA server
+
+    @abstractmethod
+    def enter(self, lid: int, stream: Stream) -> RowSet | None:
+        """Layer ``lid``'s entry events applied to ``stream``; the rows that run the layer
+        (None: no row does)."""
 
 
 class LayerDriver:
@@ -145,6 +204,32 @@ class LayerDriver:
         h = finish_row_parallel(attn.o_proj, h)
         x, r = self.layers[l].post_attention_layernorm(h, r)
         return self.mlp(l, x, fb), r
+
+    def run(self, plan: LayerPlan, stream: Stream, fb: ForwardBatch) -> Stream:
+        """The one loop of every relay forward: each layer on the rows ``plan`` says, their
+        fresh K/V written to their slots, then their attention; the rows' ``(h, r)``
+        scattered back into ``stream``."""
+        for lid in range(self.num_layers):
+            rows = plan.enter(lid, stream)
+            if rows is None:
+                continue
+            hd = self._heads[lid]
+
+            def attend(q, k, v, lid=lid, hd=hd, rows=rows):
+                self.write_kv(lid, rows.loc, k, v)
+                kbuf, vbuf = self.kv(lid)
+                out = rows.attention(lid, hd, q.reshape(-1, hd.q, hd.d), kbuf, vbuf)
+                return out.reshape(q.shape[0], -1)
+
+            # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
+            r_in = None if stream.r is None else gather_rows(stream.r, rows.index)
+            with installed(plan.lora_backend, rows.lora):
+                h_out, r_out = self.layer(
+                    lid, rows.positions, gather_rows(stream.h, rows.index), r_in, fb, attend
+                )
+            scatter_rows(stream.h, rows.index, h_out)
+            scatter_rows(stream.residual(), rows.index, r_out)
+        return stream
 
     # ---- KV --------------------------------------------------------------------------------
     def heads(self, l: int) -> Heads:  # noqa: E741

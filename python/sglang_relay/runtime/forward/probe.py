@@ -26,8 +26,9 @@ import torch
 from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
 from sglang_relay.runtime.cache.side_data import SlotLedger
-from sglang_relay.runtime.forward.layer_driver import LayerDriver
-from sglang_relay.runtime.forward.lora_rows import info_for, installed
+from sglang_relay.runtime.forward.layer_driver import LayerDriver, LayerPlan, RowSet, Stream
+from sglang_relay.runtime.forward.layer_driver import stream as stream_of
+from sglang_relay.runtime.forward.lora_rows import info_for
 from sglang_relay_kernels import gather_rows, scatter_rows
 
 if TYPE_CHECKING:
@@ -64,6 +65,64 @@ def pre_span_rows(targets: list[ProbeTarget], row_starts: list[int], prefix_lens
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
+class ProbePlan(LayerPlan):
+    """The probe's layers: its rows (the pre rows, then each target's last row; a compact
+    stream of their own) run every layer; the pre rows attend through the batch's extend
+    attention, each last row over the slots it sees in plain torch, its attention on its
+    spans summed over the probe layers (``sums``). The pre rows' stream is stored at
+    ``capture_layer``."""
+
+    def __init__(self, drv: LayerDriver, positions, fb: ForwardBatch, plan, ledger: SlotLedger,
+                 capture_layer, device):  # fmt: skip
+        targets, pre = plan.probes, plan.probe_pre  # device rows
+        last = torch.tensor([t.row for t in targets], dtype=torch.int64, device=device)
+        self.batch_rows = rows = torch.cat([pre, last])  # the stream's rows in the batch
+        self.plan, self.ledger, self.capture_layer = plan, ledger, capture_layer
+        self.n_pre = n_pre = pre.numel()
+        self.handle = plan.attention.plan(plan.batch, pre.cpu(), positions[pre]) if n_pre else None
+        self.summed = set(probe_layers(drv.num_layers))  # the layers whose attention counts
+        self.sums = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=device) for t in targets]
+        self.lora_backend = plan.lora
+        # per target, the slots its last row sees (context before the first span, the spans,
+        # itself) and where its spans sit among them: the same in every layer
+        self.visible, self.where = [], []
+        for t in targets:
+            slots = plan.batch.slots[t.req]
+            span_pos = positions[plan.groups[t.group].rows[t.lo : t.hi]].to(slots.device)
+            own = positions[t.row : t.row + 1].to(slots.device)
+            head = torch.arange(t.first, device=slots.device)
+            self.visible.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
+            self.where.append(slice(t.first, t.first + t.hi - t.lo))
+        index = torch.arange(rows.numel(), device=device)
+        # the same rows in every layer, and their LoRA info
+        self.rows = RowSet(
+            index, positions[rows], fb.out_cache_loc[rows], self.attend, info_for(plan.lora, rows)
+        )
+
+    def enter(self, lid: int, stream: Stream) -> RowSet:
+        n_pre = self.n_pre
+        if lid == self.capture_layer and n_pre:
+            rows_r = None if stream.r is None else stream.r[:n_pre]
+            self.ledger.store_hidden(self.rows.loc[:n_pre], stream_of(stream.h[:n_pre], rows_r))
+        return self.rows
+
+    def attend(self, lid: int, hd, q, kbuf, vbuf):
+        n_pre = self.n_pre
+        out = q.new_empty((q.shape[0], hd.q, vbuf.shape[-1]))
+        if self.handle is not None:
+            out[:n_pre] = self.plan.attention.run(self.handle, q[:n_pre], kbuf, vbuf, hd.scale)
+        for j, (vis, where) in enumerate(zip(self.visible, self.where, strict=True)):
+            keys, vals = kbuf[vis].float(), vbuf[vis].float()
+            seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
+            qj = q[n_pre + j : n_pre + j + 1].float()
+            probs = attention_probs(qj, keys, seen, hd.scale)  # [1, Hkv, group, T]
+            if lid in self.summed:
+                self.sums[j] += probs[0].mean((0, 1))[where]
+            o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, hd.q, -1)
+            out[n_pre + j] = o[0].to(out.dtype)
+        return out
+
+
 def run_probe(
     drv: LayerDriver, positions, fb: ForwardBatch, plan, h, ledger: SlotLedger, capture_layer
 ):
@@ -71,65 +130,19 @@ def run_probe(
     (``plan.probe_pre``) for good, their final ``h`` scattered into ``h`` and their hidden
     state stored at ``capture_layer``, and sets each probing group's ``probed`` scores.
     Returns the pre rows' final residual (``None`` if there are none)."""
-    targets = plan.probes
-    pre = plan.probe_pre  # device rows
-    last = torch.tensor([t.row for t in targets], dtype=torch.int64, device=h.device)
-    rows = torch.cat([pre, last])
-    n_pre = pre.numel()
-    row_pos = positions[rows]
-    handle = plan.attention.plan(plan.batch, pre.cpu(), positions[pre]) if n_pre else None
-    hp = gather_rows(h, rows)
-    rp = None
-    layers = set(probe_layers(drv.num_layers))
-    att = [torch.zeros(t.hi - t.lo, dtype=torch.float32, device=h.device) for t in targets]
-    loc = fb.out_cache_loc[rows]
-    lora_info = info_for(plan.lora, rows)  # the same rows in every layer
-    # per target, the slots its last row sees (context before the first span, the spans,
-    # itself) and where its spans sit among them: the same in every layer
-    vis, where = [], []
-    for t in targets:
-        slots = plan.batch.slots[t.req]
-        span_pos = positions[plan.groups[t.group].rows[t.lo : t.hi]].to(slots.device)
-        own = positions[t.row : t.row + 1].to(slots.device)
-        head = torch.arange(t.first, device=slots.device)
-        vis.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
-        where.append(slice(t.first, t.first + t.hi - t.lo))
-    for lid in range(drv.num_layers):
-        if lid == capture_layer and n_pre:
-            rows_r = None if rp is None else rp[:n_pre]
-            ledger.store_hidden(loc[:n_pre], drv.stream(hp[:n_pre], rows_r))
-        hd = drv.heads(lid)
-
-        def attend(q, k, v, hd=hd, lid=lid):
-            drv.write_kv(lid, loc, k, v)
-            kbuf, vbuf = drv.kv(lid)
-            q = q.reshape(-1, hd.q, hd.d)
-            out = q.new_empty((q.shape[0], hd.q, vbuf.shape[-1]))
-            if handle is not None:
-                out[:n_pre] = plan.attention.run(handle, q[:n_pre], kbuf, vbuf, hd.scale)
-            for j in range(len(targets)):
-                keys, vals = kbuf[vis[j]].float(), vbuf[vis[j]].float()
-                seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
-                qj = q[n_pre + j : n_pre + j + 1].float()
-                probs = attention_probs(qj, keys, seen, hd.scale)  # [1, Hkv, group, T]
-                if lid in layers:
-                    att[j] += probs[0].mean((0, 1))[where[j]]
-                o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, hd.q, -1)
-                out[n_pre + j] = o[0].to(out.dtype)
-            return out.reshape(q.shape[0], -1)
-
-        with installed(plan.lora, lora_info):
-            hp, rp = drv.layer(lid, row_pos, hp, rp, fb, attend)
+    probe = ProbePlan(drv, positions, fb, plan, ledger, capture_layer, h.device)
+    n_pre = probe.n_pre
+    stream = drv.run(probe, Stream(gather_rows(h, probe.batch_rows)), fb)
     if n_pre:
-        scatter_rows(h, pre, hp[:n_pre])
+        scatter_rows(h, plan.probe_pre, stream.h[:n_pre])
     tp = plan.tp
-    for j, t in enumerate(targets):
+    for j, t in enumerate(plan.probes):
         g = plan.groups[t.group]
-        a = att[j] / len(layers)
+        a = probe.sums[j] / len(probe.summed)
         mass = g.context[t.lo : t.hi]
         if tp is not None:  # each rank saw its own heads: the TP group's means
             a, mass = tp.mean(a), tp.mean(mass)
         if g.probed is None:
             g.probed = torch.full_like(g.context, float("nan"))
         g.probed[t.lo : t.hi] = probed_mass(mass, a, g.cfg.probe)
-    return rp[:n_pre] if n_pre else None
+    return stream.r[:n_pre] if n_pre else None
