@@ -53,6 +53,7 @@ def test_splice_rerotate_matches_reference(kern, heads, dim, rot_dim, is_neox, d
     cos, sin = delta_cos_sin(cache, delta)
 
     k_ref, v_ref = [t.clone() for t in k], [t.clone() for t in v]
+    k_src = [t[src].clone() for t in k]  # what the source slots held
     splice.splice_rerotate_ref(k_ref, v_ref, src, dst, cos, sin, is_neox=is_neox)
     kd, vd = [t.to(DEV) for t in k], [t.to(DEV) for t in v]
     on = [x.to(DEV) for x in (src, dst, cos, sin)]
@@ -62,6 +63,9 @@ def test_splice_rerotate_matches_reference(kern, heads, dim, rot_dim, is_neox, d
     for layer in range(layers):
         torch.testing.assert_close(k[layer], k_ref[layer], atol=tol, rtol=tol)
         assert torch.equal(v[layer], v_ref[layer])
+        # partial rotary (GLM-4.x, MiniMax-M2): the dims past rot_dim never move, bit for bit
+        assert torch.equal(k[layer][dst][..., rot_dim:], k_src[layer][..., rot_dim:])
+        assert torch.equal(k_ref[layer][dst][..., rot_dim:], k_src[layer][..., rot_dim:])
     # the reference is itself re-rotation: spot-check one layer against rerotate_keys
     expect = rerotate_keys(k_ref[0][src], delta, cache, is_neox=is_neox)
     torch.testing.assert_close(k[0][dst], expect, atol=tol, rtol=tol)

@@ -7,8 +7,10 @@ loading fused qkv / gate_up checkpoint weights), and Qwen3-MoE (Qwen3's attentio
 SGLang's unfused q/k-norm + RoPE sequence, a sparse block of 8 experts, top 2, in every
 layer; also under ``--tp 2``, where each rank holds half of every expert and the loop sums
 the experts' partial outputs), Qwen2-MoE (Qwen2's attention with a routed block plus a
-sigmoid-gated shared expert) and Mixtral (Mistral's attention, the sparse block under
-``block_sparse_moe``, called without the forward batch).
+sigmoid-gated shared expert), Mixtral (Mistral's attention, the sparse block under
+``block_sparse_moe``, called without the forward batch) and GLM-4.5 (partial rotary: half
+of each 64-dim head rotates, under YaRN; a sigmoid-routed block with a shared expert after
+a dense first layer).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -42,14 +44,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 @pytest.mark.parametrize(
     "arch, tp",
     [
-        # CI (`make test`) serves one dense and one MoE adapter (Qwen3: per-head q/k norms,
-        # a head dim other than hidden / heads; Qwen3-MoE: router, top-k, fused experts);
+        # CI (`make test`) serves one dense and two MoE adapters (Qwen3: per-head q/k norms,
+        # a head dim other than hidden / heads; Qwen3-MoE: router, top-k, fused experts;
+        # GLM-4.5: partial rotary under YaRN, a shared expert, a dense first layer);
         # TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE at tp 2, Qwen2,
         # Qwen2-MoE (shared expert), Mixtral, Mistral and Phi-3. Each adapter's reference
         # executor == its Hugging Face forward in CI (test/unit/test_anatomy.py).
         pytest.param("qwen2", 1, marks=pytest.mark.full),
         ("qwen3", 1),
         ("qwen3_moe", 1),
+        ("glm4_moe", 1),
         pytest.param("qwen3_moe", 2, marks=pytest.mark.full),
         pytest.param("qwen2_moe", 1, marks=pytest.mark.full),
         pytest.param("mixtral", 1, marks=pytest.mark.full),

@@ -242,7 +242,8 @@ def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():
         (Attn(radix=Radix(logit_cap=30.0)), "logit cap"),
         (Attn(radix=Radix(sliding_window_size=4096)), "sliding-window"),
         (Attn(radix=Radix(k_scale=torch.tensor(0.5))), "scaled (quantized) KV"),
-        (Attn(rope=Rope(rotary_dim=32)), "partial rotary"),
+        (Attn(rope=Rope(rotary_dim=33)), "rotary_dim 33 of head size 64"),
+        (Attn(rope=Rope(rotary_dim=128)), "rotary_dim 128 of head size 64"),
         (Attn(rope=_shifted_rope()), "positions start at -8192"),
         (Attn(radix=Radix(v_head_dim=32)), "v head dim"),
     ],
@@ -250,6 +251,12 @@ def test_qk_norms_under_the_llama_adapter_are_refused_not_dropped():
 def test_what_the_loop_would_not_run_is_refused_in_any_layer(attn, words):
     out = problems("LlamaForCausalLM", stack(Attn(), attn))
     assert len(out) == 1 and out[0].startswith("layers[1]") and words in out[0]
+
+
+def test_partial_rotary_is_served():
+    """GLM-4.x and MiniMax-M2 rotate the first half of each head: a prefix of even length
+    passes (the splice turns those dims alone; test_splice_keeps_the_unrotated_dims)."""
+    assert problems("LlamaForCausalLM", stack(Attn(rope=Rope(rotary_dim=32)))) == []
 
 
 def test_unknown_rope_and_unknown_architecture_are_refused():

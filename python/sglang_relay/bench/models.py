@@ -64,6 +64,30 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [],
         },
     ),
+    # GLM-4.5: partial rotary (half of a 64-dim head), YaRN, 8 sigmoid-routed experts (top
+    # 2) and a shared expert, the first layer dense
+    "glm4_moe": (
+        "Glm4Moe",
+        {
+            "head_dim": 64,
+            "partial_rotary_factor": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 4096,
+                "partial_rotary_factor": 0.5,
+            },
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "use_qk_norm": False,
+        },
+    ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",

@@ -100,8 +100,11 @@ class RefModel:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.rope(positions)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        return q, k, v
+        rot = cos.shape[-1]  # partial rotary (GLM-4.x): the first rot dims turn, the rest stay
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos, sin, unsqueeze_dim=1)
+        if rot == self.head_dim:
+            return q_rot, k_rot, v
+        return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1), v
 
     @staticmethod
     def mlp(layer: Any, x: torch.Tensor) -> torch.Tensor:

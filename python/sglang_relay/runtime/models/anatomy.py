@@ -8,8 +8,9 @@ q/k/v preparation (``forward_prepare_native``: projection, any per-head q/k norm
 attention (relay's, over the request's KV), ``o_proj``, ``post_attention_layernorm``,
 ``mlp``. Only the attention kernel is relay's. What an architecture adds inside its
 attention block therefore comes with SGLang's module, and what the loop would not run
-(a module the adapter does not list, a logit cap, a sliding window, partial rotary, KV
-scales) refuses the server at start-up instead of being dropped silently.
+(a module the adapter does not list, a logit cap, a sliding window, KV scales) refuses
+the server at start-up instead of being dropped silently. Partial rotary is served: only a
+key's rotary dims move with its position.
 
 Pure data plus checks on live modules; SGLang's dotted names live in
 :mod:`sglang_relay.runtime.sglang` and the adapters (their forward targets, gathered here
@@ -149,6 +150,14 @@ def rotation_table(rope):
 _ROTATION_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _rotates_a_prefix(rope) -> bool:
+    """Whether ``rope`` rotates pairs within the first ``rotary_dim`` (even, at most the head
+    size) dims of each head, all of them (full rotary) or a prefix (partial rotary: GLM-4.x,
+    MiniMax-M2); the re-rotation then turns those alone (``core/rope.py``)."""
+    rot, head = getattr(rope, "rotary_dim", None), getattr(rope, "head_size", None)
+    return isinstance(rot, int) and isinstance(head, int) and 0 < rot <= head and rot % 2 == 0
+
+
 def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) -> list[str]:
     """What in the served decoder stack ``model`` the relay loop of ``anatomy`` would not
     run as SGLang does (empty: nothing). Checks every layer."""
@@ -198,9 +207,9 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
             )
         elif getattr(rope, "position_start", 0) != 0:  # the table's row p is not angle p
             problems.append(f"{where}: RoPE positions start at {rope.position_start}")
-        elif getattr(rope, "rotary_dim", None) != getattr(rope, "head_size", None):
-            problems.append(f"{where}: partial rotary (rotary_dim {rope.rotary_dim} of "
-                            f"{rope.head_size})")  # fmt: skip
+        elif not _rotates_a_prefix(rope):  # partial rotary: the dims after rotary_dim stay
+            problems.append(f"{where}: rotary_dim {getattr(rope, 'rotary_dim', None)} of head "
+                            f"size {getattr(rope, 'head_size', None)}")  # fmt: skip
         if getattr(ra, "logit_cap", 0) not in (0, 0.0, None):
             problems.append(f"{where}: attention logit cap {ra.logit_cap}")
         if getattr(ra, "sliding_window_size", -1) not in (-1, None):

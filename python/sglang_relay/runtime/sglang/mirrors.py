@@ -45,6 +45,7 @@ SHARED = (
 
 # The SGLang model modules whose classes the adapters serve (what --record walks).
 MODEL_MODULES = (
+    "sglang.srt.models.glm4_moe",
     "sglang.srt.models.llama",
     "sglang.srt.models.mixtral",
     "sglang.srt.models.qwen2",
