@@ -5,7 +5,7 @@ idle and beside one busy process (a Python spin loop), per policy.
 
 ``default`` is OpenMP's own (libgomp: spin 300,000 iterations, then sleep), passed as
 ``GOMP_SPINCOUNT=300000`` because ``serve`` sets ``OMP_WAIT_POLICY=PASSIVE`` when neither
-is given (``runtime/standin/cpu.py: serve_defaults``). Results: docs/results.md ("OpenMP waits").
+is given (``cpu_setup.py: serve_defaults``). Results: docs/results.md ("OpenMP waits").
 """
 
 from __future__ import annotations

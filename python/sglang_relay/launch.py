@@ -25,9 +25,9 @@ def build_server_argv(
     127.0.0.1``, ``--radix-cache-backend relay``, on a GPU ``--disable-prefill-cuda-graph``
     (relay extends run eager) and ``--attention-backend flashinfer``, and, on a CPU-only
     machine, the flags the CPU needs (see
-    :mod:`sglang_relay.runtime.standin.cpu`). User flags always win.
+    :mod:`sglang_relay.cpu_setup`). User flags always win.
     """
-    from sglang_relay.runtime.standin.cpu import DEFAULT_CPU_MAX_TOTAL_TOKENS
+    from sglang_relay.cpu_setup import DEFAULT_CPU_MAX_TOTAL_TOKENS
 
     out = list(argv)
     if not has_flag(out, "--model-path"):
@@ -239,8 +239,8 @@ def given_flags(argv: list[str]) -> set[str]:
 def apply_cpu_serve_defaults(argv: list[str]) -> list[str]:
     """On a CPU-only machine, add the flags and set the environment (inherited by SGLang's
     spawned processes) that the served shape needs, where the user set none
-    (:func:`sglang_relay.runtime.standin.cpu.serve_defaults`)."""
-    from sglang_relay.runtime.standin import cpu
+    (:func:`sglang_relay.cpu_setup.serve_defaults`)."""
+    from sglang_relay import cpu_setup as cpu
 
     view = parse_server_view(argv)
     flags, env = cpu.serve_defaults(
@@ -255,7 +255,7 @@ def apply_cpu_serve_defaults(argv: list[str]) -> list[str]:
 
 def prepare(argv: list[str]) -> list[str]:
     """Everything ``sglang-relay serve`` checks before handing argv to SGLang."""
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     plain = "--no-relay" in argv  # plain SGLang with the same defaults, for comparisons
     argv = [a for a in argv if a != "--no-relay"]

@@ -26,7 +26,8 @@ from relay_helpers import (
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.config.settings import settings_from_env
-from sglang_relay.runtime.standin.cpu import CPU_FP8_KV_ENV, cuda_available
+from sglang_relay.runtime.platform import cuda_available
+from sglang_relay.runtime.standin.cpu import CPU_FP8_KV_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

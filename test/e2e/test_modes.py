@@ -81,8 +81,8 @@ def test_sglangs_own_launcher_is_refused_before_any_child_starts(model_dir, tmp_
     ``sglang-relay serve``: the plug-in, loaded by SGLang's launcher, refuses before the
     launcher starts a scheduler (which would refuse too, with the same message, once its
     imports are done: test/unit/test_modes_resolved.py builds the cache with it)."""
+    from sglang_relay import cpu_setup as cpu
     from sglang_relay.process import free_port
-    from sglang_relay.runtime.standin import cpu
 
     env = dict(os.environ)
     if cpu.activate():

@@ -29,7 +29,7 @@ CHAINS = 8
 OUT = 40  # upstream outputs: 39-token spans (>= min_span 32)
 
 
-# no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
+# no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu_setup.serve_defaults)
 dp_server = server_fixture("--dp-size", "2")
 
 

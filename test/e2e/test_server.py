@@ -27,9 +27,10 @@ def test_on_the_cpu_the_servers_processes_fork_from_one_preloaded_process(server
     once, instead of each being spawned and importing SGLang again."""
     import psutil
 
+    from sglang_relay.runtime.platform import cuda_available
     from sglang_relay.runtime.standin import cpu
 
-    if cpu.cuda_available():
+    if cuda_available():
         pytest.skip("on a GPU SGLang spawns its processes")
     launcher = psutil.Process(server.proc.pid)
     (fork_server,) = [

@@ -55,7 +55,7 @@ def tp_model(model_dir, tmp_path_factory) -> Path:
 
 
 def test_tp2_with_graph_decode_relays_what_the_reference_computes(tp_model):
-    # no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu.serve_defaults)
+    # no SGLANG_CPU_OMP_THREADS_BIND: `serve` binds the two ranks itself (cpu_setup.serve_defaults)
     env = {"SGLANG_RELAY_CONFIG": json.dumps(RELAY_CONFIG)}
     settings = settings_from_env(str(tp_model), env)
     args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]

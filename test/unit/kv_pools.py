@@ -20,9 +20,10 @@ def cpu_kv_pools(
     host_tokens: int | None = None,
     layout: str = "layer_first",
 ) -> SimpleNamespace:
+    from sglang_relay import cpu_setup
     from sglang_relay.runtime.standin import cpu
 
-    cpu.activate()
+    cpu_setup.activate()
     from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope

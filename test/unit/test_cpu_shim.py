@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from sglang_relay.runtime.standin.cpu import SHIM_DIR
+from sglang_relay.cpu_setup import SHIM_DIR
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -304,7 +304,7 @@ def test_a_picked_port_another_server_answers_on_is_not_taken_for_the_child(monk
 
 
 def test_cpu_thread_binding_splits_the_cores_evenly():
-    from sglang_relay.runtime.standin.cpu import threads_bind
+    from sglang_relay.cpu_setup import threads_bind
 
     assert threads_bind(2, [0, 1]) == "0|1"
     assert threads_bind(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
@@ -316,8 +316,8 @@ def test_cpu_thread_binding_splits_the_cores_evenly():
 
 def _cpu_serve_env(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict]:
     """`serve`'s CPU defaults for argv under environ, as the launcher computes them."""
+    from sglang_relay import cpu_setup as cpu
     from sglang_relay.launch import given_flags, parse_server_view
-    from sglang_relay.runtime.standin import cpu
 
     view = parse_server_view(["--model-path", "/m", *argv])
     return cpu.serve_defaults(
@@ -329,7 +329,7 @@ def _cpu_serve_env(argv: list[str], environ: dict[str, str]) -> tuple[list[str],
 
 
 def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
@@ -346,7 +346,7 @@ def test_cpu_serve_defaults_for_the_shape_served(monkeypatch):
 
 
 def test_cpu_serve_defaults_never_override_the_user(monkeypatch):
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu, "numa_node_count", lambda: 1)
@@ -361,7 +361,7 @@ def test_cpu_serve_defaults_never_override_the_user(monkeypatch):
 
 
 def test_cpu_serve_defaults_leave_a_gpu_machine_alone(monkeypatch):
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     monkeypatch.setattr(cpu, "cuda_available", lambda: True)
     assert _cpu_serve_env(["--tp-size", "2", "--enable-torch-compile"], {}) == ([], {})

@@ -18,9 +18,10 @@ _SCRIPT = r"""
 import os, sys
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from types import SimpleNamespace
+from sglang_relay.runtime.platform import CPU_STANDIN_ENV
 from sglang_relay.runtime.standin import cpu
 os.environ[cpu.CPU_LORA_ENV] = "1"
-os.environ[cpu.CPU_STANDIN_ENV] = "1"
+os.environ[CPU_STANDIN_ENV] = "1"
 cpu.pinning_off()
 import torch
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend

@@ -38,7 +38,7 @@ def _keep_environment():
 @pytest.fixture(scope="module")
 def cpu_args(model_dir):
     """Arguments every resolution here shares: the embedded model on this CPU."""
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     cpu.activate()
     return ["--model-path", str(model_dir), "--device", "cpu"]

@@ -69,7 +69,7 @@ def test_every_allocator_free_path_then_reuse_invalidates_the_span():
     are handed out again and a forward writes them, the span's check fails; until then the
     KV is untouched and the span stays valid."""
     pytest.importorskip("sglang")
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -116,7 +116,7 @@ def test_owned_pages_are_whole_pages_of_sglangs_paged_allocator():
     by freeing the span's slots: exactly those pages return, and no page of the row
     outside them (checked on SGLang's own allocator)."""
     pytest.importorskip("sglang")
-    from sglang_relay.runtime.standin import cpu
+    from sglang_relay import cpu_setup as cpu
 
     cpu.activate()
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator

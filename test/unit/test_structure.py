@@ -72,9 +72,6 @@ RUNTIME = "sglang_relay.runtime"
 LAYERS = ("base", "models", "sglang", "config", "cache", "forward", "sched", "scale", "top")
 TOP = {"runtime", "radix_cache", "plugin"}
 STANDIN = f"{RUNTIME}.standin"
-# outside the runtime, the one module that may import the CPU stand-in: ``serve`` sets a CPU
-# machine up (``standin.cpu.activate``, its server defaults) before SGLang is imported
-STANDIN_USERS = {"sglang_relay.launch"}
 
 
 def _layer(module: str) -> str | None:
@@ -95,7 +92,7 @@ def _layer_violations(root: Path = PACKAGE) -> list[str]:
         for dep in sorted(_imports(name, path, known)):
             theirs = _layer(dep)
             if dep == STANDIN or dep.startswith(STANDIN + "."):
-                if mine != "standin" and name not in STANDIN_USERS:
+                if mine != "standin":
                     out.append(f"{name} imports the CPU stand-in {dep}")
             elif mine == "standin":
                 if theirs == "top":
@@ -109,8 +106,8 @@ def _layer_violations(root: Path = PACKAGE) -> list[str]:
 
 
 def test_the_runtime_keeps_its_layer_map():
-    """runtime/__init__.py's map: no layer imports a later one, nothing imports the CPU
-    stand-in but the stand-in and ``serve``'s machine set-up, core imports no runtime."""
+    """runtime/__init__.py's map: no layer imports a later one, no module outside the CPU
+    stand-in imports it, core imports no runtime."""
     assert set(LAYERS) - {"base", "top"} | {"standin"} == {
         p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").exists()
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_relay.runtime.standin.cpu import SHIM_DIR
+from sglang_relay.cpu_setup import SHIM_DIR
 
 _RUN_ALL = r"""
 cases = torch.load(sys.argv[1])

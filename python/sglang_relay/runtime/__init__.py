@@ -21,7 +21,7 @@ layers below it, never one above (``test/unit/test_structure.py`` enforces the m
                      :mod:`.radix_cache` (SGLang's tree cache that owns it), :mod:`.plugin`
                      (the entry point that registers every hook)
  -    standin        CPU stand-ins for GPU-only SGLang paths; registered by its own entry
-                     point, only where ``sglang-relay`` set the CPU stand-in up. Nothing in
-                     layers 0-8 imports it.
+                     point, only where ``sglang-relay`` set the CPU stand-in up. No module
+                     outside it imports it (``sglang_relay.cpu_setup`` names its shim folder).
 ====  =============  =========================================================================
 """

@@ -20,13 +20,14 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-# set by ``standin.cpu.activate`` (``sglang-relay serve``, the tests): the stand-in's hooks are on
+# set by ``sglang_relay.cpu_setup.activate`` (``sglang-relay serve``, the tests): the
+# stand-in's hooks are on
 CPU_STANDIN_ENV = "SGLANG_RELAY_CPU_STANDIN"
 
 
 def cpu_engine_active() -> bool:
     """Whether this process serves on the CPU as relay's stand-in set it up (set by
-    ``standin.cpu.activate``, inherited by the processes SGLang spawns). SGLang's own
+    ``sglang_relay.cpu_setup.activate``, inherited by the processes SGLang spawns). SGLang's own
     ``SGLANG_USE_CPU_ENGINE=1`` alone is not enough: a plain SGLang server on a CPU host
     with the package installed keeps SGLang's behaviour, untouched."""
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and os.environ.get(CPU_STANDIN_ENV) == "1"

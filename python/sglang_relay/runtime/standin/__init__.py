@@ -2,8 +2,7 @@
 here. None of it is relay's method; every piece replaces one GPU-only SGLang path with the
 smallest equivalent that runs on a CPU, tested against SGLang's own kernel where one exists.
 
-* :mod:`.cpu`: the process set-up (``activate``: the ``sgl_kernel`` shim on the path, CPU
-  server defaults) and the hooks that keep SGLang's CPU paths alive (no PyNccl, forkserver
+* :mod:`.cpu`: the hooks that keep SGLang's CPU paths alive (no PyNccl, forkserver
   children, FP8 KV pools, unpinned LoRA and HiCache host memory, the PD sender);
 * :mod:`.cpu_graph`: the CPU graph runner's attention backend and placeholder kernels;
 * :mod:`.cpu_spec`, :mod:`.cpu_eagle`: NGRAM and EAGLE's CUDA ops in torch;
@@ -13,8 +12,8 @@ smallest equivalent that runs on a CPU, tested against SGLang's own kernel where
 
 Registered by :func:`register` alone, SGLang's plug-in ``relay-cpu`` (its own entry point, so
 nothing else in :mod:`sglang_relay.runtime` imports this package). It registers nothing
-unless ``sglang-relay`` set this process up as the CPU stand-in
-(:func:`sglang_relay.runtime.platform.cpu_engine_active`, which needs CUDA absent): a GPU
+unless ``sglang-relay`` set this process up as the CPU stand-in (``sglang_relay.cpu_setup``:
+:func:`sglang_relay.runtime.platform.cpu_engine_active`, which needs CUDA absent): a GPU
 install loads the module and returns. May import: any layer of the runtime but the top.
 """
 

@@ -33,7 +33,7 @@ INT8_MAX = 127.0
 
 
 def standin_opted_in() -> bool:
-    from sglang_relay.runtime.standin.cpu import cpu_engine_active
+    from sglang_relay.runtime.platform import cpu_engine_active
 
     return cpu_engine_active() and os.environ.get(CPU_INT8_PT_ENV) == "1"
 

@@ -1,4 +1,4 @@
-"""CPU stand-in for ``sgl_kernel`` (put on sys.path by sglang_relay.runtime.standin.cpu only).
+"""CPU stand-in for ``sgl_kernel`` (put on sys.path by sglang_relay.cpu_setup only).
 
 The PyPI wheel of sgl-kernel needs libcuda and its CPU build is not on PyPI, yet SGLang
 imports a few of its names at start-up even when it never calls them on the CPU. Every
