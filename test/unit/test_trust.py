@@ -24,11 +24,11 @@ class Req:  # a request object as SGLang builds it: fields only
 
 
 @pytest.fixture(scope="module")
-def gate(model_dir):
+def validator(model_dir):
     return trust.RequestValidator(settings_from_env(str(model_dir), {}), 30, 49152)
 
 
-def test_private_keys_are_removed_from_client_requests(gate):
+def test_private_keys_are_removed_from_client_requests(validator):
     params = {
         "max_new_tokens": 4,
         "custom_params": {
@@ -39,18 +39,18 @@ def test_private_keys_are_removed_from_client_requests(gate):
         },
     }
     obj = Req(params)
-    gate.admit(obj)
+    validator.admit(obj)
     assert obj.sampling_params["custom_params"] == {"mine": 2}
     batch = Req([{"custom_params": {GUARD_KEY: {}}}, {"custom_params": None}])
-    gate.admit(batch)
+    validator.admit(batch)
     assert batch.sampling_params[0]["custom_params"] == {}
 
 
-def test_the_guards_own_redo_keeps_its_note(gate):
+def test_the_guards_own_redo_keeps_its_note(validator):
     first = Req({"max_new_tokens": 64, "custom_params": {"relay": "relay"}})
     out = {"meta_info": {"relay": {"reused_tokens": 7}, "prompt_tokens": 3}}
     redo = redo_request(first, out)
-    gate.admit(redo)
+    validator.admit(redo)
     assert redo.sampling_params["custom_params"][GUARD_KEY] == {
         "of": "r1",
         "reused_tokens": 7,
@@ -58,7 +58,7 @@ def test_the_guards_own_redo_keeps_its_note(gate):
     # a look-alike built elsewhere (same fields, same rid) is not trusted
     fake = Req(dict(redo.sampling_params), rid=redo.rid)
     fake.sampling_params["custom_params"] = dict(redo.sampling_params["custom_params"])
-    gate.admit(fake)
+    validator.admit(fake)
     assert GUARD_KEY not in fake.sampling_params["custom_params"]
 
 
@@ -85,9 +85,9 @@ def test_the_redo_is_one_sample():
         ({"config": {"l_start": 5, "l_det": 5}}, "l_start must be 0 or"),
     ],
 )
-def test_bad_relay_options_are_refused_naming_the_field(gate, relay, field):
+def test_bad_relay_options_are_refused_naming_the_field(validator, relay, field):
     with pytest.raises(ValueError, match="sampling_params.custom_params") as exc:
-        gate.admit(Req({"custom_params": {"relay": relay}}))
+        validator.admit(Req({"custom_params": {"relay": relay}}))
     assert field in str(exc.value)
 
 
@@ -96,20 +96,20 @@ def test_bad_relay_options_are_refused_naming_the_field(gate, relay, field):
     ["relay", "off", "standard", "epic", {"reuse": "speed"}, {"reuse": 0.8, "key": "k"},
      {"method": "standard", "store": True}, {"method": "relay", "config": {"first_k": 2}}],
 )  # fmt: skip
-def test_good_relay_options_pass(gate, relay):
-    gate.admit(Req({"custom_params": {"relay": relay}}))
+def test_good_relay_options_pass(validator, relay):
+    validator.admit(Req({"custom_params": {"relay": relay}}))
 
 
-def test_prompts_the_scheduler_cannot_run_are_refused(gate):
+def test_prompts_the_scheduler_cannot_run_are_refused(validator):
     for ids in ([1, 49152], [-1], [[1, 2], [3, 10**9]], [1.5], [True]):
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            gate.admit(Req(input_ids=ids, text=None))
+            validator.admit(Req(input_ids=ids, text=None))
     for obj in (Req(text=""), Req(text=["a", ""]), Req(text=None, input_ids=[])):
         with pytest.raises(ValueError, match="empty"):
-            gate.admit(obj)
+            validator.admit(obj)
     with pytest.raises(ValueError, match="must be an object"):
-        gate.admit(Req({"custom_params": [1]}))
-    gate.admit(Req(input_ids=[0, 49151], text=None))
+        validator.admit(Req({"custom_params": [1]}))
+    validator.admit(Req(input_ids=[0, 49151], text=None))
 
 
 def _req(params):

@@ -3,7 +3,7 @@
 The embedded SmolLM2-135M is a Llama with 9 attention heads and 3 KV heads, which do not
 split over 2 tensor-parallel ranks, and there is no model hub here. :func:`random_model`
 writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
-the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral) with random
+the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) with random
 weights from its ``transformers`` config class, with the embedded model's tokenizer,
 untied embeddings and a wide init, so that its greedy outputs are diverse enough for exact
 span matching on token ids. Its outputs mean nothing: it serves oracles that compare
@@ -64,8 +64,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [],
         },
     ),
-    # GLM-4.5: partial rotary (half of a 64-dim head), YaRN, 8 sigmoid-routed experts (top
-    # 2) and a shared expert, the first layer dense
+    # GLM-4.5: partial rotary (half of a 64-dim head), YaRN, per-head q/k norms, 8
+    # sigmoid-routed experts (top 2) and a shared expert, the first layer dense
     "glm4_moe": (
         "Glm4Moe",
         {
@@ -85,7 +85,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "first_k_dense_replace": 1,
             "n_group": 1,
             "topk_group": 1,
-            "use_qk_norm": False,
+            "use_qk_norm": True,
         },
     ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe

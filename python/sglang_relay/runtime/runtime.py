@@ -6,7 +6,7 @@ It owns the slot ledger (stamps, hidden states, influence), the span store, the 
 the layer driver and the per-request stats, and answers the plug-in's hooks:
 
 * the scheduler's (admission, ``plan(req)`` after ``prepare_for_extend``) through its
-  :class:`~.gate.RequestGate`, ``runtime.gate``;
+  :class:`~.sched.gate.RequestGate`, ``runtime.gate``;
 * ``forward(original, model, ...)`` for every forward of the served model: stamps the KV
   slots it writes, and runs the relay extend or SGLang's own forward;
 * ``span_context`` / ``relayed_from`` / ``release(rid)`` from the cache's checkpoint and

@@ -114,7 +114,8 @@ def config_from_budget(original, kvc: KVCacheConfigurator, budget_bytes, *args, 
         "tokens_without_relay": int(first.max_total_num_tokens),
         "tokens": int(config.max_total_num_tokens),
     }
-    STATE.reserved.append((kvc, info))
+    STATE.reserved[:] = [(held, i) for held, i in STATE.reserved if held is not kvc]
+    STATE.reserved.append((kvc, info))  # the latest sizing of this pool (a resize repeats it)
     logger.info(
         "sglang-relay: KV pool %d -> %d tokens to keep %.1f MB of relay side data inside "
         "the %.1f MB budget",

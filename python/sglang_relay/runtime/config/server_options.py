@@ -169,7 +169,7 @@ def markdown(table: OptionTable | None = None) -> str:
     lines = [
         "# SGLang server options under relay",
         "",
-        "Generated from `python/sglang_relay/runtime/server_options.toml` by",
+        "Generated from `python/sglang_relay/runtime/config/server_options.toml` by",
         "`python -m sglang_relay.runtime.config.server_options > docs/server-options.md`",
         "(`test/unit/test_server_options.py` checks that the two agree and that every",
         "option of the installed SGLang is classified). A relay server refuses at start-up,",

@@ -7,7 +7,8 @@ at ``l_start``, and, if selected at ``l_det``, in ``[l_det, l_end]``. Elsewhere 
 spliced, re-rotated KV stands. That schedule is a :class:`ExtendPlan`, run by the driver's
 one layer loop (:meth:`.layer_driver.LayerDriver.run`).
 
-The batch plan is built by :mod:`.planner`; nothing here calls back into it.
+The batch plan is built by :mod:`sglang_relay.runtime.sched.planner`; nothing here calls
+back into it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 looked up through :mod:`.registry`), and the check that a served model has exactly the
 modules its adapter drives.
 
-The relay loops (:mod:`.extend`, :mod:`.decode`, :mod:`.probe`) run a decoder layer as
+The relay loops (:mod:`sglang_relay.runtime.forward`: extend, probe, decode) run a decoder layer as
 SGLang's own modules in SGLang's order: ``input_layernorm``, the attention block's own
 q/k/v preparation (``forward_prepare_native``: projection, any per-head q/k norm, RoPE),
 attention (relay's, over the request's KV), ``o_proj``, ``post_attention_layernorm``,
@@ -58,6 +58,9 @@ class Anatomy:
             layers); the loop calls SGLang's block whole and sums its tensor-parallel
             partials (:func:`mlp_output`).
         mlp_name: the layer's attribute holding the block (one of :data:`MLP_NAMES`).
+        optional_attention: attention children a model of the architecture may have, all
+            of them or none (GLM-4.x's per-head ``q_norm`` / ``k_norm`` under
+            ``use_qk_norm``); the split preparation runs them where present.
     """
 
     architecture: str
@@ -66,6 +69,7 @@ class Anatomy:
     prepare: str = "native"
     mlp_blocks: tuple[frozenset[str], ...] = (DENSE_MLP,)
     mlp_name: str = "mlp"
+    optional_attention: frozenset[str] = frozenset()
 
 
 LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"  # Llama, Mistral, Phi-3
@@ -174,12 +178,14 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
             continue
         attn_mod = layer.self_attn
         children = {n for n, _ in attn_mod.named_children()}
-        if children != anatomy.attention_modules:
+        optional = anatomy.optional_attention
+        runs = anatomy.attention_modules | (optional if children & optional else frozenset())
+        if children != runs:
             problems.append(
-                f"{where}.self_attn has {sorted(children - anatomy.attention_modules)} / lacks "
-                f"{sorted(anatomy.attention_modules - children)} (the {anatomy.architecture} "
-                "adapter runs exactly "
-                f"{sorted(anatomy.attention_modules)})"
+                f"{where}.self_attn has {sorted(children - runs)} / lacks "
+                f"{sorted(runs - children)} (the {anatomy.architecture} adapter runs exactly "
+                f"{sorted(anatomy.attention_modules)}"
+                + (f", with or without {sorted(optional)})" if optional else ")")
             )
             continue
         native = native_prepare(attn_mod) is not None

@@ -1,9 +1,10 @@
-"""GLM-4.5 to 4.7 (``Glm4MoeForCausalLM``): partial rotary (``partial_rotary_factor`` 0.5:
-RoPE on the first half of each head's dims, the rest never rotates), GQA with q/k/v in one
-projection and no native prepare (its ``forward_prepare`` takes the forward batch), a
-sigmoid-routed MoE block with a shared expert, its first ``first_k_dense_replace`` layers
-dense. Served without the per-head q/k norms of ``use_qk_norm`` (GLM-4.5's configs leave
-it off); a model with them is refused at start-up, naming ``q_norm`` / ``k_norm``."""
+"""GLM-4.5 to 4.7 and GLM-4.5-Air (``Glm4MoeForCausalLM``): partial rotary
+(``partial_rotary_factor`` 0.5: RoPE on the first half of each head's dims, the rest never
+rotates), GQA with q/k/v in one projection and no native prepare (its ``forward_prepare``
+takes the forward batch), per-head q/k RMSNorms before RoPE where ``use_qk_norm`` is set
+(GLM-4.5 to 4.7; not the Air), a sigmoid-routed MoE block with a shared expert (folded into
+the fused experts where SGLang fuses it: the block is called whole either way), its first
+``first_k_dense_replace`` layers dense."""
 
 from sglang_relay.runtime.models.anatomy import BASE_ATTENTION, DENSE_MLP, SPARSE_MLP, Anatomy
 
@@ -16,6 +17,7 @@ ADAPTERS = (
         "sglang.srt.models.glm4_moe.Glm4MoeModel.forward",
         attention_modules=BASE_ATTENTION,
         prepare="split",
-        mlp_blocks=(GLM_MOE_MLP, DENSE_MLP),
+        mlp_blocks=(GLM_MOE_MLP, SPARSE_MLP, DENSE_MLP),
+        optional_attention=frozenset({"q_norm", "k_norm"}),
     ),
 )
