@@ -253,6 +253,32 @@ def test_what_the_loop_would_not_run_is_refused_in_any_layer(attn, words):
     assert len(out) == 1 and out[0].startswith("layers[1]") and words in out[0]
 
 
+def test_glm_q_k_norms_are_all_or_none():
+    """GLM-4.x serves with (GLM-4.5 to 4.7) and without (4.5-Air) per-head q/k norms; one
+    without the other is a layer the split preparation would run wrongly: refused."""
+
+    def glm(children=BASE_ATTENTION, mlp=SPARSE_MLP | {"shared_experts"}):
+        attn = Attn(children)
+        attn.forward_prepare_native = None  # GLM's prepare takes the forward batch
+        return problems("Glm4MoeForCausalLM", stack(attn, mlp=mlp))
+
+    assert glm(BASE_ATTENTION | {"q_norm", "k_norm"}) == []
+    assert glm() == []
+    assert glm(mlp=SPARSE_MLP) == []  # the shared expert fused into the experts (GPU)
+    (out,) = glm(BASE_ATTENTION | {"q_norm"})
+    assert "lacks ['k_norm']" in out and "with or without ['k_norm', 'q_norm']" in out
+
+
+def test_attention_parameters_outside_its_modules_are_refused():
+    """A parameter held by the attention block itself (gpt-oss's per-head ``sinks``, which
+    enter the softmax) would be dropped by relay's attention: refused, even in a layer
+    without a window."""
+    attn = Attn()
+    attn.sinks = nn.Parameter(torch.zeros(8))
+    (out,) = problems("LlamaForCausalLM", stack(Attn(), attn))
+    assert out.startswith("layers[1].self_attn holds parameters ['sinks']")
+
+
 def test_partial_rotary_is_served():
     """GLM-4.x and MiniMax-M2 rotate the first half of each head: a prefix of even length
     passes (the splice turns those dims alone; test_splice_keeps_the_unrotated_dims)."""

@@ -188,6 +188,10 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 + (f", with or without {sorted(optional)})" if optional else ")")
             )
             continue
+        own = sorted(n for n, _ in attn_mod.named_parameters(recurse=False))
+        if own:  # e.g. gpt-oss's per-head attention sinks: the loop's attention has none
+            problems.append(f"{where}.self_attn holds parameters {own} the adapter does not run")
+            continue
         native = native_prepare(attn_mod) is not None
         if native != (anatomy.prepare == "native"):
             problems.append(
