@@ -46,14 +46,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
     [
         # CI (`make test`) serves one dense and two MoE adapters (Qwen3: per-head q/k norms,
         # a head dim other than hidden / heads; Qwen3-MoE: router, top-k, fused experts;
-        # GLM-4.5: partial rotary under YaRN, a shared expert, a dense first layer);
-        # TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE at tp 2, Qwen2,
-        # Qwen2-MoE (shared expert), Mixtral, Mistral and Phi-3. Each adapter's reference
-        # executor == its Hugging Face forward in CI (test/unit/test_anatomy.py).
+        # GLM-4.5: partial rotary under YaRN, q/k norms, a shared expert, a dense first
+        # layer); TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE and GLM-4.5
+        # at tp 2, Qwen2, Qwen2-MoE (shared expert), Mixtral, Mistral and Phi-3. Each
+        # adapter's reference executor == its Hugging Face forward in CI (test_anatomy.py).
         pytest.param("qwen2", 1, marks=pytest.mark.full),
         ("qwen3", 1),
         ("qwen3_moe", 1),
         ("glm4_moe", 1),
+        pytest.param("glm4_moe", 2, marks=pytest.mark.full),
         pytest.param("qwen3_moe", 2, marks=pytest.mark.full),
         pytest.param("qwen2_moe", 1, marks=pytest.mark.full),
         pytest.param("mixtral", 1, marks=pytest.mark.full),
