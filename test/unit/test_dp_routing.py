@@ -274,7 +274,7 @@ def test_the_controller_loop_waits_on_its_socket_and_dispatches_everything(tmp_p
     import sglang.srt.managers.data_parallel_controller  # noqa: F401
     import zmq
 
-    from sglang_relay.runtime.scale.dp_routing import blocking_event_loop
+    from sglang_relay.runtime.standin.cpu import blocking_event_loop
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

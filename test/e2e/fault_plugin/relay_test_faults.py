@@ -24,7 +24,7 @@ ENV_FAULTS = "SGLANG_RELAY_FAULTS"
 PLUGIN_DIR = str(Path(__file__).resolve().parent)
 
 
-_REGISTERED: list[bool] = []
+_registered = False
 
 
 class InjectedFault(RuntimeError):
@@ -79,10 +79,11 @@ def _plan_error(rank: str) -> None:
 
 def register() -> None:
     """SGLang's plug-in entry point: wrap what ``SGLANG_RELAY_FAULTS`` names (once)."""
+    global _registered
     asked = faults()
-    if not asked or _REGISTERED:  # a forked child has its parent's wrapped classes
+    if not asked or _registered:  # a forked child has its parent's wrapped classes
         return
-    _REGISTERED.append(True)
+    _registered = True
     if "bypass_forward" in asked:
         _bypass_forward(int(asked["bypass_forward"]))
     if "plan_error" in asked:

@@ -26,7 +26,6 @@ from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.forward.attention import ExtendAttention, RowBatch
 from sglang_relay.runtime.forward.layer_driver import LayerDriver, LayerPlan, RowSet, Stream
-from sglang_relay.runtime.forward.layer_driver import stream as stream_of
 from sglang_relay.runtime.forward.lora_rows import info_for, rows_swapped
 from sglang_relay.runtime.forward.probe import ProbeTarget, run_probe
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync, fingerprint
@@ -179,11 +178,11 @@ class ExtendPlan(LayerPlan):
         plan, ledger, normal = self.plan, self.ledger, self.normal_rows
         if lid == self.capture_layer and normal.numel():
             rows_r = None if stream.r is None else gather_rows(stream.r, normal)
-            ledger.store_hidden(self.normal_loc, stream_of(gather_rows(stream.h, normal), rows_r))
+            rows_h = gather_rows(stream.h, normal)
+            ledger.store_hidden(self.normal_loc, self.drv.stream(rows_h, rows_r))
         for g in plan.groups:
             if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
-                # no row ran yet (a chunk made of span rows only): the residual starts here
-                r = stream.residual()
+                r = stream.residual()  # zeros if no row ran yet (a chunk of span rows only)
                 scatter_rows(stream.h, g.rows, gather_rows(ledger.hidden, g.src))
                 r[g.rows] = 0  # the stored stream is h + r: carry it in h
             if lid == g.sched.l_det and lid <= g.sched.l_end:

@@ -27,7 +27,6 @@ from sglang_relay.core.attention import attention_probs
 from sglang_relay.core.selection import probe_layers, probed_mass
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.forward.layer_driver import LayerDriver, LayerPlan, RowSet, Stream
-from sglang_relay.runtime.forward.layer_driver import stream as stream_of
 from sglang_relay.runtime.forward.lora_rows import info_for
 from sglang_relay_kernels import gather_rows, scatter_rows
 
@@ -77,7 +76,7 @@ class ProbePlan(LayerPlan):
         targets, pre = plan.probes, plan.probe_pre  # device rows
         last = torch.tensor([t.row for t in targets], dtype=torch.int64, device=device)
         self.batch_rows = rows = torch.cat([pre, last])  # the stream's rows in the batch
-        self.plan, self.ledger, self.capture_layer = plan, ledger, capture_layer
+        self.drv, self.plan, self.ledger, self.capture_layer = drv, plan, ledger, capture_layer
         self.n_pre = n_pre = pre.numel()
         self.handle = plan.attention.plan(plan.batch, pre.cpu(), positions[pre]) if n_pre else None
         self.summed = set(probe_layers(drv.num_layers))  # the layers whose attention counts
@@ -103,7 +102,8 @@ class ProbePlan(LayerPlan):
         n_pre = self.n_pre
         if lid == self.capture_layer and n_pre:
             rows_r = None if stream.r is None else stream.r[:n_pre]
-            self.ledger.store_hidden(self.rows.loc[:n_pre], stream_of(stream.h[:n_pre], rows_r))
+            entering = self.drv.stream(stream.h[:n_pre], rows_r)
+            self.ledger.store_hidden(self.rows.loc[:n_pre], entering)
         return self.rows
 
     def attend(self, lid: int, hd, q, kbuf, vbuf):

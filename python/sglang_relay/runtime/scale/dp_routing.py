@@ -305,35 +305,3 @@ def _route(
                 kind,
                 exc_info=True,
             )
-
-
-def blocking_event_loop(original, controller: DataParallelController, *args, **kwargs):
-    """Around the DP controller's event loop, on the CPU stand-in only: wait on the socket.
-
-    SGLang 0.5.23's loop receives without blocking in a ``while True`` with no wait, which
-    keeps one core at 100 % while the server is idle. On a GPU host that is one core of many;
-    on the 2-core CPU stand-in it is half the machine, taken from the ranks pinned to those
-    cores. This loop does the same work (drain every queued request, dispatch it, feed the
-    soft watchdog) but sleeps in ``zmq.Poller`` until a request arrives (or a second passes,
-    so the watchdog is still fed while idle). It also reads the ranks' fingerprint
-    messages at least once a second while idle, so they never queue up in the ranks."""
-    import zmq
-
-    from sglang_relay.runtime.sglang.scheduling import dp_controller_receiver
-
-    sock, recv, dispatch, feed = dp_controller_receiver(controller)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while True:
-        feed()
-        if STATE.dp_router is not None:
-            STATE.dp_router.drain()
-        if not poller.poll(timeout=1000):
-            continue
-        while True:
-            try:
-                message = recv()
-            except zmq.ZMQError:
-                break
-            dispatch(message)
-            feed()

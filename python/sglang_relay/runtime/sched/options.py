@@ -20,7 +20,7 @@ from sglang_relay.core.operating import OperatingPoint, answer_cap, parse_target
 from sglang_relay.runtime.config.settings import RelaySettings
 
 if TYPE_CHECKING:
-    from sglang_relay.runtime.sglang.views import Req
+    from sglang_relay.runtime.sglang.views import Req, TokenizedGenerateReqInput
 
 OPTION_KEYS = {"method", "config", "reuse", "key", "store"}
 
@@ -125,8 +125,9 @@ def check_option_fields(option: Any) -> None:
         raise ValueError("custom_params.relay.store must be true or false")
 
 
-def request_option(req: Req) -> Any:
-    """The raw ``custom_params["relay"]`` of a request (None when absent)."""
+def request_option(req: Req | TokenizedGenerateReqInput) -> Any:
+    """The raw ``custom_params["relay"]`` of a request, in the scheduler or the DP
+    controller (None when absent)."""
     params = getattr(req.sampling_params, "custom_params", None)
     return params.get("relay") if isinstance(params, dict) else None
 

@@ -30,7 +30,7 @@ def dp_loads(controller: DataParallelController) -> tuple[list[int], list[int]]:
 def dp_controller_receiver(controller: DataParallelController):
     """(the controller's socket from the tokenizer, receive one message without blocking,
     dispatch one message, feed the controller's soft watchdog), for an event loop that
-    waits on the socket (:func:`sglang_relay.runtime.scale.dp_routing.blocking_event_loop`)."""
+    waits on the socket (:func:`sglang_relay.runtime.standin.cpu.blocking_event_loop`)."""
     import zmq
     from sglang.srt.managers import data_parallel_controller as dpc
 

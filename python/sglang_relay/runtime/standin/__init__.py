@@ -31,7 +31,6 @@ def register() -> None:
     """Every stand-in hook this process needs (idempotent; nothing off the CPU stand-in)."""
     if STATE.standin_registered or not cpu_engine_active():
         return
-    from sglang_relay.runtime.scale import dp_routing
     from sglang_relay.runtime.scale.ship.build import add_tier_setup
     from sglang_relay.runtime.sglang.hooks import register_hook
     from sglang_relay.runtime.sglang.targets import (
@@ -51,7 +50,7 @@ def register() -> None:
     cpu_graph.register_graph_backend()
     register_hook(CPU_GRAPH_FAKE_TARGET, cpu_graph.define_missing_kernel, "around")
     # SGLang's DP controller spins on its socket: one of the stand-in's two cores
-    register_hook(DP_EVENT_LOOP_TARGET, dp_routing.blocking_event_loop, "around")
+    register_hook(DP_EVENT_LOOP_TARGET, cpu.blocking_event_loop, "around")
     register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_spec.torch_native_with_verify, "around")
     register_hook(CPU_DRAFT_EXTEND_BACKEND_TARGET, cpu_eagle.draft_extend_on_torch_native, "around")
     register_hook(CPU_DRAFT_DECODE_BACKEND_TARGET, cpu_eagle.draft_decode_on_torch_native, "around")
