@@ -10,7 +10,9 @@ the experts' partial outputs), Qwen2-MoE (Qwen2's attention with a routed block 
 sigmoid-gated shared expert), Mixtral (Mistral's attention, the sparse block under
 ``block_sparse_moe``, called without the forward batch) and GLM-4.5 (partial rotary: half
 of each 64-dim head rotates, under YaRN; a sigmoid-routed block with a shared expert after
-a dense first layer).
+a dense first layer), MiniMax-M2 (partial rotary, 64 of 128 dims; one q/k RMSNorm over all
+heads, its sums reduced across tensor-parallel ranks; sigmoid routing with a correction
+bias).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -47,14 +49,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
         # CI (`make test`) serves one dense and two MoE adapters (Qwen3: per-head q/k norms,
         # a head dim other than hidden / heads; Qwen3-MoE: router, top-k, fused experts;
         # GLM-4.5: partial rotary under YaRN, q/k norms, a shared expert, a dense first
-        # layer); TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE and GLM-4.5
-        # at tp 2, Qwen2, Qwen2-MoE (shared expert), Mixtral, Mistral and Phi-3. Each
-        # adapter's reference executor == its Hugging Face forward in CI (test_anatomy.py).
+        # layer); TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE, GLM-4.5
+        # and MiniMax-M2 (its q/k norm's sums all-reduced) at tp 2, Qwen2, Qwen2-MoE
+        # (shared expert), Mixtral, Mistral and Phi-3. Each adapter's reference executor ==
+        # its Hugging Face forward in CI (test_anatomy.py).
         pytest.param("qwen2", 1, marks=pytest.mark.full),
         ("qwen3", 1),
         ("qwen3_moe", 1),
         ("glm4_moe", 1),
         pytest.param("glm4_moe", 2, marks=pytest.mark.full),
+        pytest.param("minimax_m2", 1, marks=pytest.mark.full),
+        pytest.param("minimax_m2", 2, marks=pytest.mark.full),
         pytest.param("qwen3_moe", 2, marks=pytest.mark.full),
         pytest.param("qwen2_moe", 1, marks=pytest.mark.full),
         pytest.param("mixtral", 1, marks=pytest.mark.full),

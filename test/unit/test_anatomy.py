@@ -4,6 +4,8 @@ that differ from what an adapter drives."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from sglang_relay.runtime.models.anatomy import (
     anatomy_problems,
     mlp_output,
     mlp_takes_batch,
+    split_qkv,
 )
 from sglang_relay.runtime.models.registry import ANATOMIES, anatomy_of
 from sglang_relay.runtime.sglang.model import SUPPORTED_ROPE
@@ -267,6 +270,44 @@ def test_glm_q_k_norms_are_all_or_none():
     assert glm(mlp=SPARSE_MLP) == []  # the shared expert fused into the experts (GPU)
     (out,) = glm(BASE_ATTENTION | {"q_norm"})
     assert "lacks ['k_norm']" in out and "with or without ['k_norm', 'q_norm']" in out
+
+
+def test_minimax_q_k_norm_runs_the_blocks_own_norm_across_heads():
+    """MiniMax-M2's q/k norm is one RMS over all heads (``qk_norm_impl``), not SGLang's
+    per-head ``apply_qk_norm``: a block with the norms but no such implementation is refused,
+    and the split preparation calls it on q and k before RoPE."""
+
+    class Block(Attn):
+        forward_prepare_native = None  # MiniMax's prepare takes the forward batch
+
+    def minimax(block):
+        model = stack(block, mlp=SPARSE_MLP)
+        for layer in model.layers:  # the block lives under Mixtral's name
+            layer.block_sparse_moe = layer.mlp
+            del layer.mlp
+        return problems("MiniMaxM2ForCausalLM", model)
+
+    block = Block(BASE_ATTENTION | {"q_norm", "k_norm"})
+    (out,) = minimax(block)
+    assert "no qk_norm_impl" in out
+    calls = []
+
+    class Impl:
+        def forward(self, q, k):
+            calls.append((q.shape, k.shape))
+            return 2 * q, 3 * k
+
+    block.qk_norm_impl = Impl()
+    assert minimax(block) == []
+    prepared = SimpleNamespace(
+        qkv_proj=lambda x: (torch.cat((x, x, x), -1), None), q_size=4, kv_size=4,
+        q_norm=None, qk_norm_impl=Impl(),
+        rotary_emb=lambda positions, q, k: (q + positions, k + positions),
+    )  # fmt: skip
+    q, k, v = split_qkv(prepared, 1.0, torch.ones(1, 4), across_heads=True)
+    assert calls == [((1, 4), (1, 4))]  # the norm before RoPE: (2x + 1, 3x + 1)
+    assert q.tolist() == [[3.0] * 4] and k.tolist() == [[4.0] * 4]
+    assert v.tolist() == [[1.0] * 4]
 
 
 def test_attention_parameters_outside_its_modules_are_refused():

@@ -3,7 +3,7 @@
 The embedded SmolLM2-135M is a Llama with 9 attention heads and 3 KV heads, which do not
 split over 2 tensor-parallel ranks, and there is no model hub here. :func:`random_model`
 writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
-the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) with random
+the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, MiniMax-M2) with random
 weights from its ``transformers`` config class, with the embedded model's tokenizer,
 untied embeddings and a wide init, so that its greedy outputs are diverse enough for exact
 span matching on token ids. Its outputs mean nothing: it serves oracles that compare
@@ -86,6 +86,28 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "n_group": 1,
             "topk_group": 1,
             "use_qk_norm": True,
+        },
+    ),  # fmt: skip
+    # MiniMax-M2: partial rotary (64 of 128 dims, a larger RoPE base), one RMSNorm over all
+    # heads of q and of k (SGLang reduces it across attention-TP ranks), 2 KV heads,
+    # sigmoid-routed experts with a score-correction bias under block_sparse_moe
+    "minimax_m2": (
+        "MiniMaxM2",
+        {
+            "head_dim": 128,
+            "rotary_dim": 64,
+            "num_key_value_heads": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
+            "use_qk_norm": True,
+            "qk_norm_type": "per_layer",
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 128,
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
+            "initializer_range": 0.2,  # at 0.1 its greedy output repeats one token
+            "bos_token_id": 1,
+            "eos_token_id": 2,
         },
     ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe

@@ -94,10 +94,13 @@ class RefModel:
             q, k, v = attn.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        across = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() == q.shape[-1]
+        if across:  # MiniMax-M2: one RMSNorm over all heads of q, one over all of k
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+        if hasattr(attn, "q_norm") and not across:  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.rope(positions)
         rot = cos.shape[-1]  # partial rotary (GLM-4.x): the first rot dims turn, the rest stay

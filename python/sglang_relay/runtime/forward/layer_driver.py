@@ -158,6 +158,7 @@ class LayerDriver:
         self._prepare = tuple(
             native_prepare(layer.self_attn) if native else None for layer in self.layers
         )
+        self._qk_across = anatomy.qk_norm == "across_heads"
         self._mlp = tuple(getattr(layer, anatomy.mlp_name) for layer in self.layers)
         self._mlp_out = tuple(mlp_output(block) for block in self._mlp)
         self._mlp_batch = tuple(mlp_takes_batch(block) for block in self._mlp)
@@ -185,7 +186,7 @@ class LayerDriver:
         prepare = self._prepare[l]
         if prepare is not None:
             return prepare(positions, x)
-        return split_qkv(self.layers[l].self_attn, positions, x)
+        return split_qkv(self.layers[l].self_attn, positions, x, self._qk_across)
 
     def mlp(self, l: int, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:  # noqa: E741
         """Layer ``l``'s MLP block (SGLang's, called whole) on rows ``x``, TP-summed."""

@@ -61,6 +61,10 @@ class Anatomy:
         optional_attention: attention children a model of the architecture may have, all
             of them or none (GLM-4.x's per-head ``q_norm`` / ``k_norm`` under
             ``use_qk_norm``); the split preparation runs them where present.
+        qk_norm: how the split preparation applies ``q_norm`` / ``k_norm``:
+            ``"per_head"``, SGLang's ``apply_qk_norm`` (an RMS per head: Qwen3, GLM-4.x);
+            ``"across_heads"``, the block's own ``qk_norm_impl`` (one RMS over all heads of q
+            and of k, its sums reduced across attention-TP ranks: MiniMax-M2).
     """
 
     architecture: str
@@ -70,8 +74,10 @@ class Anatomy:
     mlp_blocks: tuple[frozenset[str], ...] = (DENSE_MLP,)
     mlp_name: str = "mlp"
     optional_attention: frozenset[str] = frozenset()
+    qk_norm: str = "per_head"
 
 
+QK_NORMS = ("per_head", "across_heads")
 LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"  # Llama, Mistral, Phi-3
 
 
@@ -94,12 +100,15 @@ def native_prepare(attn_mod):
 _NATIVE_CONTRACT: dict[type, bool] = {}
 
 
-def split_qkv(attn_mod, positions, x):
+def split_qkv(attn_mod, positions, x, across_heads: bool = False):
     """Post-RoPE q, k and v (flat ``[n, heads*dim]``) of an attention block without a
-    native preparation (``prepare="split"``): SGLang's unfused sequence."""
+    native preparation (``prepare="split"``): SGLang's unfused sequence; ``across_heads``:
+    the q/k norm is the block's own ``qk_norm_impl`` (:attr:`Anatomy.qk_norm`)."""
     out, _ = attn_mod.qkv_proj(x)
     q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
-    if hasattr(attn_mod, "q_norm"):
+    if across_heads and hasattr(attn_mod, "q_norm"):
+        q, k = attn_mod.qk_norm_impl.forward(q.contiguous(), k.contiguous())
+    elif hasattr(attn_mod, "q_norm"):
         q, k = apply_qk_norm(attn_mod, q, k)
     q, k = attn_mod.rotary_emb(positions, q, k)
     return q, k, v
@@ -188,6 +197,10 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 + (f", with or without {sorted(optional)})" if optional else ")")
             )
             continue
+        if anatomy.qk_norm == "across_heads" and "q_norm" in children:
+            if not callable(getattr(getattr(attn_mod, "qk_norm_impl", None), "forward", None)):
+                problems.append(f"{where}.self_attn has q_norm but no qk_norm_impl.forward")
+                continue
         own = sorted(n for n, _ in attn_mod.named_parameters(recurse=False))
         if own:  # e.g. gpt-oss's per-head attention sinks: the loop's attention has none
             problems.append(f"{where}.self_attn holds parameters {own} the adapter does not run")

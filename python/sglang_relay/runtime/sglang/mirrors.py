@@ -47,6 +47,7 @@ SHARED = (
 MODEL_MODULES = (
     "sglang.srt.models.glm4_moe",
     "sglang.srt.models.llama",
+    "sglang.srt.models.minimax_m2",
     "sglang.srt.models.mixtral",
     "sglang.srt.models.qwen2",
     "sglang.srt.models.qwen2_moe",

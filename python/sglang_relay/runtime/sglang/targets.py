@@ -88,6 +88,11 @@ DP_EVENT_LOOP_TARGET = (
 CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu_compile_fake"
 
 
+# CPU stand-in only (runtime/standin/cpu_models.py): MiniMax-M2's q/k RMSNorm over all heads
+# launches Triton kernels that assert CUDA (no AMX here for its sgl_kernel CPU op)
+CPU_MINIMAX_QK_NORM_TARGET = "sglang.srt.models.minimax_m2.MiniMaxM2QKRMSNorm._forward_naive"
+
+
 # CPU stand-in only (runtime/standin/cpu_spec.py): torch_native attention has no TARGET_VERIFY path
 # (it reads a verify batch as a stale extend and ignores the tree mask); speculative verify
 # batches take the stand-in's tree attention, every other batch SGLang's own path

@@ -6,6 +6,8 @@ smallest equivalent that runs on a CPU, tested against SGLang's own kernel where
   children, FP8 KV pools, unpinned LoRA and HiCache host memory, the PD sender);
 * :mod:`.cpu_graph`: the CPU graph runner's attention backend and placeholder kernels;
 * :mod:`.cpu_spec`, :mod:`.cpu_eagle`: NGRAM and EAGLE's CUDA ops in torch;
+* :mod:`.cpu_models`: what SGLang's model classes launch on CUDA alone (MiniMax-M2's q/k
+  norm), in torch;
 * :mod:`.quant_standin`: an activation-quantizing method that runs on a CPU;
 * ``_cpu_shim/sgl_kernel``: the stand-in ``sgl_kernel`` package;
 * :mod:`.forkserver_first`, :mod:`.forkserver_preload`: the children's preloaded forkserver.
@@ -37,13 +39,21 @@ def register() -> None:
         CPU_DRAFT_DECODE_BACKEND_TARGET,
         CPU_DRAFT_EXTEND_BACKEND_TARGET,
         CPU_GRAPH_FAKE_TARGET,
+        CPU_MINIMAX_QK_NORM_TARGET,
         CPU_VERIFY_ATTENTION_TARGET,
         DP_EVENT_LOOP_TARGET,
         KV_CACHE_DTYPE_TARGET,
         MODEL_PARALLEL_GROUP_TARGET,
         PROCESS_START_TARGET,
     )
-    from sglang_relay.runtime.standin import cpu, cpu_eagle, cpu_graph, cpu_spec, quant_standin
+    from sglang_relay.runtime.standin import (
+        cpu,
+        cpu_eagle,
+        cpu_graph,
+        cpu_models,
+        cpu_spec,
+        quant_standin,
+    )
 
     register_hook(MODEL_PARALLEL_GROUP_TARGET, cpu.model_parallel_group_without_pynccl, "around")
     register_hook(PROCESS_START_TARGET, cpu.children_from_forkserver, "after")
@@ -54,6 +64,7 @@ def register() -> None:
     register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_spec.torch_native_with_verify, "around")
     register_hook(CPU_DRAFT_EXTEND_BACKEND_TARGET, cpu_eagle.draft_extend_on_torch_native, "around")
     register_hook(CPU_DRAFT_DECODE_BACKEND_TARGET, cpu_eagle.draft_decode_on_torch_native, "around")
+    register_hook(CPU_MINIMAX_QK_NORM_TARGET, cpu_models.minimax_qk_norm, "around")
     if cpu.cpu_fp8_kv_opted_in():
         register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
     if cpu.cpu_hicache_opted_in():

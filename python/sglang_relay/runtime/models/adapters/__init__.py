@@ -15,6 +15,7 @@ from __future__ import annotations
 from sglang_relay.runtime.models.adapters import (
     glm4_moe,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     phi3,
@@ -25,5 +26,16 @@ from sglang_relay.runtime.models.adapters import (
 )
 
 # every adapter, in module-name order (test_anatomy checks this list against the folder)
-MODULES = (glm4_moe, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
+MODULES = (
+    glm4_moe,
+    llama,
+    minimax_m2,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 ADAPTERS = tuple(adapter for module in MODULES for adapter in module.ADAPTERS)
