@@ -11,6 +11,10 @@ the tile's queries once and streams the request's keys up to the tile's last pos
 blocks of ``BLOCK_N`` shared by all its rows (two ``tl.dot`` per block, online softmax,
 fp32 accumulators, per-row causal mask by position). Dense layers (every span row active)
 get full tiles; the selective layers' sparse rows still share each key block of a tile.
+
+A sliding window (``window`` keys, the row itself included) masks keys at or before
+``q_pos - window`` and starts the key loop at the block of the tile's first visible key;
+sinks (one logit per query head, unscaled, no value) join the final softmax denominator.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ if triton is not None:
         tile_len_ptr,
         tile_kv_ptr,
         kv_indices_ptr,
+        sink_ptr,
         scale,
+        window,
         stride_qn,
         stride_qh,
         stride_ks,
@@ -58,6 +64,7 @@ if triton is not None:
         BLOCK_DV: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        HAS_SINK: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -72,6 +79,10 @@ if triton is not None:
         dv = tl.arange(0, BLOCK_DV)
         pos = tl.load(q_pos_ptr + rows, mask=live, other=-1).to(tl.int64)  # -1: no keys
         last = tl.max(pos, axis=0)
+        lo = 0
+        if window > 0:  # the first key any row of the tile sees, floored to a block
+            first = tl.min(tl.where(live, pos, last), axis=0) - window + 1
+            lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
         q = tl.load(
             q_ptr + rows[:, None] * stride_qn + h * stride_qh + d[None, :],
             mask=live[:, None] & (d[None, :] < D),
@@ -82,7 +93,7 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
         acc = tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32)
-        for j0 in range(0, last + 1, BLOCK_N):
+        for j0 in range(lo, last + 1, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             valid = j <= last
             slot = tl.load(kv_indices_ptr + start + j, mask=valid, other=0).to(tl.int64)
@@ -94,7 +105,10 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] fp32
-            s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+            seen = j[None, :] <= pos[:, None]
+            if window > 0:
+                seen = seen & (j[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
             alpha = tl.exp(m_i - m_safe)
@@ -109,6 +123,12 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if HAS_SINK:  # exp(sink) joins each row's denominator, rescaled to a common max
+            sink = tl.load(sink_ptr + h).to(tl.float32)
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_fin)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - m_fin)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + rows[:, None] * stride_on + h * stride_oh + dv[None, :],
@@ -152,11 +172,14 @@ def positional_attention_triton(
     tiles: tuple[torch.Tensor, ...] | None = None,
     block_m: int = 32,
     block_n: int = 64,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q``: ``[n, Hq, D]``; buffers ``[slots, Hkv, D]``; ``q_pos``/``kv_start``: ``[n]``
     (rows of a request consecutive); ``kv_indices``: the slots of every request's context,
     by position; ``tiles``: :func:`make_tiles` of ``kv_start`` with the same ``block_m``
-    (computed here if not given). Returns ``[n, Hq, DV]`` in ``q``'s dtype."""
+    (computed here if not given); ``window``: keys a row sees, itself included (0: all);
+    ``sinks``: ``[Hq]`` sink logits. Returns ``[n, Hq, DV]`` in ``q``'s dtype."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, hq, dim = q.shape
@@ -177,8 +200,12 @@ def positional_attention_triton(
     # a KV cache in another dtype than q (FP8, bf16 under fp32): fp32 operands, exact
     # products, the path the interpreter runs too (so the one the tests check)
     upcast = interpreted or k_buffer.dtype != q.dtype
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {hq} query heads")
+    sink_arg = kv_indices if sinks is None else sinks.float().contiguous()  # unread if none
     _positional_attention_kernel[(first.numel(), hq)](
-        q, k_buffer, v_buffer, out, q_pos, first, count, start, kv_indices, float(scale),
+        q, k_buffer, v_buffer, out, q_pos, first, count, start, kv_indices, sink_arg,
+        float(scale), int(window),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, D=dim, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -187,6 +214,6 @@ def positional_attention_triton(
         # fp32 (and the interpreter's upcast operands): exact products, not TF32; 16-bit
         # operands: the backend's default (precision names differ between NVIDIA and AMD)
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else None,
-        UPCAST=upcast,
+        UPCAST=upcast, HAS_SINK=sinks is not None,
     )  # fmt: skip
     return out

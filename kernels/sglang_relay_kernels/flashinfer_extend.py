@@ -14,7 +14,14 @@ Only :class:`FlashInferExtend` touches the GPU library:
 
 The active rows change from one layer group to the next (all span rows in ``[l_start,
 l_det)``, the selected ones in ``[l_det, l_end]``, new tokens only elsewhere), so a forward
-plans at most three times and runs every layer with the plan of its group.
+plans at most three times and runs every layer with the plan of its group (a model with
+sliding-window layers: once per group and window, the window in the mask:
+``q_pos[i] - window < j <= q_pos[i]``).
+
+Sinks (gpt-oss: one logit per query head joining the softmax with no value) are not left
+to the wrapper's ``sinks`` argument, which only some of FlashInfer's backends read: the
+run asks for the log-sum-exp and rescales, ``out * sigmoid(lse - sink[h])`` (the sink-free
+output times the keys' share of the denominator; :func:`sink_rescale`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from sglang_relay.core.attention import sink_rescale
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,13 @@ def build_extend_plan(
     q_positions: torch.Tensor,
     seq_lens: Sequence[int],
     slots: Sequence[torch.Tensor],
+    window: int = 0,
 ) -> ExtendPlan:
     """Plan for ``B`` requests; request ``r`` has ``row_counts[r]`` active query rows (the
     next rows of ``q_positions``, absolute positions) over ``seq_lens[r]`` context slots
     ``slots[r]`` (its positions ``0..seq_len-1``). Requests with no active row are kept
-    (zero rows) so indices line up with the batch."""
+    (zero rows) so indices line up with the batch. ``window``: keys a row sees, itself
+    included (0: all earlier ones)."""
     if not (len(row_counts) == len(seq_lens) == len(slots)):
         raise ValueError("row_counts, seq_lens and slots must have one entry per request")
     if sum(row_counts) != q_positions.numel():
@@ -59,7 +70,11 @@ def build_extend_plan(
         pos = q_positions[start : start + n].long().cpu()
         if n and int(pos.max()) >= t:
             raise ValueError(f"query position {int(pos.max())} is outside seq_len {t}")
-        masks.append((torch.arange(t)[None, :] <= pos[:, None]).flatten())
+        j = torch.arange(t)[None, :]
+        seen = j <= pos[:, None]
+        if window > 0:
+            seen &= j > pos[:, None] - window
+        masks.append(seen.flatten())
         offsets.append(offsets[-1] + n * t)
         start += n
     i32 = dict(dtype=torch.int32)
@@ -80,9 +95,11 @@ def attend_with_plan_ref(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What FlashInfer computes from ``plan``, in float32 torch (``q``: ``[rows, Hq, D]``,
-    buffers ``[slots, Hkv, D]``): the CPU oracle for the plan's layout."""
+    buffers ``[slots, Hkv, D]``), then the run's sink rescale from the log-sum-exp it
+    returns: the CPU oracle for the plan's layout and the rescale."""
     out = torch.empty(q.shape[0], q.shape[1], v_buffer.shape[-1], dtype=torch.float32)
     group = q.shape[1] // k_buffer.shape[1]
     for r in range(plan.qo_indptr.numel() - 1):
@@ -97,7 +114,9 @@ def attend_with_plan_ref(
         mask = plan.custom_mask[m0:m1].view(q1 - q0, k1 - k0)
         logits = torch.einsum("nhd,thd->hnt", q[q0:q1].float(), k) * scale
         logits = logits.masked_fill(~mask[None], -math.inf)
-        out[q0:q1] = torch.einsum("hnt,thd->nhd", logits.softmax(-1), v)
+        o = torch.einsum("hnt,thd->nhd", logits.softmax(-1).nan_to_num(0.0), v)
+        lse = logits.logsumexp(-1).transpose(0, 1)  # [n, Hq], natural log, as lse_base="ln"
+        out[q0:q1] = o if sinks is None else sink_rescale(o, lse, sinks)
     return out
 
 
@@ -142,9 +161,14 @@ class FlashInferExtend:  # pragma: no cover - needs a CUDA device
         )
         self._wrappers[key] = w
 
-    def run(self, key, q, k_buffer, v_buffer) -> torch.Tensor:
-        """``q``: ``[rows, Hq, D]``; buffers: SGLang's ``[slots, Hkv, D]`` (one page each)."""
-        return self._wrappers[key].run(q, (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)))
+    def run(self, key, q, k_buffer, v_buffer, sinks=None) -> torch.Tensor:
+        """``q``: ``[rows, Hq, D]``; buffers: SGLang's ``[slots, Hkv, D]`` (one page each);
+        ``sinks``: ``[Hq]`` sink logits (None: no sinks)."""
+        paged = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))
+        if sinks is None:
+            return self._wrappers[key].run(q, paged)
+        out, lse = self._wrappers[key].run(q, paged, return_lse=True, lse_base="ln")
+        return sink_rescale(out, lse, sinks)
 
     def reset(self) -> None:
         self._wrappers.clear()

@@ -24,9 +24,9 @@ class OracleFlashInfer:
         self.layouts[key] = (layout, scale)
         self.plans += 1
 
-    def run(self, key, q, kbuf, vbuf):
+    def run(self, key, q, kbuf, vbuf, sinks=None):
         layout, scale = self.layouts[key]
-        return attend_with_plan_ref(layout, q, kbuf, vbuf, scale)
+        return attend_with_plan_ref(layout, q, kbuf, vbuf, scale, sinks)
 
 
 CPU = torch.device("cpu")
@@ -47,18 +47,24 @@ def _batch(dev=CPU):
     return batch, positions.to(dev), kbuf.to(dev), vbuf.to(dev), gen
 
 
-def _attend(impl, rows, q):
+def _attend(impl, rows, q, window=0, sinks=None):
     batch, positions, kbuf, vbuf, _ = _batch(q.device)
     handle = impl.plan(batch, rows.cpu(), positions[rows.to(positions.device)])
-    return impl.run(handle, q.reshape(-1, HQ, D), kbuf, vbuf, 0.3)
+    return impl.run(handle, q.reshape(-1, HQ, D), kbuf, vbuf, 0.3, window, sinks)
+
+
+# the layer variants: none, a sliding window (Gemma 3), a window with sinks (gpt-oss)
+VARIANTS = [(0, None), (4, None), (3, torch.tensor([2.0, -1.0, 6.0, 0.0]))]
 
 
 def test_flashinfer_glue_equals_torch_path():
     for rows in (torch.tensor([0, 2, 5, 7, 8, 14]), torch.tensor([3, 4]), torch.arange(15)):
         q = torch.randn(rows.numel(), HQ * D, generator=torch.Generator().manual_seed(5))
-        want = _attend(build("torch", CPU), rows, q)
-        got = _attend(FlashInferAttention(CPU, backend=OracleFlashInfer()), rows, q)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for window, sinks in VARIANTS:
+            want = _attend(build("torch", CPU), rows, q, window, sinks)
+            impl = FlashInferAttention(CPU, backend=OracleFlashInfer())
+            got = _attend(impl, rows, q, window, sinks)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_one_flashinfer_plan_per_row_set_per_batch():
@@ -71,6 +77,11 @@ def test_one_flashinfer_plan_per_row_set_per_batch():
         for _layer in range(3):
             impl.run(handle, torch.randn(rows.numel(), HQ, D), kbuf, vbuf, 0.3)
     assert oracle.plans == 2 and oracle.resets == 1
+    # window and full layers alternating (gpt-oss): one plan per row set and window
+    handle = impl.plan(batch, torch.tensor([0, 2, 5]), positions[[0, 2, 5]])
+    for layer in range(4):
+        impl.run(handle, torch.randn(3, HQ, D), kbuf, vbuf, 0.3, 4 if layer % 2 else 0)
+    assert oracle.plans == 4
 
 
 def test_triton_glue_equals_torch_path():
@@ -82,9 +93,11 @@ def test_triton_glue_equals_torch_path():
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     rows = torch.tensor([0, 2, 5, 7, 8, 14])
     q = torch.randn(6, HQ * D, generator=torch.Generator().manual_seed(6)).to(DEV)
-    want = _attend(build("torch", DEV), rows, q).cpu()
-    got = _attend(build("triton", DEV), rows, q).cpu()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for window, sinks in VARIANTS:
+        sinks = None if sinks is None else sinks.to(DEV)
+        want = _attend(build("torch", DEV), rows, q, window, sinks).cpu()
+        got = _attend(build("triton", DEV), rows, q, window, sinks).cpu()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_flashinfer_extend_on_a_gpu_equals_the_plan_oracle():

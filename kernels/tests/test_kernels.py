@@ -140,9 +140,12 @@ def test_extend_attention_choice(monkeypatch):
     assert pick_extend_attention("triton", cuda) == "torch"
 
 
-def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol, kv_dtype=None):
+def _attention_vs_reference(
+    hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol, kv_dtype=None, window=0, sinks=None
+):
     """Run the Triton attention on requests whose contexts are ``ctx_lens`` random pool slots
-    and whose active rows sit at ``pos``; compare with the pure-torch specification."""
+    and whose active rows sit at ``pos``; compare with the pure-torch specification (in
+    float64 where a window or sinks are given)."""
     from sglang_relay.core.attention import positional_causal_attention
     from sglang_relay_kernels import attention
 
@@ -157,14 +160,35 @@ def _attention_vs_reference(hq, hkv, dim, dtype, slots, ctx_lens, pos, seed, tol
     got = attention.positional_attention_triton(
         *[x.to(DEV) for x in (q, kbuf, vbuf, torch.cat(pos), kv_start, torch.cat(ctx))],
         scale=dim**-0.5,
+        window=window,
+        sinks=None if sinks is None else sinks.to(DEV),
     ).cpu()
+    ref = torch.float64 if window or sinks is not None else torch.float32
     want = torch.cat(
         [
-            positional_causal_attention(qr.float(), kbuf[c].float(), vbuf[c].float(), p, dim**-0.5)
+            positional_causal_attention(
+                qr.to(ref), kbuf[c].to(ref), vbuf[c].to(ref), p, dim**-0.5,
+                window=window, sinks=None if sinks is None else sinks.to(ref),
+            )
             for qr, c, p in zip(q.split([p.numel() for p in pos]), ctx, pos, strict=True)
         ]
+    )  # fmt: skip
+    torch.testing.assert_close(got.to(ref), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, with_sinks", [(1, False), (7, True), (100, False), (0, True)])
+def test_positional_attention_window_and_sinks_match_float64(kern, dtype, window, with_sinks):
+    """gpt-oss / Gemma 3 layers: a window of 1 (a row sees itself only), one that starts
+    mid key-block (rows far apart in one tile), one wider than the context, and sinks (large
+    of both signs: a sink that outweighs every key, one that takes nothing) with and
+    without a window, against the float64 specification."""
+    pos = [torch.tensor([0, 1, 63, 64, 65, 149]), torch.arange(20, 60), torch.tensor([5, 69])]
+    sinks = torch.tensor([3.0, -30.0, 0.5, 12.0, -1.0, 40.0]) if with_sinks else None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _attention_vs_reference(
+        6, 2, 40, dtype, 500, [150, 60, 70], pos, 11, tol, window=window, sinks=sinks
     )
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(

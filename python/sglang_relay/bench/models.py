@@ -3,7 +3,7 @@
 The embedded SmolLM2-135M is a Llama with 9 attention heads and 3 KV heads, which do not
 split over 2 tensor-parallel ranks, and there is no model hub here. :func:`random_model`
 writes a small model of another architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3 and
-the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, MiniMax-M2) with random
+the MoE models Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, MiniMax-M2, gpt-oss) with random
 weights from its ``transformers`` config class, with the embedded model's tokenizer,
 untied embeddings and a wide init, so that its greedy outputs are diverse enough for exact
 span matching on token ids. Its outputs mean nothing: it serves oracles that compare
@@ -110,6 +110,31 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),  # fmt: skip
+    # gpt-oss: sliding-window (16 keys) and full layers alternating, a learned sink per
+    # query head, q/k/v/o biases, YaRN (factor 8), 8 experts (top 2) with biases behind a
+    # ``router``; head dim 64 with 8 heads != hidden / heads
+    "gpt_oss": (
+        "GptOss",
+        {
+            "head_dim": 64,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"] * 4,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 1024,
+            },
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 128,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",
@@ -131,9 +156,18 @@ def random_hf_model(arch: str, *, seed: int = 0, **overrides: Any):
     name, extra = ARCHITECTURES[arch]
     config_cls = getattr(transformers, f"{name}Config")
     model_cls = getattr(transformers, f"{name}ForCausalLM")
-    cfg = config_cls(**{**COMMON, **extra, **overrides})
+    fields = {**COMMON, **extra, **overrides}
+    if "layer_types" in fields:  # the pattern repeated over the layers asked for
+        types, n = fields["layer_types"], fields["num_hidden_layers"]
+        fields["layer_types"] = [types[i % len(types)] for i in range(n)]
+    cfg = config_cls(**fields)
     torch.manual_seed(seed)
-    return model_cls(cfg).float()
+    model = model_cls(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share,
+                p.copy_(p.normal_(0.0, 1.0).bfloat16())  # bf16 values: SGLang keeps bf16
+    return model
 
 
 def random_model(arch: str, out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from sglang_relay.core.attention import attention_probs
+from sglang_relay.core.attention import attention_probs, visible
 from sglang_relay.core.config import RelayConfig
 
 
@@ -37,6 +37,8 @@ def context_mass(
     prompt_len: int,
     scale: float,
     *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
     """Per query row, the attention mass it puts on the prompt positions ``1..prompt_len-1``
@@ -49,7 +51,9 @@ def context_mass(
     Args:
         q: ``[n, H_q, D]`` post-RoPE queries at absolute positions ``q_pos`` (``[n]``).
         keys: ``[T, H_kv, D]`` post-RoPE keys of positions ``0..T-1`` (GQA: ``H_q`` a
-            multiple of ``H_kv``); row ``i`` attends to positions ``<= q_pos[i]``.
+            multiple of ``H_kv``); row ``i`` attends to positions ``<= q_pos[i]`` (within
+            its ``window`` where the layer has one; ``sinks`` join the softmax and take
+            their share: :func:`~sglang_relay.core.attention.positional_causal_attention`).
         chunk: query rows per step at most; fewer when ``[chunk, H_q, T]`` float32 scores
             would exceed :data:`SCORE_BLOCK_BYTES` (long rows).
 
@@ -64,8 +68,8 @@ def context_mass(
     cols = torch.arange(t, device=q.device)
     in_prompt = (cols >= 1) & (cols < prompt_len)
     for lo in range(0, n, chunk):
-        visible = cols[None, :] <= q_pos[lo : lo + chunk, None].to(q.device)
-        probs = attention_probs(q[lo : lo + chunk].float(), k, visible, scale)
+        seen = visible(q_pos[lo : lo + chunk].to(q.device), t, window)
+        probs = attention_probs(q[lo : lo + chunk].float(), k, seen, scale, sinks)
         out[lo : lo + chunk] = (probs * in_prompt).sum(-1).mean(dim=(1, 2))
     return out
 

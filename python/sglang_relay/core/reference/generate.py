@@ -112,7 +112,7 @@ def generate(
         if all(done):
             break
         pos = base + step  # [B] position of the token fed now (output index ``step``)
-        visible = (t_idx[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        causal = t_idx[None, :] <= pos[:, None]  # [B, T]
         live = torch.tensor([not d for d in done], dtype=torch.float32, device=dev)  # [B]
         hs = ref.embed(tok)  # [B, hidden]
         for lid, layer in enumerate(ref.layers):
@@ -125,7 +125,14 @@ def generate(
             # eager attention with explicit probabilities: [B, H_kv, group, T]
             qg = q.view(bsz, hkv, group, d)
             scores = torch.einsum("bgrd,bgtd->bgrt", qg, kb[lid]) * ref.scale
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            w, sinks = ref.window[lid], ref.sinks[lid]
+            seen = (causal & (t_idx[None, :] > pos[:, None] - w) if w else causal)[:, None, None]
+            scores = scores.masked_fill(~seen, float("-inf"))
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:  # the sink column joins the softmax and is dropped (gpt-oss)
+                sink = sinks.to(scores.dtype).view(1, hkv, group, 1).expand(bsz, -1, -1, 1)
+                probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
             if influence is not None:  # attention mass each position receives (all heads)
                 influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
             o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])

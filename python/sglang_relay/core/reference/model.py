@@ -49,6 +49,12 @@ class RefModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.hidden_size = cfg.hidden_size
         self.scale = float(self.layers[0].self_attn.scaling)
+        # per layer: its sliding window (keys a row sees, itself included; 0: none) and its
+        # sink logits (gpt-oss; None: none), as Hugging Face's masks and eager attention
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        width = getattr(cfg, "sliding_window", None) or 0
+        self.window = [width if t == "sliding_attention" else 0 for t in types]
+        self.sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.layers]
         self.dtype = self.embed.weight.dtype
         self.kv_dtype = None if kv_dtype in (None, self.dtype) else kv_dtype
         self.device = self.embed.weight.device
@@ -65,7 +71,10 @@ class RefModel:
             size = max(size, 4096)
             dummy = torch.empty(0, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(dummy, torch.arange(size, device=self.device).view(1, -1))
-            self._rope_table = (cos[0], sin[0])
+            cos, sin = cos[0], sin[0]
+            if cos.shape[-1] == self.rotary.inv_freq.numel():  # gpt-oss: half dims, neox
+                cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+            self._rope_table = (cos, sin)
         cos, sin = self._rope_table
         return cos[positions], sin[positions]
 
@@ -114,7 +123,8 @@ class RefModel:
         """Layer ``layer``'s MLP block on rows ``x [n, hidden]``: Hugging Face's sparse MoE
         blocks (``experts``) take ``[batch, seq, hidden]``."""
         if hasattr(layer.mlp, "experts"):
-            return layer.mlp(x.unsqueeze(0)).squeeze(0)
+            out = layer.mlp(x.unsqueeze(0))
+            return (out[0] if isinstance(out, tuple) else out).squeeze(0)  # gpt-oss: + router
         return layer.mlp(x)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +203,10 @@ def _run_layer(
     q, k, v = ref.qkv(layer, x, rows)
     cache.k[lid, rows] = ref.stored(k)
     cache.v[lid, rows] = ref.stored(v)
-    o = positional_causal_attention(q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale)
+    o = positional_causal_attention(
+        q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale, ref.window[lid],
+        ref.sinks[lid],
+    )  # fmt: skip
     h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
     h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
     if full:

@@ -31,7 +31,7 @@ from itertools import pairwise
 
 import torch
 
-from sglang_relay.core.attention import attention_probs
+from sglang_relay.core.attention import attention_probs, visible
 from sglang_relay.core.config import RelayConfig
 from sglang_relay.core.reference.model import KVCache, RefModel, _run_layer
 from sglang_relay.core.reference.record import UpstreamRecord
@@ -202,13 +202,13 @@ def last_row_probe(
     rows = torch.cat([torch.arange(first, device=dev), torch.tensor([total - 1], device=dev)])
     known = torch.zeros(total, dtype=torch.bool, device=dev)
     known[span_rows] = known[rows] = True
-    visible = (torch.arange(total, device=dev)[None, :] <= rows[:, None]) & known[None, :]
     h = ref.embed(torch.tensor(list(prompt), dtype=torch.long, device=dev)[rows])
     out = []
     for lid, layer in enumerate(ref.layers):
         q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
         cache.k[lid, rows], cache.v[lid, rows] = ref.stored(k), ref.stored(v)
-        probs = attention_probs(q, cache.k[lid], visible, ref.scale)  # [n, G, R, T]
+        seen = visible(rows, total, ref.window[lid]) & known[None, :]
+        probs = attention_probs(q, cache.k[lid], seen, ref.scale, ref.sinks[lid])  # [n,G,R,T]
         last = probs[-1][..., span_rows]  # [G, R, S]
         out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
         o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
@@ -261,7 +261,10 @@ def record_context_mass(ref: RefModel, rec: UpstreamRecord, layer: int) -> torch
     when it records the span. Cached on the record."""
     if layer not in rec.context:
         q, keys, pos = record_decode_queries(ref, rec, layer)
-        rec.context[layer] = context_mass(q, keys, pos, len(rec.prompt), ref.scale)
+        rec.context[layer] = context_mass(
+            q, keys, pos, len(rec.prompt), ref.scale, window=ref.window[layer],
+            sinks=ref.sinks[layer],
+        )  # fmt: skip
     return rec.context[layer]
 
 

@@ -20,7 +20,6 @@ graph-mode decode (the decode capture is installed before SGLang captures its gr
 
 from __future__ import annotations
 
-from sglang_relay.runtime.models.anatomy import SPARSE_MLP
 from sglang_relay.runtime.models.registry import SUPPORTED_ARCHITECTURES, anatomy_of
 from sglang_relay.runtime.sglang.server_view import ServerView
 
@@ -244,10 +243,16 @@ def refusal(
             "relay to serve this model without relay"
         )
     moe = architecture is not None and any(
-        SPARSE_MLP <= block for block in anatomy_of(architecture).mlp_blocks
+        "experts" in block for block in anatomy_of(architecture).mlp_blocks
     )
     checks = [
-        (view.hybrid_model, "sliding-window, Mamba or DSA models", "use a dense model"),
+        (view.hybrid_model, "Mamba / linear-attention or DSA models", "use a dense model"),
+        (
+            view.hybrid_swa,
+            "SGLang's hybrid sliding-window KV pool (it frees a window layer's KV past the "
+            "window, which a relayed span's later readers still need)",
+            "add --disable-hybrid-swa-memory",
+        ),
         (
             view.enable_lora and moe,
             f"--enable-lora on a mixture-of-experts model ({architecture}: SGLang's MoE LoRA "

@@ -57,10 +57,20 @@ class ExtendAttention(ABC):
 
     @abstractmethod
     def run(
-        self, handle: Any, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float
+        self,
+        handle: Any,
+        q: torch.Tensor,
+        kbuf: torch.Tensor,
+        vbuf: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: ``[n, Hq, D]``; ``kbuf``/``vbuf``: the layer's ``[slots, Hkv, D]`` pool
-        buffers (the rows' own K/V already written). Returns ``[n, Hq, Dv]``."""
+        buffers (the rows' own K/V already written); ``window``: the layer's sliding window
+        (keys a row sees, itself included; 0: none); ``sinks``: its ``[Hq]`` sink logits
+        (:func:`~sglang_relay.core.attention.positional_causal_attention`). Returns
+        ``[n, Hq, Dv]``."""
 
     def reset(self) -> None:  # noqa: B027 - optional for stateless implementations
         """A new batch begins (handles of the previous one are dead)."""
@@ -98,14 +108,16 @@ class TorchAttention(ExtendAttention):
         ]
         return parts, positions
 
-    def run(self, handle, q, kbuf, vbuf, scale):
+    def run(self, handle, q, kbuf, vbuf, scale, window=0, sinks=None):
         parts, positions = handle
         out = q.new_empty((q.shape[0], q.shape[1], vbuf.shape[-1]))
         for lo, hi, slots in parts:
             k, v = kbuf[slots], vbuf[slots]
             if k.dtype != q.dtype:  # an FP8 / bf16 KV cache: its elements, unscaled
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            out[lo:hi] = positional_causal_attention(q[lo:hi], k, v, positions[lo:hi], scale)
+            out[lo:hi] = positional_causal_attention(
+                q[lo:hi], k, v, positions[lo:hi], scale, window, sinks
+            )
         return out
 
 
@@ -125,19 +137,21 @@ class TritonAttention(ExtendAttention):
         tiles = make_tiles(kv_start, device=positions.device)
         return positions, kv_start.to(positions.device), kv_indices, tiles
 
-    def run(self, handle, q, kbuf, vbuf, scale):
+    def run(self, handle, q, kbuf, vbuf, scale, window=0, sinks=None):
         from sglang_relay_kernels.attention import positional_attention_triton
 
         positions, kv_start, kv_indices, tiles = handle
         return positional_attention_triton(
-            q, kbuf, vbuf, positions, kv_start, kv_indices, scale, tiles=tiles
-        )
+            q, kbuf, vbuf, positions, kv_start, kv_indices, scale, tiles=tiles,
+            window=window, sinks=sinks,
+        )  # fmt: skip
 
 
 @register("flashinfer")
 class FlashInferAttention(ExtendAttention):
-    """One FlashInfer wrapper per active-row set; ``backend`` is a
-    :class:`~sglang_relay_kernels.flashinfer_extend.FlashInferExtend` (or a test double)."""
+    """One FlashInfer wrapper per active-row set and window (planned at its first layer);
+    ``backend`` is a :class:`~sglang_relay_kernels.flashinfer_extend.FlashInferExtend` (or a
+    test double)."""
 
     def __init__(self, device: torch.device, backend: Any = None) -> None:
         if backend is None:
@@ -145,7 +159,7 @@ class FlashInferAttention(ExtendAttention):
 
             backend = FlashInferExtend(device)
         self.backend = backend
-        self.planned: set[int] = set()
+        self.planned: set[tuple[int, int]] = set()
         self._next = 0
 
     def reset(self) -> None:
@@ -153,18 +167,18 @@ class FlashInferAttention(ExtendAttention):
         self.planned.clear()
 
     def plan(self, batch, rows_cpu, positions):
-        from sglang_relay_kernels.flashinfer_extend import build_extend_plan
-
         bounds = batch.bounds(rows_cpu)
         counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        layout = build_extend_plan(counts, positions, batch.seq_lens, batch.slots)
         self._next += 1
-        return self._next, layout
+        return self._next, (counts, positions, batch.seq_lens, batch.slots)
 
-    def run(self, handle, q, kbuf, vbuf, scale):
-        key, layout = handle
+    def run(self, handle, q, kbuf, vbuf, scale, window=0, sinks=None):
+        from sglang_relay_kernels.flashinfer_extend import build_extend_plan
+
+        key = (handle[0], window)
         if key not in self.planned:  # planned at first use: head counts come with q / kbuf
+            layout = build_extend_plan(*handle[1], window=window)
             heads = (q.shape[1], kbuf.shape[1], q.shape[2], vbuf.shape[-1])
             self.backend.plan(key, layout, heads, scale, q.dtype, kbuf.dtype)
             self.planned.add(key)
-        return self.backend.run(key, q, kbuf, vbuf)
+        return self.backend.run(key, q, kbuf, vbuf, sinks)

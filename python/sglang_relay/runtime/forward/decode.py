@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_relay.core.attention import attention_probs, visible
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.sglang.model import (
     attach_decode_capture,
@@ -114,7 +115,10 @@ class InfluenceHook:
             return
         q = args[0] if args else kwargs["q"]
         fb = args[3] if len(args) > 3 else kwargs["forward_batch"]
-        accumulate_influence(fb, module, q, self.ledger.influence, self.pool, self.req_to_token)
+        sinks = kwargs.get("sinks")  # gpt-oss passes its sink logits to the attention
+        accumulate_influence(
+            fb, module, q, self.ledger.influence, self.pool, self.req_to_token, sinks
+        )
 
     def remove(self) -> None:
         self._handle.remove()
@@ -170,16 +174,19 @@ def install_decode_capture(model_runner: ModelRunner) -> DecodeCapture | None:
 
 
 def accumulate_influence(
-    fb: ForwardBatch, radix_attn, q, influence: torch.Tensor, pool, req_to_token
+    fb: ForwardBatch, radix_attn, q, influence: torch.Tensor, pool, req_to_token, sinks=None
 ) -> None:
     """``influence[slot] += sum over heads of the attention probability`` that each decode
-    query puts on each context token (after the query's own KV was written)."""
+    query puts on each context token (after the query's own KV was written), within the
+    layer's sliding window and with its ``sinks`` taking their share where it has them."""
     hq, d = radix_attn.tp_q_head_num, radix_attn.qk_head_dim
-    group = hq // radix_attn.tp_k_head_num
     keys = pool.get_key_buffer(radix_attn.layer_id)
     q3 = q.reshape(-1, hq, d).float()
+    w = getattr(radix_attn, "sliding_window_size", -1)
+    window = w + 1 if w is not None and w > -1 else 0
     for i, seq_len in enumerate(fb.seq_lens.tolist()):
         slots = req_to_token[fb.req_pool_indices[i], :seq_len].long()
-        k = keys[slots].float().repeat_interleave(group, dim=1)  # [T, Hq, D]
-        logits = torch.einsum("hd,thd->ht", q3[i], k) * radix_attn.scaling
-        influence.index_add_(0, slots, logits.softmax(dim=-1).sum(dim=0))
+        seen = visible(torch.tensor([seq_len - 1], device=q.device), seq_len, window)
+        probs = attention_probs(q3[i : i + 1], keys[slots].float(), seen, radix_attn.scaling,
+                                sinks)  # fmt: skip
+        influence.index_add_(0, slots, probs[0].sum(dim=(0, 1)))

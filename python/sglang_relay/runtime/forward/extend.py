@@ -207,7 +207,7 @@ class ExtendPlan(LayerPlan):
                 self._rows = RowSet(
                     rows, row_pos, self.fb.out_cache_loc[rows],
                     lambda lid, hd, q, k, v, handle=handle: plan.attention.run(
-                        handle, q, k, v, hd.scale
+                        handle, q, k, v, hd.scale, hd.window, hd.sinks
                     ),
                     info_for(plan.lora, rows),  # a LoRA server: each row's own adapter
                 )  # fmt: skip

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,7 @@ from sglang_relay.runtime.models.anatomy import (
     mlp_takes_batch,
     native_prepare,
     rotation_table,
+    sinks_of,
     split_qkv,
 )
 from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
@@ -67,9 +68,13 @@ class Heads:
     dv: int  # v head dim
     scale: float
     layer_id: int  # the KV pool's layer index
+    window: int = 0  # keys a row sees, itself included (0: no sliding window)
+    # this rank's ``[q]`` float32 sink logits (gpt-oss), None: no sinks
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, radix_attn) -> Heads:
+    def of(cls, radix_attn, sinks: torch.Tensor | None = None) -> Heads:
+        w = getattr(radix_attn, "sliding_window_size", -1)  # SGLang keeps W - 1
         return cls(
             radix_attn.tp_q_head_num,
             radix_attn.tp_k_head_num,
@@ -78,6 +83,8 @@ class Heads:
             radix_attn.v_head_dim,
             radix_attn.scaling,
             radix_attn.layer_id,
+            w + 1 if w is not None and w > -1 else 0,
+            None if sinks is None else sinks.detach().float(),
         )
 
 
@@ -153,7 +160,10 @@ class LayerDriver:
         self.pool = kv_pool
         self.layers = list(model.layers)
         self.num_layers = len(self.layers)
-        self._heads = tuple(Heads.of(layer.self_attn.attn) for layer in self.layers)
+        self._heads = tuple(
+            Heads.of(layer.self_attn.attn, sinks_of(layer.self_attn, anatomy))
+            for layer in self.layers
+        )
         native = anatomy.prepare == "native"
         self._prepare = tuple(
             native_prepare(layer.self_attn) if native else None for layer in self.layers
@@ -302,12 +312,13 @@ def span_context(
     keys = kbuf[slots]
     q = q.reshape(n, hd.q, hd.d)
     keys = keys.reshape(prompt_len + n, hd.kv, hd.d)
+    shape = {"window": hd.window, "sinks": hd.sinks}
     if answer_start <= 0:
-        return context_mass(q, keys, pos, prompt_len, hd.scale)
+        return context_mass(q, keys, pos, prompt_len, hd.scale, **shape)
     a = answer_start
     return torch.cat(
         (
-            context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale),
-            context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale),
+            context_mass(q[:a], keys, pos[:a], prompt_len, hd.scale, **shape),
+            context_mass(q[a:], keys, pos[a:], prompt_len + a, hd.scale, **shape),
         )
     )

@@ -84,13 +84,15 @@ class ProbePlan(LayerPlan):
         self.lora_backend = plan.lora
         # per target, the slots its last row sees (context before the first span, the spans,
         # itself) and where its spans sit among them: the same in every layer
-        self.visible, self.where = [], []
+        self.visible, self.where, self.seen_pos = [], [], []
         for t in targets:
             slots = plan.batch.slots[t.req]
             span_pos = positions[plan.groups[t.group].rows[t.lo : t.hi]].to(slots.device)
             own = positions[t.row : t.row + 1].to(slots.device)
             head = torch.arange(t.first, device=slots.device)
-            self.visible.append(slots[torch.cat([head, span_pos, own])].to(torch.int64))
+            seen = torch.cat([head, span_pos, own])
+            self.visible.append(slots[seen].to(torch.int64))
+            self.seen_pos.append(seen)
             self.where.append(slice(t.first, t.first + t.hi - t.lo))
         index = torch.arange(rows.numel(), device=device)
         # the same rows in every layer, and their LoRA info
@@ -110,12 +112,15 @@ class ProbePlan(LayerPlan):
         n_pre = self.n_pre
         out = q.new_empty((q.shape[0], hd.q, vbuf.shape[-1]))
         if self.handle is not None:
-            out[:n_pre] = self.plan.attention.run(self.handle, q[:n_pre], kbuf, vbuf, hd.scale)
+            out[:n_pre] = self.plan.attention.run(
+                self.handle, q[:n_pre], kbuf, vbuf, hd.scale, hd.window, hd.sinks
+            )
         for j, (vis, where) in enumerate(zip(self.visible, self.where, strict=True)):
             keys, vals = kbuf[vis].float(), vbuf[vis].float()
-            seen = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
+            pos = self.seen_pos[j].to(keys.device)
+            seen = pos[None, :] > pos[-1] - (hd.window or pos[-1] + 1)  # its window, or all
             qj = q[n_pre + j : n_pre + j + 1].float()
-            probs = attention_probs(qj, keys, seen, hd.scale)  # [1, Hkv, group, T]
+            probs = attention_probs(qj, keys, seen, hd.scale, hd.sinks)  # [1, Hkv, group, T]
             if lid in self.summed:
                 self.sums[j] += probs[0].mean((0, 1))[where]
             o = torch.einsum("ngrt,tgd->ngrd", probs, vals).reshape(1, hd.q, -1)

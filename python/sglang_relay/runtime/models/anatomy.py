@@ -65,6 +65,11 @@ class Anatomy:
             ``"per_head"``, SGLang's ``apply_qk_norm`` (an RMS per head: Qwen3, GLM-4.x);
             ``"across_heads"``, the block's own ``qk_norm_impl`` (one RMS over all heads of q
             and of k, its sums reduced across attention-TP ranks: MiniMax-M2).
+        sinks: the attention block's parameter holding one sink logit per query head
+            (gpt-oss: ``"sinks"``, this rank's heads), which relay's attention adds to each
+            softmax; None: the block holds no parameter of its own.
+        windows: layers may attend through a sliding window (``RadixAttention``'s
+            ``sliding_window_size``), which relay's attention and selection apply.
     """
 
     architecture: str
@@ -75,6 +80,8 @@ class Anatomy:
     mlp_name: str = "mlp"
     optional_attention: frozenset[str] = frozenset()
     qk_norm: str = "per_head"
+    sinks: str | None = None
+    windows: bool = False
 
 
 QK_NORMS = ("per_head", "across_heads")
@@ -98,6 +105,11 @@ def native_prepare(attn_mod):
 
 
 _NATIVE_CONTRACT: dict[type, bool] = {}
+
+
+def sinks_of(attn_mod, anatomy: Anatomy):
+    """The block's sink logits (the parameter :attr:`Anatomy.sinks` names), or None."""
+    return None if anatomy.sinks is None else getattr(attn_mod, anatomy.sinks)
 
 
 def split_qkv(attn_mod, positions, x, across_heads: bool = False):
@@ -202,7 +214,17 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 problems.append(f"{where}.self_attn has q_norm but no qk_norm_impl.forward")
                 continue
         own = sorted(n for n, _ in attn_mod.named_parameters(recurse=False))
-        if own:  # e.g. gpt-oss's per-head attention sinks: the loop's attention has none
+        if anatomy.sinks is not None:
+            if own != [anatomy.sinks]:
+                problems.append(f"{where}.self_attn holds parameters {own}, not the adapter's "
+                                f"[{anatomy.sinks!r}]")  # fmt: skip
+                continue
+            heads = attn_mod.attn.tp_q_head_num
+            if tuple(getattr(attn_mod, anatomy.sinks).shape) != (heads,):
+                problems.append(f"{where}.self_attn.{anatomy.sinks}: not one per query head "
+                                f"({heads})")  # fmt: skip
+                continue
+        elif own:  # e.g. gpt-oss's per-head attention sinks: the loop's attention has none
             problems.append(f"{where}.self_attn holds parameters {own} the adapter does not run")
             continue
         native = native_prepare(attn_mod) is not None
@@ -235,7 +257,7 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                             f"size {getattr(rope, 'head_size', None)}")  # fmt: skip
         if getattr(ra, "logit_cap", 0) not in (0, 0.0, None):
             problems.append(f"{where}: attention logit cap {ra.logit_cap}")
-        if getattr(ra, "sliding_window_size", -1) not in (-1, None):
+        if getattr(ra, "sliding_window_size", -1) not in (-1, None) and not anatomy.windows:
             problems.append(f"{where}: sliding-window attention ({ra.sliding_window_size})")
         if getattr(ra, "k_scale", None) is not None or getattr(ra, "v_scale", None) is not None:
             problems.append(f"{where}: scaled (quantized) KV")

@@ -46,6 +46,7 @@ SHARED = (
 # The SGLang model modules whose classes the adapters serve (what --record walks).
 MODEL_MODULES = (
     "sglang.srt.models.glm4_moe",
+    "sglang.srt.models.gpt_oss",
     "sglang.srt.models.llama",
     "sglang.srt.models.minimax_m2",
     "sglang.srt.models.mixtral",

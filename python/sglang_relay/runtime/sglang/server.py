@@ -211,7 +211,7 @@ def server_view(obj) -> ServerView:
     def get(name, default):
         return resolved_value(args, name, default)
 
-    hybrid = any(getattr(obj, f, False) for f in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa"))
+    hybrid = any(getattr(obj, f, False) for f in ("is_hybrid_ssm", "is_dsa"))
     return ServerView(
         model_path=str(get("model_path", "")),
         tp_size=int(get("tp_size", 1)),
@@ -239,6 +239,7 @@ def server_view(obj) -> ServerView:
         dllm_algorithm=get("dllm_algorithm", None),
         enable_hisparse=bool(get("enable_hisparse", False)),
         hybrid_model=hybrid,
+        hybrid_swa=bool(getattr(obj, "is_hybrid_swa", False)),
         enable_pdmux=bool(get("enable_pdmux", False)),
         attn_cp_size=int(get("attn_cp_size", 1) or 1),
         enable_prefill_cp=bool(get("enable_prefill_cp", False)),

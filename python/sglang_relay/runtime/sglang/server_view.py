@@ -36,7 +36,8 @@ class ServerView:
     disable_radix_cache: bool = False
     dllm_algorithm: str | None = None
     enable_hisparse: bool = False
-    hybrid_model: bool = False  # sliding window, Mamba or DSA layers
+    hybrid_model: bool = False  # Mamba / linear-attention or DSA layers
+    hybrid_swa: bool = False  # SGLang's hybrid sliding-window KV pool (frees window layers' KV)
     enable_pdmux: bool = False
     attn_cp_size: int = 1
     enable_prefill_cp: bool = False

@@ -91,6 +91,13 @@ CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu
 # CPU stand-in only (runtime/standin/cpu_models.py): MiniMax-M2's q/k RMSNorm over all heads
 # launches Triton kernels that assert CUDA (no AMX here for its sgl_kernel CPU op)
 CPU_MINIMAX_QK_NORM_TARGET = "sglang.srt.models.minimax_m2.MiniMaxM2QKRMSNorm._forward_naive"
+# ... gpt-oss: SGLang refuses torch_native for it (no sinks there); the stand-in adds them
+CPU_GPT_OSS_BACKEND_CHECK_TARGET = (
+    "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+)
+CPU_DECODE_ATTENTION_TARGET = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode"
+)
 
 
 # CPU stand-in only (runtime/standin/cpu_spec.py): torch_native attention has no TARGET_VERIFY path

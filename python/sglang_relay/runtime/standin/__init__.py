@@ -7,7 +7,7 @@ smallest equivalent that runs on a CPU, tested against SGLang's own kernel where
 * :mod:`.cpu_graph`: the CPU graph runner's attention backend and placeholder kernels;
 * :mod:`.cpu_spec`, :mod:`.cpu_eagle`: NGRAM and EAGLE's CUDA ops in torch;
 * :mod:`.cpu_models`: what SGLang's model classes launch on CUDA alone (MiniMax-M2's q/k
-  norm), in torch;
+  norm, gpt-oss's sinks on torch_native), in torch;
 * :mod:`.quant_standin`: an activation-quantizing method that runs on a CPU;
 * ``_cpu_shim/sgl_kernel``: the stand-in ``sgl_kernel`` package;
 * :mod:`.forkserver_first`, :mod:`.forkserver_preload`: the children's preloaded forkserver.
@@ -36,8 +36,10 @@ def register() -> None:
     from sglang_relay.runtime.scale.ship.build import add_tier_setup
     from sglang_relay.runtime.sglang.hooks import register_hook
     from sglang_relay.runtime.sglang.targets import (
+        CPU_DECODE_ATTENTION_TARGET,
         CPU_DRAFT_DECODE_BACKEND_TARGET,
         CPU_DRAFT_EXTEND_BACKEND_TARGET,
+        CPU_GPT_OSS_BACKEND_CHECK_TARGET,
         CPU_GRAPH_FAKE_TARGET,
         CPU_MINIMAX_QK_NORM_TARGET,
         CPU_VERIFY_ATTENTION_TARGET,
@@ -65,6 +67,13 @@ def register() -> None:
     register_hook(CPU_DRAFT_EXTEND_BACKEND_TARGET, cpu_eagle.draft_extend_on_torch_native, "around")
     register_hook(CPU_DRAFT_DECODE_BACKEND_TARGET, cpu_eagle.draft_decode_on_torch_native, "around")
     register_hook(CPU_MINIMAX_QK_NORM_TARGET, cpu_models.minimax_qk_norm, "around")
+    register_hook(
+        CPU_GPT_OSS_BACKEND_CHECK_TARGET,
+        cpu_models.gpt_oss_check_sees_torch_native_with_sinks,
+        "around",
+    )
+    register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_models.torch_native_extend_with_sinks, "around")
+    register_hook(CPU_DECODE_ATTENTION_TARGET, cpu_models.torch_native_decode_with_sinks, "around")
     if cpu.cpu_fp8_kv_opted_in():
         register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
     if cpu.cpu_hicache_opted_in():

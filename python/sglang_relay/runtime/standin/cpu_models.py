@@ -8,6 +8,8 @@ on CUDA.
   (``rms_sumsq_serial``, ``rms_apply_serial``) whose wrappers assert CUDA tensors; this is
   the same two steps, checked against those kernels under the Triton interpreter
   (``test/unit/test_cpu_models.py``).
+* gpt-oss's attention sinks on ``torch_native`` (SGLang's gpt-oss check refuses that
+  backend; its Triton kernels are the reference: the same test file).
 """
 
 from __future__ import annotations
@@ -43,3 +45,77 @@ def minimax_qk_norm(original, norm, q: torch.Tensor, k: torch.Tensor):
     return qk_rms_apply(
         q, k, norm._q_norm.weight, norm._k_norm.weight, sums, norm._world_size, norm._eps
     )
+
+
+# ---- gpt-oss on torch_native -----------------------------------------------------------------
+# SGLang 0.5.23 refuses torch_native for gpt-oss ("neither sliding window nor attention sinks",
+# arg_groups/model_hook.py): its windows it does apply (``_make_sliding_window_mask``, the
+# same ``W`` keys as Hugging Face), its sinks it does not take (``forward_extend`` /
+# ``forward_decode`` have no ``sinks`` argument, which gpt-oss's attention passes). The
+# stand-in lets the check through and adds the sinks after SGLang's own attention: each
+# row's output times ``sigmoid(lse - sink[h])``, ``lse`` over the keys SGLang's mask showed it.
+
+
+def gpt_oss_check_sees_torch_native_with_sinks(original, server_args, *args, **kwargs):
+    """Around-hook of ``model_hook.handle_model_specific_adjustments``: during it (and only
+    there: the backend choice elsewhere reads the same function), SGLang's backend lookup
+    reports torch_native, which the stand-in gives sinks, as the Triton backend whose
+    semantics it then has; read by the gpt-oss and Gemma 4 checks alone."""
+    from sglang.srt.arg_groups import model_hook
+
+    lookup = model_hook.attention_backends_of
+
+    def as_triton(cfg):
+        return tuple("triton" if b == "torch_native" else b for b in lookup(cfg))
+
+    model_hook.attention_backends_of = as_triton
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        model_hook.attention_backends_of = lookup
+
+
+def torch_native_extend_with_sinks(original, backend, q, k, v, layer, forward_batch, *args,
+                                   sinks=None, **kwargs):  # fmt: skip
+    """Around-hook of ``TorchNativeAttnBackend.forward_extend``: SGLang's attention (it
+    writes the KV), then the sinks, if the layer passes any."""
+    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    if sinks is None:
+        return out
+    counts = forward_batch.extend_seq_lens.tolist()
+    return _with_sinks(backend, out, q, layer, forward_batch, counts, sinks)
+
+
+def torch_native_decode_with_sinks(original, backend, q, k, v, layer, forward_batch, *args,
+                                   sinks=None, **kwargs):  # fmt: skip
+    """Around-hook of ``TorchNativeAttnBackend.forward_decode``: as the extend's, one row
+    per request."""
+    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    if sinks is None:
+        return out
+    counts = [1] * forward_batch.batch_size
+    return _with_sinks(backend, out, q, layer, forward_batch, counts, sinks)
+
+
+def _with_sinks(backend, out, q, layer, fb, counts, sinks):
+    """``out`` (SGLang's sink-free attention, ``[rows, Hq * Dv]``) with the sinks added:
+    per request, its ``counts[i]`` last positions' log-sum-exp over the keys they see."""
+    from sglang_relay.core.attention import attention_lse, sink_rescale, visible
+
+    hq = layer.tp_q_head_num
+    q3 = q.reshape(-1, hq, layer.qk_head_dim)
+    o3 = out.reshape(-1, hq, layer.v_head_dim)
+    kbuf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    w = layer.sliding_window_size
+    window = w + 1 if w is not None and w > -1 else 0
+    row = 0
+    for i, (n, seq_len) in enumerate(zip(counts, fb.seq_lens.tolist(), strict=True)):
+        if n:
+            slots = req_to_token[fb.req_pool_indices[i], :seq_len].long()
+            pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            lse = attention_lse(q3[row : row + n], kbuf[slots], visible(pos, seq_len, window),
+                                layer.scaling)  # fmt: skip
+            o3[row : row + n] = sink_rescale(o3[row : row + n], lse, sinks)
+        row += n
+    return out

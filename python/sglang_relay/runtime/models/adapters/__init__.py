@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from sglang_relay.runtime.models.adapters import (
     glm4_moe,
+    gpt_oss,
     llama,
     minimax_m2,
     mistral,
@@ -28,6 +29,7 @@ from sglang_relay.runtime.models.adapters import (
 # every adapter, in module-name order (test_anatomy checks this list against the folder)
 MODULES = (
     glm4_moe,
+    gpt_oss,
     llama,
     minimax_m2,
     mistral,
