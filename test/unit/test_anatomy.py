@@ -310,6 +310,40 @@ def test_minimax_q_k_norm_runs_the_blocks_own_norm_across_heads():
     assert v.tolist() == [[1.0] * 4]
 
 
+def test_gpt_oss_windows_and_sinks_are_served_only_where_the_adapter_names_them():
+    """gpt-oss: a window layer beside a full one, each with one sink per query head, passes
+    its adapter (relay's attention applies both); a sink per KV head, or another parameter
+    beside the sinks, is refused; the Llama adapter still refuses both."""
+
+    def gpt_oss(sinks=4, extra=None, window=127):
+        layers = []
+        for w in (window, -1):
+            attn = Attn(radix=Radix(tp_q_head_num=4, tp_k_head_num=2, sliding_window_size=w))
+            attn.forward_prepare_native = None  # its prepare takes the forward batch
+            attn.sinks = nn.Parameter(torch.zeros(sinks))
+            if extra:
+                setattr(attn, extra, nn.Parameter(torch.zeros(1)))
+            layers.append(attn)
+        return stack(*layers, mlp=frozenset({"router", "topk", "experts"}))
+
+    assert problems("GptOssForCausalLM", gpt_oss()) == []
+    out = problems("GptOssForCausalLM", gpt_oss(sinks=2))
+    assert len(out) == 2 and all("not one per query head (4)" in p for p in out)
+    (out, _) = problems("GptOssForCausalLM", gpt_oss(extra="bias"))
+    assert "holds parameters ['bias', 'sinks'], not the adapter's ['sinks']" in out
+    llama = problems("LlamaForCausalLM", gpt_oss())
+    assert any("holds parameters ['sinks']" in p for p in llama)
+
+
+def test_heads_read_the_window_sglang_keeps_as_w_minus_1():
+    from sglang_relay.runtime.forward.layer_driver import Heads
+
+    assert Heads.of(Radix(sliding_window_size=127)).window == 128  # gpt-oss's 128 keys
+    assert Heads.of(Radix()).window == 0 and Heads.of(Radix()).sinks is None
+    sinks = Heads.of(Radix(), torch.ones(1, dtype=torch.bfloat16)).sinks
+    assert sinks.dtype == torch.float32 and sinks.tolist() == [1.0]
+
+
 def test_attention_parameters_outside_its_modules_are_refused():
     """A parameter held by the attention block itself (gpt-oss's per-head ``sinks``, which
     enter the softmax) would be dropped by relay's attention: refused, even in a layer

@@ -365,3 +365,17 @@ def test_the_forkserver_loads_the_plugins_for_its_children_only_if_they_read_onl
     assert "relay" in installed
     assert plugins_load_once_for_children(installed), installed
     assert not plugins_load_once_for_children(installed | {"someone-elses-plugin"})
+
+
+def test_the_hybrid_swa_pool_is_refused_with_its_way_out():
+    """SGLang's hybrid SWA pool (gpt-oss by default) frees a window layer's KV that a
+    relayed span's later readers need: refused in one line naming the flag that turns it
+    off; Mamba / DSA hybrids are refused as before; the server view reads the build
+    context's flags apart."""
+    message = modes.refusal(modes.ServerView(hybrid_swa=True))
+    assert message is not None and "add --disable-hybrid-swa-memory" in message
+    assert "\n" not in message and message.endswith(modes.OUT)
+    assert "Mamba" in modes.refusal(modes.ServerView(hybrid_model=True))
+    ctx = SimpleNamespace(server_args=SimpleNamespace(), is_hybrid_swa=True, is_hybrid_ssm=False)
+    view = server_view(ctx)
+    assert view.hybrid_swa and not view.hybrid_model
