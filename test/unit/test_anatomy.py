@@ -84,7 +84,7 @@ def test_every_random_model_has_an_adapter():
 class Rope(nn.Module):
     def __init__(self, head_size=64, rotary_dim=64):
         super().__init__()
-        self.head_size, self.rotary_dim = head_size, rotary_dim
+        self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, True
 
 
 Rope.__name__ = "RotaryEmbedding"
@@ -364,8 +364,8 @@ def test_unknown_rope_and_unknown_architecture_are_refused():
     odd = Rope()
     odd.__class__ = type("MRotaryEmbedding", (Rope,), {})
     assert "cannot re-rotate" in problems("LlamaForCausalLM", stack(Attn(rope=odd)))[0]
-    with pytest.raises(ValueError, match="no adapter for the Gemma3ForCausalLM"):
-        anatomy_of("Gemma3ForCausalLM")
+    with pytest.raises(ValueError, match="no adapter for the DeepseekV3ForCausalLM"):
+        anatomy_of("DeepseekV3ForCausalLM")
 
 
 def test_rotation_table_is_float32_where_sglang_keeps_a_bf16_cache():

@@ -135,6 +135,30 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),  # fmt: skip
+    # Gemma 3: four norms a layer, per-head q/k norms, 4-key windows on 2 of every 3 layers
+    # (its 5-of-6 pattern, shortened), local RoPE base 1e4 and a linear-scaled global one,
+    # query scale from query_pre_attn_scalar, GeGLU, tied embeddings scaled by sqrt(hidden)
+    "gemma3": (
+        "Gemma3",
+        {
+            "head_dim": 64,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 48,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "linear",
+                    "rope_theta": 1000000.0,
+                    "factor": 4.0,
+                },
+            },
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,  # SGLang's Gemma 3 loads no lm_head of its own
+        },
+    ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",
@@ -148,13 +172,17 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+TEXT_CONFIGS = {"Gemma3": "Gemma3TextConfig"}
+
+
 def random_hf_model(arch: str, *, seed: int = 0, **overrides: Any):
     """An in-memory random ``<Arch>ForCausalLM`` (fp32) of :data:`ARCHITECTURES`."""
     import torch
     import transformers
 
     name, extra = ARCHITECTURES[arch]
-    config_cls = getattr(transformers, f"{name}Config")
+    # Gemma 3's text model has its own config class (Gemma3Config is the multimodal one)
+    config_cls = getattr(transformers, TEXT_CONFIGS.get(name, f"{name}Config"))
     model_cls = getattr(transformers, f"{name}ForCausalLM")
     fields = {**COMMON, **extra, **overrides}
     if "layer_types" in fields:  # the pattern repeated over the layers asked for

@@ -134,7 +134,7 @@ class RelayRuntime:
                 self.decode_capture.remove()  # its hook would write a ledger no one reads
             ledger = new_ledger(self.model, self.kv_pool, self.capture_layer, influence=influence)
             self.decode_capture = DecodeCapture(ledger, self.capture_layer)
-            self.decode_capture.install(self.model)
+            self.decode_capture.install(self.model, anatomy.residual)
             attach_decode_capture(self.model, self.decode_capture)
         self.ledger = self.decode_capture.ledger
         self.influence_hook = (

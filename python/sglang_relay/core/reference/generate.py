@@ -136,8 +136,7 @@ def generate(
             if influence is not None:  # attention mass each position receives (all heads)
                 influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
             o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])
-            hs = hs + layer.self_attn.o_proj(o.reshape(bsz, -1))
-            hs = hs + ref.mlp(layer, layer.post_attention_layernorm(hs))
+            hs = ref.finish(layer, hs, o.reshape(bsz, -1))
         tok = choose(ref.logits(hs), outputs)
         for b in range(bsz):
             if not done[b]:

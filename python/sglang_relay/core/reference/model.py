@@ -12,6 +12,7 @@ residual stream. Every other module of the package runs its layers through these
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,36 +59,58 @@ class RefModel:
         self.dtype = self.embed.weight.dtype
         self.kv_dtype = None if kv_dtype in (None, self.dtype) else kv_dtype
         self.device = self.embed.weight.device
-        self._cos_sin_cache: torch.Tensor | None = None
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the RoPE table a layer uses: one for the model, or one per layer type where the
+        # rotary module takes the type (Gemma 3: local and global)
+        by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rope_kind = [t if by_type else None for t in types]
+        self._index = {id(layer): lid for lid, layer in enumerate(self.layers)}
+        self._cos_sin_cache: dict[str | None, torch.Tensor] = {}
+        self._rope_table: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's own RoPE ``(cos, sin)``, each ``[n, head_dim]``, at ``positions`` ``[n]``
-        (rows of a table the rotary module computes once per size; elementwise, so equal to
-        what it gives for any batch of positions)."""
+    def rope(self, positions: torch.Tensor, lid: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE ``(cos, sin)`` of layer ``lid``, each ``[n, head_dim]``, at
+        ``positions`` ``[n]`` (rows of a table the rotary module computes once per size;
+        elementwise, so equal to what it gives for any batch of positions)."""
+        kind = self.rope_kind[lid]
+        table = self._rope_table.get(kind)
         need = int(positions.max()) + 1 if positions.numel() else 1
-        if self._rope_table is None or self._rope_table[0].shape[0] < need:
-            size = max(need, 2 * (0 if self._rope_table is None else len(self._rope_table[0])))
-            size = max(size, 4096)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, 2 * (0 if table is None else len(table[0])), 4096)
             dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(dummy, torch.arange(size, device=self.device).view(1, -1))
+            pos = torch.arange(size, device=self.device).view(1, -1)
+            cos, sin = self.rotary(dummy, pos, *([] if kind is None else [kind]))
             cos, sin = cos[0], sin[0]
-            if cos.shape[-1] == self.rotary.inv_freq.numel():  # gpt-oss: half dims, neox
+            inv_freq = getattr(self.rotary, "inv_freq" if kind is None else f"{kind}_inv_freq")
+            if cos.shape[-1] == inv_freq.numel():  # gpt-oss: half dims, neox
                 cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-            self._rope_table = (cos, sin)
-        cos, sin = self._rope_table
+            table = self._rope_table[kind] = (cos, sin)
+        cos, sin = table
         return cos[positions], sin[positions]
 
-    def cos_sin_cache(self, max_pos: int) -> torch.Tensor:
-        """``[>=max_pos, rot_dim]`` cos || sin (half dims), SGLang's layout, from the model's
-        rotary module (so its scaling variant is whatever the model uses)."""
-        cache = self._cos_sin_cache
+    def cos_sin_cache(self, max_pos: int, lid: int = 0) -> torch.Tensor:
+        """``[>=max_pos, rot_dim]`` cos || sin (half dims) of layer ``lid``'s table,
+        SGLang's layout, from the model's rotary module (so its scaling variant is whatever
+        the model uses)."""
+        kind = self.rope_kind[lid]
+        cache = self._cos_sin_cache.get(kind)
         if cache is None or cache.shape[0] < max_pos:
-            cos, sin = self.rope(torch.arange(max(max_pos, 1), device=self.device))
+            cos, sin = self.rope(torch.arange(max(max_pos, 1), device=self.device), lid)
             half = cos.shape[-1] // 2
             cache = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()
-            self._cos_sin_cache = cache
+            self._cos_sin_cache[kind] = cache
         return cache
+
+    def finish(self, layer: Any, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The stream ``h`` after layer ``layer`` given its attention output ``o`` (flat):
+        ``o_proj``, the residual adds and the MLP; Gemma 3's four norms (the attention and
+        MLP outputs normed before their adds) where the layer has them."""
+        a = layer.self_attn.o_proj(o)
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            h = h + layer.post_attention_layernorm(a)
+            x = layer.pre_feedforward_layernorm(h)
+            return h + layer.post_feedforward_layernorm(self.mlp(layer, x))
+        h = h + a
+        return h + self.mlp(layer, layer.post_attention_layernorm(h))
 
     def qkv(
         self, layer: Any, x: torch.Tensor, positions: torch.Tensor
@@ -111,7 +134,7 @@ class RefModel:
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm") and not across:  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, self._index[id(layer)])
         rot = cos.shape[-1]  # partial rotary (GLM-4.x): the first rot dims turn, the rest stay
         q_rot, k_rot = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos, sin, unsqueeze_dim=1)
         if rot == self.head_dim:
@@ -207,8 +230,7 @@ def _run_layer(
         q, cache.k[lid, :ctx], cache.v[lid, :ctx], rows, ref.scale, ref.window[lid],
         ref.sinks[lid],
     )  # fmt: skip
-    h = h + layer.self_attn.o_proj(o.reshape(rows.numel(), -1))
-    h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
+    h = ref.finish(layer, h, o.reshape(rows.numel(), -1))
     if full:
         hs.copy_(h)
     else:

@@ -212,8 +212,7 @@ def last_row_probe(
         last = probs[-1][..., span_rows]  # [G, R, S]
         out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
         o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
-        h = h + layer.self_attn.o_proj(o)
-        h = h + ref.mlp(layer, layer.post_attention_layernorm(h))
+        h = ref.finish(layer, h, o)
     return torch.stack(out)
 
 

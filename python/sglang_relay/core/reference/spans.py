@@ -113,8 +113,13 @@ def _splice(
         ]
     ).to(span_rows.device)
     delta = span_rows - old_pos
-    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
+    rotations = {}  # per RoPE table (one, or one per layer type)
     for lid in range(ref.num_layers):
+        kind = ref.rope_kind[lid]
+        if kind not in rotations:
+            table = ref.cos_sin_cache(int(delta.abs().max()) + 1, lid)
+            rotations[kind] = delta_cos_sin(table, delta)
+        cos, sin = rotations[kind]
         # stored keys rotated in float32, then rounded once more into the engine's pool
         cache.k[lid, span_rows] = ref.stored(apply_rotation(src_k[lid], cos, sin, is_neox=True))
         cache.v[lid, span_rows] = src_v[lid]

@@ -57,13 +57,19 @@ class DecodeCapture:
         self.stores = 0  # eager forwards whose hidden-state hook fired
         self._handles: list = []
 
-    def install(self, model) -> None:
-        """Register the hidden-state hook on ``model`` (idempotent). Must run before any
-        graph capture: torch.compile ignores hooks added to a module it already compiled."""
+    def install(self, model, residual: str = "boundary") -> None:
+        """Register the hidden-state hook on ``model`` (idempotent), where the adapter's
+        :attr:`~sglang_relay.runtime.models.anatomy.Anatomy.residual` says the stream is.
+        Must run before any graph capture: torch.compile ignores hooks added to a module
+        it already compiled."""
         if self._handles or self.capture_layer is None:
             return
-        attn = model.layers[self.capture_layer].self_attn
-        self._handles.append(attn.register_forward_pre_hook(self._store, with_kwargs=True))
+        layer = model.layers[self.capture_layer]
+        if residual == "boundary":  # SGLang's layer boundary has written the residual
+            hook = layer.self_attn.register_forward_pre_hook(self._store, with_kwargs=True)
+        else:  # Gemma 3: the layer is handed (hidden_states, residual) by its caller
+            hook = layer.register_forward_pre_hook(self._store_from_args, with_kwargs=True)
+        self._handles.append(hook)
 
     @property
     def hooked(self) -> bool:
@@ -80,6 +86,15 @@ class DecodeCapture:
         _, fb = attention_inputs(args, kwargs)
         self.ledger.store_hidden(fb.out_cache_loc, attention_entry_residual(fb))
         if not torch.compiler.is_compiling():  # a traced counter would be a guard
+            self.stores += 1
+
+    def _store_from_args(self, module, args, kwargs) -> None:
+        """Pre-hook of a decoder layer that takes its residual as an argument (no layer
+        boundary): the stream entering it is ``hidden_states + residual`` (the add its input
+        norm fuses; the first layer: ``hidden_states`` alone)."""
+        h, r, fb = kwargs["hidden_states"], kwargs.get("residual"), kwargs["forward_batch"]
+        self.ledger.store_hidden(fb.out_cache_loc, h if r is None else h + r)
+        if not torch.compiler.is_compiling():
             self.stores += 1
 
     def matches(self, capture_layer: int | None, *, influence: bool, slots: int) -> bool:
@@ -147,6 +162,7 @@ def install_decode_capture(model_runner: ModelRunner) -> DecodeCapture | None:
     from sglang_relay.runtime.backend import serves_relay
     from sglang_relay.runtime.cache.budget import side_layers
     from sglang_relay.runtime.config.settings import server_settings
+    from sglang_relay.runtime.models.registry import anatomy_of
 
     args = model_runner.server_args
     if not serves_relay(args) or getattr(model_runner, "is_draft_worker", False):
@@ -155,7 +171,8 @@ def install_decode_capture(model_runner: ModelRunner) -> DecodeCapture | None:
     try:
         settings = server_settings(args.model_path)
         capture_layer, influence_layer = side_layers(settings, len(model.layers))
-    except ValueError:
+        residual = anatomy_of(type(model_runner.model).__name__).residual
+    except ValueError:  # (an architecture without an adapter is refused at start-up)
         return None
     if influence_layer is not None:
         return None
@@ -164,7 +181,7 @@ def install_decode_capture(model_runner: ModelRunner) -> DecodeCapture | None:
         return existing
     ledger = new_ledger(model, model_runner.token_to_kv_pool, capture_layer)
     capture = DecodeCapture(ledger, capture_layer)
-    capture.install(model)
+    capture.install(model, residual)
     attach_decode_capture(model, capture)
     logger.info(
         "sglang-relay: decode capture installed before graph capture (capture_layer=%s)",

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_relay.core.config import LayerSchedule, RelayConfig
-from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import kv_deviation, select_runs
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.forward.attention import ExtendAttention, RowBatch
@@ -71,8 +70,7 @@ class BatchPlan:
 
 def splice(fb: ForwardBatch, drv: LayerDriver, plan: BatchPlan) -> None:
     """Copy every span's KV into the request's slots, keys re-rotated, in all layers."""
-    cos, sin = delta_cos_sin(drv.rotation_table(), plan.span_delta)
-    drv.splice(plan.span_src, fb.out_cache_loc[plan.span_rows], cos, sin)
+    drv.splice(plan.span_src, fb.out_cache_loc[plan.span_rows], plan.span_delta)
 
 
 def detect_and_select(

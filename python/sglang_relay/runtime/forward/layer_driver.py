@@ -16,8 +16,9 @@ layer loop, :meth:`LayerDriver.run`. They reach the model only through a
 * ``run(plan, stream, fb)``: every layer on the rows a :class:`LayerPlan` says;
 * ``heads(l)``, ``kv(l)``, ``write_kv(l, loc, k, v)``: layer ``l``'s attention geometry and
   KV buffers;
-* ``splice(src, dst, cos, sin)``: every layer's KV of ``src`` slots copied to ``dst`` with
-  keys re-rotated; ``rotation_table()`` the float32 cos || sin table it rotates with.
+* ``splice(src, dst, delta)``: every layer's KV of ``src`` slots copied to ``dst`` with
+  keys re-rotated by ``delta`` positions, each layer with its own RoPE table (one for the
+  whole stack, or Gemma 3's local and global ones).
 
 Which SGLang behaviour this reproduces by hand, and the SGLang function each piece
 mirrors: docs/architecture.md ("What relay runs itself"). The per-architecture parts (q/k/v
@@ -37,12 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import context_mass
 from sglang_relay.runtime.forward.lora_rows import base_only, installed
 from sglang_relay.runtime.models.anatomy import (
     Anatomy,
+    gemma3_qkv,
     mlp_output,
     mlp_takes_batch,
+    model_rope,
     native_prepare,
     rotation_table,
     sinks_of,
@@ -86,6 +90,49 @@ class Heads:
             w + 1 if w is not None and w > -1 else 0,
             None if sinks is None else sinks.detach().float(),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RopeGroup:
+    """Layers whose keys turn with one RoPE table: ``delta_cos_sin(delta)`` gives the
+    float32 ``(cos, sin)`` of each row's shift (``[N, rot_dim // 2]`` each)."""
+
+    layers: tuple[int, ...]
+    delta_cos_sin: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    is_neox: bool
+
+
+def rope_groups(model, layers, gemma3: bool) -> tuple[RopeGroup, ...]:
+    """One group for the whole stack (SGLang's rotary module of layer 0, its float32 table:
+    :func:`.anatomy.rotation_table`), or Gemma 3's two (the model's local and global
+    tables, the module a layer uses in :func:`.anatomy.model_rope`)."""
+    if not gemma3:
+        rope = layers[0].self_attn.rotary_emb
+        table = lambda delta: delta_cos_sin(rotation_table(rope), delta)  # noqa: E731
+        return (RopeGroup(tuple(range(len(layers))), table, bool(rope.is_neox_style)),)
+    groups: dict[int, list[int]] = {}
+    modules = {}
+    for lid, layer in enumerate(layers):
+        rope = model_rope(model, layer.self_attn)
+        groups.setdefault(id(rope), []).append(lid)
+        modules[id(rope)] = rope
+    return tuple(
+        RopeGroup(tuple(lids), _angle_rotation(modules[key].inv_freq), True)
+        for key, lids in groups.items()
+    )
+
+
+def _angle_rotation(inv_freq: torch.Tensor):
+    """``delta -> (cos, sin)`` of ``delta * inv_freq`` computed in float64 (Gemma 3's
+    model-level tables are computed per forward, not kept: no table to index; any
+    attention scaling multiplies a key once, at its first rotation, not at a shift)."""
+    freq = inv_freq.detach().double()
+
+    def rotation(delta: torch.Tensor):
+        angle = delta.to(freq.device).double()[:, None] * freq[None, :]
+        return angle.cos().float(), angle.sin().float()
+
+    return rotation
 
 
 def stream(h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
@@ -169,6 +216,9 @@ class LayerDriver:
             native_prepare(layer.self_attn) if native else None for layer in self.layers
         )
         self._qk_across = anatomy.qk_norm == "across_heads"
+        self._gemma3 = anatomy.prepare == "gemma3"
+        self._sandwich = anatomy.norms == "sandwich"
+        self._rope_groups = rope_groups(model, self.layers, self._gemma3)
         self._mlp = tuple(getattr(layer, anatomy.mlp_name) for layer in self.layers)
         self._mlp_out = tuple(mlp_output(block) for block in self._mlp)
         self._mlp_batch = tuple(mlp_takes_batch(block) for block in self._mlp)
@@ -196,6 +246,8 @@ class LayerDriver:
         prepare = self._prepare[l]
         if prepare is not None:
             return prepare(positions, x)
+        if self._gemma3:
+            return gemma3_qkv(self.model, self.layers[l].self_attn, positions, x)
         return split_qkv(self.layers[l].self_attn, positions, x, self._qk_across)
 
     def mlp(self, l: int, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:  # noqa: E741
@@ -213,7 +265,11 @@ class LayerDriver:
         o = attend(*self.qkv(l, positions, x))
         h, _ = attn.o_proj(o)
         h = finish_row_parallel(attn.o_proj, h)
-        x, r = self.layers[l].post_attention_layernorm(h, r)
+        layer = self.layers[l]
+        if self._sandwich:  # Gemma 3: normed attention output, then the residual added
+            x, r = layer.pre_feedforward_layernorm(layer.post_attention_layernorm(h), r)
+            return layer.post_feedforward_layernorm(self.mlp(l, x, fb)), r
+        x, r = layer.post_attention_layernorm(h, r)
         return self.mlp(l, x, fb), r
 
     def run(self, plan: LayerPlan, stream: Stream, fb: ForwardBatch) -> Stream:
@@ -259,23 +315,22 @@ class LayerDriver:
         v = v.reshape(-1, hd.v, hd.dv)
         self.pool.set_kv_buffer(self.layers[l].self_attn.attn, kv_write_loc(loc), k, v)
 
-    def rotation_table(self) -> torch.Tensor:
-        """The float32 ``[max_pos, rot_dim]`` cos || sin table keys are re-rotated with."""
-        return rotation_table(self.layers[0].self_attn.rotary_emb)
-
-    def splice(self, src, dst, cos, sin) -> None:
-        """Every layer's KV of slots ``src`` copied into ``dst``, keys rotated by
-        ``(cos, sin)`` (Triton on CUDA, the torch reference elsewhere)."""
-        ids = [hd.layer_id for hd in self._heads]
-        splice_rerotate(
-            [self.pool.get_key_buffer(i) for i in ids],
-            [self.pool.get_value_buffer(i) for i in ids],
-            src,
-            dst,
-            cos,
-            sin,
-            is_neox=self.layers[0].self_attn.rotary_emb.is_neox_style,
-        )
+    def splice(self, src, dst, delta: torch.Tensor) -> None:
+        """Every layer's KV of slots ``src`` copied into ``dst``, keys rotated by ``delta``
+        positions with their layers' table (Triton on CUDA, the torch reference
+        elsewhere)."""
+        for group in self._rope_groups:
+            cos, sin = group.delta_cos_sin(delta)
+            ids = [self._heads[lid].layer_id for lid in group.layers]
+            splice_rerotate(
+                [self.pool.get_key_buffer(i) for i in ids],
+                [self.pool.get_value_buffer(i) for i in ids],
+                src,
+                dst,
+                cos,
+                sin,
+                is_neox=group.is_neox,
+            )
 
 
 def span_context(

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 # the layer modules every adapter's loop calls besides its MLP block (boundaries are plain
 # objects, not modules)
 LAYER_MODULES = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm"})
+# Gemma 3's two more norms: around the MLP, the residual added in the first
+SANDWICH_NORMS = frozenset({"pre_feedforward_layernorm", "post_feedforward_layernorm"})
 BASE_ATTENTION = frozenset({"qkv_proj", "o_proj", "rotary_emb", "attn"})
 # the MLP block's children: a dense gated MLP (its row-parallel ``down_proj`` ends it), a
 # sparse mixture of experts (router ``gate``, SGLang's ``topk`` and fused ``experts``), or
@@ -52,7 +54,11 @@ class Anatomy:
             Qwen3-MoE's fused q/k-norm + RoPE + KV-store path does on CUDA) and the loop
             runs SGLang's unfused sequence: ``qkv_proj`` -> split -> SGLang's
             ``apply_qk_norm`` where the block has ``q_norm`` / ``k_norm`` ->
-            ``rotary_emb`` (Qwen2, Qwen3-MoE).
+            ``rotary_emb`` (Qwen2, Qwen3-MoE); ``"gemma3"``: Gemma 3's sequence, ``qkv_proj``
+            -> split -> per-head ``q_norm`` / ``k_norm`` -> the *model's* RoPE table of
+            the layer's type (``rotary_emb_local`` for window layers, ``rotary_emb`` for
+            global ones, applied with SGLang's ``apply_rotary_pos_emb``), as SGLang's
+            ``forward_native`` does (the layer's own ``rotary_emb`` is not used there).
         mlp_blocks: the child sets a layer's MLP block may have (:data:`DENSE_MLP`,
             :data:`SPARSE_MLP`, :data:`SHARED_EXPERT_MLP`; a MoE model may keep dense
             layers); the loop calls SGLang's block whole and sums its tensor-parallel
@@ -70,6 +76,14 @@ class Anatomy:
             softmax; None: the block holds no parameter of its own.
         windows: layers may attend through a sliding window (``RadixAttention``'s
             ``sliding_window_size``), which relay's attention and selection apply.
+        norms: ``"pre"``: ``input_layernorm`` and ``post_attention_layernorm`` (the
+            residual added in each); ``"sandwich"``: Gemma 3's four, the attention output
+            normed by ``post_attention_layernorm`` before ``pre_feedforward_layernorm``
+            adds the residual, the MLP output by ``post_feedforward_layernorm``.
+        residual: where a plain forward keeps the residual stream entering a layer (the
+            decode capture reads it there): ``"boundary"``, SGLang's layer boundary (its
+            written residual); ``"arguments"``, the decoder layer's own ``hidden_states`` +
+            ``residual`` arguments (Gemma 3, which passes its residual by hand).
     """
 
     architecture: str
@@ -82,6 +96,8 @@ class Anatomy:
     qk_norm: str = "per_head"
     sinks: str | None = None
     windows: bool = False
+    norms: str = "pre"
+    residual: str = "boundary"
 
 
 QK_NORMS = ("per_head", "across_heads")
@@ -105,6 +121,28 @@ def native_prepare(attn_mod):
 
 
 _NATIVE_CONTRACT: dict[type, bool] = {}
+
+
+def gemma3_qkv(model, attn_mod, positions, x):
+    """Post-RoPE q, k and v (flat) of a Gemma 3 attention block (``prepare="gemma3"``):
+    SGLang's ``Gemma3Attention.forward_native`` up to the attention, with the model's RoPE
+    table of the layer's type (:func:`model_rope`)."""
+    from sglang.srt.layers.rotary_embedding import apply_rotary_pos_emb
+
+    out, _ = attn_mod.qkv_proj(x)
+    q, k, v = out.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+    q = attn_mod.q_norm(q.unflatten(-1, (attn_mod.num_heads, attn_mod.head_dim)))
+    k = attn_mod.k_norm(k.unflatten(-1, (attn_mod.num_kv_heads, attn_mod.head_dim)))
+    cos, sin = model_rope(model, attn_mod)(x, positions.view(1, -1))
+    d = cos.shape[-1]
+    q, k = apply_rotary_pos_emb(q, k, cos.reshape(-1, d), sin.reshape(-1, d))
+    return q.flatten(1), k.flatten(1), v
+
+
+def model_rope(model, attn_mod):
+    """The model-level RoPE module Gemma 3 applies in a layer: the local table for a window
+    layer, the global one otherwise."""
+    return model.rotary_emb_local if attn_mod.is_sliding else model.rotary_emb
 
 
 def sinks_of(attn_mod, anatomy: Anatomy):
@@ -192,6 +230,8 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
     for lid, layer in enumerate(model.layers):
         where = f"layers[{lid}]"
         expected = LAYER_MODULES | {anatomy.mlp_name}
+        if anatomy.norms == "sandwich":
+            expected |= SANDWICH_NORMS
         extra = {n for n, _ in layer.named_children()} - expected
         missing = expected - {n for n, _ in layer.named_children()}
         if extra or missing:
@@ -227,6 +267,12 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
         elif own:  # e.g. gpt-oss's per-head attention sinks: the loop's attention has none
             problems.append(f"{where}.self_attn holds parameters {own} the adapter does not run")
             continue
+        if anatomy.prepare == "gemma3":
+            ropes = [getattr(model, n, None) for n in ("rotary_emb", "rotary_emb_local")]
+            tables = all(hasattr(r, "inv_freq") for r in ropes)
+            if not tables or not hasattr(attn_mod, "is_sliding"):
+                problems.append(f"{where}: no model-level RoPE tables for a Gemma 3 layer")
+                continue
         native = native_prepare(attn_mod) is not None
         if native != (anatomy.prepare == "native"):
             problems.append(

@@ -45,6 +45,7 @@ SHARED = (
 
 # The SGLang model modules whose classes the adapters serve (what --record walks).
 MODEL_MODULES = (
+    "sglang.srt.models.gemma3_causal",
     "sglang.srt.models.glm4_moe",
     "sglang.srt.models.gpt_oss",
     "sglang.srt.models.llama",
@@ -56,7 +57,7 @@ MODEL_MODULES = (
     "sglang.srt.models.qwen3_moe",
 )
 
-_METHODS = ("forward", "forward_prepare_native")
+_METHODS = ("forward", "forward_prepare_native", "forward_native")
 
 
 def digest(fn) -> str:

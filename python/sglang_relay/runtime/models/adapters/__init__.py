@@ -13,6 +13,7 @@ something the adapter does not name (``anatomy.anatomy_problems``).
 from __future__ import annotations
 
 from sglang_relay.runtime.models.adapters import (
+    gemma3,
     glm4_moe,
     gpt_oss,
     llama,
@@ -28,6 +29,7 @@ from sglang_relay.runtime.models.adapters import (
 
 # every adapter, in module-name order (test_anatomy checks this list against the folder)
 MODULES = (
+    gemma3,
     glm4_moe,
     gpt_oss,
     llama,
