@@ -245,6 +245,9 @@ class _ChildProcess:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=timeout)
+        # a killed scheduler may take a moment to go (SGLang's crash handler sleeps 5 s
+        # before its diagnostics): return once no member of the group is left running
+        _wait_group_gone(pgid, timeout)
         self._stopped = True  # its pid (the group's id) may be reused from now on
 
     def _wait_for_leader(self, timeout: float) -> None:
@@ -274,6 +277,29 @@ class _ChildProcess:
 
 # how long a leader whose workers have all exited may take to exit on its own
 LEADER_GRACE = 0.5
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import psutil
+
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until group ``pgid`` has no live member (a SIGKILL'd
+    process is only slow to go; each is sent SIGKILL again while it is seen)."""
+    deadline = time.monotonic() + timeout
+    while (left := _group_members(pgid)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def _has_live_workers(pid: int) -> bool:
