@@ -79,7 +79,7 @@ if triton is not None:
         dv = tl.arange(0, BLOCK_DV)
         pos = tl.load(q_pos_ptr + rows, mask=live, other=-1).to(tl.int64)  # -1: no keys
         last = tl.max(pos, axis=0)
-        lo = 0
+        lo = last * 0  # int64 like the window's start (a branch may not change its type)
         if window > 0:  # the first key any row of the tile sees, floored to a block
             first = tl.min(tl.where(live, pos, last), axis=0) - window + 1
             lo = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N

@@ -340,8 +340,37 @@ def test_heads_read_the_window_sglang_keeps_as_w_minus_1():
 
     assert Heads.of(Radix(sliding_window_size=127)).window == 128  # gpt-oss's 128 keys
     assert Heads.of(Radix()).window == 0 and Heads.of(Radix()).sinks is None
-    sinks = Heads.of(Radix(), torch.ones(1, dtype=torch.bfloat16)).sinks
-    assert sinks.dtype == torch.float32 and sinks.tolist() == [1.0]
+    param = nn.Parameter(torch.ones(1, dtype=torch.bfloat16), requires_grad=False)
+    sinks = Heads.of(Radix(), param).sinks
+    with torch.no_grad():
+        param.fill_(2.0)  # a weight update in place: relay reads the live values
+    assert sinks.tolist() == [2.0] and not sinks.requires_grad
+
+
+def test_gemma3_refuses_what_its_loop_would_not_run_as_sglang_does():
+    """A Gemma 3 layer is refused with a dynamic model-level RoPE (its frequencies change in
+    the forward; the splice keeps them fixed), a logit soft-cap (SGLang's attention drops
+    it) or bidirectional attention; a plain one passes."""
+    from sglang_relay.runtime.models.anatomy import gemma3_problems
+
+    def model(rope_type="linear", **cfg):
+        m = nn.Module()
+        m.rotary_emb, m.rotary_emb_local = nn.Module(), nn.Module()
+        for r, kind in ((m.rotary_emb, rope_type), (m.rotary_emb_local, "default")):
+            r.register_buffer("inv_freq", torch.ones(4))
+            r.rope_type = kind
+        m.config = SimpleNamespace(**cfg)
+        return m
+
+    attn = SimpleNamespace(is_sliding=True)
+    assert gemma3_problems(model(), attn) is None
+    assert "dynamic" in gemma3_problems(model("dynamic"), attn)
+    assert "attn_logit_softcapping 50.0" in gemma3_problems(
+        model(attn_logit_softcapping=50.0), attn
+    )
+    assert "final_logit_softcapping" in gemma3_problems(model(final_logit_softcapping=30.0), attn)
+    assert "bidirectional" in gemma3_problems(model(use_bidirectional_attention=True), attn)
+    assert "no model-level RoPE" in gemma3_problems(nn.Module(), attn)
 
 
 def test_attention_parameters_outside_its_modules_are_refused():

@@ -135,7 +135,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),  # fmt: skip
-    # Gemma 3: four norms a layer, per-head q/k norms, 4-key windows on 2 of every 3 layers
+    # Gemma 3: four norms a layer, per-head q/k norms, 12-key windows on 2 of every 3 layers
     # (its 5-of-6 pattern, shortened), local RoPE base 1e4 and a linear-scaled global one,
     # query scale from query_pre_attn_scalar, GeGLU, tied embeddings scaled by sqrt(hidden)
     "gemma3": (

@@ -36,6 +36,7 @@ from sglang_relay.runtime.sglang.model import (
     attach_decode_capture,
     attention_entry_residual,
     attention_inputs,
+    attention_window,
     decode_capture_of,
     inner_model,
 )
@@ -199,8 +200,7 @@ def accumulate_influence(
     hq, d = radix_attn.tp_q_head_num, radix_attn.qk_head_dim
     keys = pool.get_key_buffer(radix_attn.layer_id)
     q3 = q.reshape(-1, hq, d).float()
-    w = getattr(radix_attn, "sliding_window_size", -1)
-    window = w + 1 if w is not None and w > -1 else 0
+    window = attention_window(radix_attn)
     for i, seq_len in enumerate(fb.seq_lens.tolist()):
         slots = req_to_token[fb.req_pool_indices[i], :seq_len].long()
         seen = visible(torch.tensor([seq_len - 1], device=q.device), seq_len, window)

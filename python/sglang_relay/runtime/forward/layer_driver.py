@@ -52,7 +52,11 @@ from sglang_relay.runtime.models.anatomy import (
     sinks_of,
     split_qkv,
 )
-from sglang_relay.runtime.sglang.model import finish_row_parallel, kv_write_loc
+from sglang_relay.runtime.sglang.model import (
+    attention_window,
+    finish_row_parallel,
+    kv_write_loc,
+)
 from sglang_relay_kernels import gather_rows, scatter_rows, splice_rerotate
 
 if TYPE_CHECKING:
@@ -73,12 +77,12 @@ class Heads:
     scale: float
     layer_id: int  # the KV pool's layer index
     window: int = 0  # keys a row sees, itself included (0: no sliding window)
-    # this rank's ``[q]`` float32 sink logits (gpt-oss), None: no sinks
+    # this rank's ``[q]`` sink logits (gpt-oss; SGLang's parameter, bf16 or fp32, read
+    # live), None: no sinks
     sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, radix_attn, sinks: torch.Tensor | None = None) -> Heads:
-        w = getattr(radix_attn, "sliding_window_size", -1)  # SGLang keeps W - 1
         return cls(
             radix_attn.tp_q_head_num,
             radix_attn.tp_k_head_num,
@@ -87,8 +91,8 @@ class Heads:
             radix_attn.v_head_dim,
             radix_attn.scaling,
             radix_attn.layer_id,
-            w + 1 if w is not None and w > -1 else 0,
-            None if sinks is None else sinks.detach().float(),
+            attention_window(radix_attn),
+            None if sinks is None else sinks.detach(),  # live: read at each use
         )
 
 

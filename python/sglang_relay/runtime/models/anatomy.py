@@ -139,6 +139,31 @@ def gemma3_qkv(model, attn_mod, positions, x):
     return q.flatten(1), k.flatten(1), v
 
 
+def gemma3_problems(model, attn_mod) -> str | None:
+    """What in a Gemma 3 stack the relay loop would not run as SGLang does: its model-level
+    RoPE tables missing or of a type whose frequencies change in the forward (only
+    ``default`` and ``linear`` keep them fixed, as the splice assumes); SGLang's AMX CPU path
+    (``forward_cpu`` applies the layers' own tables, not the model's); a logit soft-cap
+    (SGLang's attention drops the attention one) or bidirectional attention in the config."""
+    ropes = [getattr(model, n, None) for n in ("rotary_emb", "rotary_emb_local")]
+    if not all(hasattr(r, "inv_freq") for r in ropes) or not hasattr(attn_mod, "is_sliding"):
+        return "no model-level RoPE tables for a Gemma 3 layer"
+    kinds = {getattr(r, "rope_type", "default") for r in ropes}
+    if not kinds <= {"default", "linear"}:
+        return f"Gemma 3 RoPE of type {sorted(kinds)} (served: default, linear)"
+    from sglang.srt.models import gemma3_causal
+
+    if gemma3_causal._is_cpu and gemma3_causal._is_cpu_amx_available:
+        return "Gemma 3 on an AMX CPU (SGLang's forward_cpu applies other RoPE tables)"
+    cfg = getattr(model, "config", None)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            return f"Gemma 3 with {name} {getattr(cfg, name)}"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "Gemma 3 with bidirectional attention"
+    return None
+
+
 def model_rope(model, attn_mod):
     """The model-level RoPE module Gemma 3 applies in a layer: the local table for a window
     layer, the global one otherwise."""
@@ -268,10 +293,9 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
             problems.append(f"{where}.self_attn holds parameters {own} the adapter does not run")
             continue
         if anatomy.prepare == "gemma3":
-            ropes = [getattr(model, n, None) for n in ("rotary_emb", "rotary_emb_local")]
-            tables = all(hasattr(r, "inv_freq") for r in ropes)
-            if not tables or not hasattr(attn_mod, "is_sliding"):
-                problems.append(f"{where}: no model-level RoPE tables for a Gemma 3 layer")
+            gemma = gemma3_problems(model, attn_mod)
+            if gemma:
+                problems.append(f"{where}: {gemma}")
                 continue
         native = native_prepare(attn_mod) is not None
         if native != (anatomy.prepare == "native"):

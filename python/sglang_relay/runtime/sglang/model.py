@@ -97,6 +97,13 @@ def finish_row_parallel(linear, out):
     return out if group is None else group.all_reduce(out)
 
 
+def attention_window(radix_attn) -> int:
+    """Keys a row of this ``RadixAttention`` sees, itself included (0: no sliding window):
+    SGLang keeps ``W - 1`` in ``sliding_window_size`` (-1 or None: none)."""
+    w = getattr(radix_attn, "sliding_window_size", -1)
+    return w + 1 if w is not None and w > -1 else 0
+
+
 def attention_inputs(args: tuple, kwargs: dict):
     """``(hidden_states, forward_batch)`` of a call to a decoder layer's ``self_attn``:
     every supported model calls ``self_attn(positions=, hidden_states=, forward_batch=)``

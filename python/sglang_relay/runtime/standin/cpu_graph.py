@@ -90,10 +90,11 @@ def graph_backend_class():
         def forward_decode(
             self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache=True, **kwargs
         ):
-            if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1:
+            sinks = kwargs.get("sinks") is not None  # gpt-oss: not applied here
+            if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1 or sinks:
                 raise NotImplementedError(
-                    "sglang-relay's CPU graph stand-in decodes full self-attention only; "
-                    "serve this model without --enable-torch-compile"
+                    "sglang-relay's CPU graph stand-in decodes full self-attention without "
+                    "sinks only; serve this model without --enable-torch-compile"
                 )
             loc = forward_batch.out_cache_loc
             if save_kv_cache and k is not None and v is not None:

@@ -101,14 +101,14 @@ def _with_sinks(backend, out, q, layer, fb, counts, sinks):
     """``out`` (SGLang's sink-free attention, ``[rows, Hq * Dv]``) with the sinks added:
     per request, its ``counts[i]`` last positions' log-sum-exp over the keys they see."""
     from sglang_relay.core.attention import attention_lse, sink_rescale, visible
+    from sglang_relay.runtime.sglang.model import attention_window
 
     hq = layer.tp_q_head_num
     q3 = q.reshape(-1, hq, layer.qk_head_dim)
     o3 = out.reshape(-1, hq, layer.v_head_dim)
     kbuf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     req_to_token = backend.req_to_token_pool.req_to_token
-    w = layer.sliding_window_size
-    window = w + 1 if w is not None and w > -1 else 0
+    window = attention_window(layer)
     row = 0
     for i, (n, seq_len) in enumerate(zip(counts, fb.seq_lens.tolist(), strict=True)):
         if n:
