@@ -1,9 +1,10 @@
 """Relay's Triton kernels (attention, splice, row copies) lower to Triton IR for a CUDA
 target: the code generator's type checks (a variable may not change type in a branch, ...)
-run there and not under the interpreter the other kernel tests use on a CPU. No GPU is needed to reach Triton IR; a
-kernel that fails here would fail to compile on every GPU (it did once: ``lo`` int32 before
-a window branch, int64 inside it). Runs in a subprocess without ``TRITON_INTERPRET`` (the
-interpreter patches ``triton.language`` for the whole process)."""
+run there and not under the interpreter the other kernel tests use on a CPU. No GPU is
+needed to reach Triton IR; a kernel that fails here would fail to compile on every GPU (the
+attention kernel did once: ``lo`` int32 before a window branch, int64 inside it). Runs in a
+subprocess without ``TRITON_INTERPRET`` (the interpreter patches ``triton.language`` for
+the whole process)."""
 
 from __future__ import annotations
 
