@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_relay.core.attention import sink_rescale
+from sglang_relay.core.attention import sink_rescale, visible
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,7 @@ def build_extend_plan(
         pos = q_positions[start : start + n].long().cpu()
         if n and int(pos.max()) >= t:
             raise ValueError(f"query position {int(pos.max())} is outside seq_len {t}")
-        j = torch.arange(t)[None, :]
-        seen = j <= pos[:, None]
-        if window > 0:
-            seen &= j > pos[:, None] - window
-        masks.append(seen.flatten())
+        masks.append(visible(pos, t, window).flatten())
         offsets.append(offsets[-1] + n * t)
         start += n
     i32 = dict(dtype=torch.int32)

@@ -107,8 +107,15 @@ def attention_probs(
     n, hq, d = q.shape
     hkv = k.shape[1]
     scores = torch.einsum("ngrd,tgd->ngrt", q.reshape(n, hkv, hq // hkv, d), k) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return softmax_with_sinks(scores.masked_fill(~visible[:, None, None, :], float("-inf")), sinks)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of masked ``scores`` ``[B, H_kv, group, T]`` (query head
+    ``h`` at ``[h // group, h % group]``); ``sinks`` (``[H_q]``, None: none) join each
+    row's softmax as one more column, dropped after it (they carry no value)."""
     if sinks is None:
         return scores.softmax(-1)
-    sink = sinks.to(scores.dtype).reshape(1, hkv, hq // hkv, 1).expand(n, -1, -1, 1)
+    b, hkv, group, _ = scores.shape
+    sink = sinks.to(scores.dtype).reshape(1, hkv, group, 1).expand(b, -1, -1, 1)
     return torch.cat((scores, sink), -1).softmax(-1)[..., :-1]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.core.attention import softmax_with_sinks, visible
 from sglang_relay.core.reference.model import RefModel
 from sglang_relay.core.reference.record import UpstreamRecord
 from sglang_relay.core.reference.relay import relay_prefill
@@ -103,7 +104,6 @@ def generate(
     group = ref.num_heads // hkv
     base = torch.tensor(lens, device=dev)
     arange_b = torch.arange(bsz, device=dev)
-    t_idx = torch.arange(tmax, device=dev)
     for step in range(max_new_tokens - 1):
         done = [
             len(o) >= limit[b] or (force is None and o[-1] in stop_set)
@@ -112,7 +112,6 @@ def generate(
         if all(done):
             break
         pos = base + step  # [B] position of the token fed now (output index ``step``)
-        causal = t_idx[None, :] <= pos[:, None]  # [B, T]
         live = torch.tensor([not d for d in done], dtype=torch.float32, device=dev)  # [B]
         hs = ref.embed(tok)  # [B, hidden]
         for lid, layer in enumerate(ref.layers):
@@ -125,14 +124,8 @@ def generate(
             # eager attention with explicit probabilities: [B, H_kv, group, T]
             qg = q.view(bsz, hkv, group, d)
             scores = torch.einsum("bgrd,bgtd->bgrt", qg, kb[lid]) * ref.scale
-            w, sinks = ref.window[lid], ref.sinks[lid]
-            seen = (causal & (t_idx[None, :] > pos[:, None] - w) if w else causal)[:, None, None]
-            scores = scores.masked_fill(~seen, float("-inf"))
-            if sinks is None:
-                probs = scores.softmax(-1)
-            else:  # the sink column joins the softmax and is dropped (gpt-oss)
-                sink = sinks.to(scores.dtype).view(1, hkv, group, 1).expand(bsz, -1, -1, 1)
-                probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+            seen = visible(pos, tmax, ref.window[lid])[:, None, None]  # [B, 1, 1, T]
+            probs = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), ref.sinks[lid])
             if influence is not None:  # attention mass each position receives (all heads)
                 influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
             o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])
