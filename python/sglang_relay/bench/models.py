@@ -159,6 +159,49 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,  # SGLang's Gemma 3 loads no lm_head of its own
         },
     ),  # fmt: skip
+    # DeepSeek-V3 / R1 (MLA): one latent row a token (kv_lora_rank 256 + a 32-dim rotary
+    # part, the r + p = 288 SGLang's Triton MLA kernels take), q through a low-rank
+    # projection (q_lora_rank), YaRN with mscale != mscale_all_dim (the rotary table and
+    # the softmax scale both scaled), sigmoid-routed grouped experts with a score-correction
+    # bias (randomized) and a shared expert, the first layer dense
+    "deepseek_v3": (
+        "DeepseekV3",
+        {
+            "num_key_value_heads": 4,
+            "num_attention_heads": 4,
+            "q_lora_rank": 96,
+            "kv_lora_rank": 256,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 48,
+            "rope_interleave": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 1024,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+            },
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 128,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "topk_method": "noaux_tc",  # read by SGLang, not a DeepseekV3Config field
+            "scoring_func": "sigmoid",
+            "moe_layer_freq": 1,
+            "attention_bias": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",
@@ -195,6 +238,8 @@ def random_hf_model(arch: str, *, seed: int = 0, **overrides: Any):
         for name, p in model.named_parameters():
             if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share,
                 p.copy_(p.normal_(0.0, 1.0).bfloat16())  # bf16 values: SGLang keeps bf16
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek: zeros by default
+                p.copy_(p.normal_(0.0, 0.5))
     return model
 
 

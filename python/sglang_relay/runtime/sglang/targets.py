@@ -91,6 +91,13 @@ CPU_GRAPH_FAKE_TARGET = "sglang.srt.model_executor.cpu_graph_runner.register_cpu
 # CPU stand-in only (runtime/standin/cpu_models.py): MiniMax-M2's q/k RMSNorm over all heads
 # launches Triton kernels that assert CUDA (no AMX here for its sgl_kernel CPU op)
 CPU_MINIMAX_QK_NORM_TARGET = "sglang.srt.models.minimax_m2.MiniMaxM2QKRMSNorm._forward_naive"
+# ... DeepSeek-V2/V3 MLA: the registry mapping an attention backend to the forward method its
+# attention block takes; torch_native, absent from it, gets Triton's (up-projected MHA for a
+# prefill, which torch_native runs over the latent pool rows and fails): the stand-in
+# registers the absorbed method for it
+CPU_MLA_HANDLER_REGISTRY_TARGET = (
+    "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
+)
 # ... gpt-oss: SGLang refuses torch_native for it (no sinks there); the stand-in adds them
 CPU_GPT_OSS_BACKEND_CHECK_TARGET = (
     "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"

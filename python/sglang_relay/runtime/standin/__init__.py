@@ -7,7 +7,7 @@ smallest equivalent that runs on a CPU, tested against SGLang's own kernel where
 * :mod:`.cpu_graph`: the CPU graph runner's attention backend and placeholder kernels;
 * :mod:`.cpu_spec`, :mod:`.cpu_eagle`: NGRAM and EAGLE's CUDA ops in torch;
 * :mod:`.cpu_models`: what SGLang's model classes launch on CUDA alone (MiniMax-M2's q/k
-  norm, gpt-oss's sinks on torch_native), in torch;
+  norm, gpt-oss's sinks on torch_native, MLA absorbed on torch_native), in torch;
 * :mod:`.quant_standin`: an activation-quantizing method that runs on a CPU;
 * ``_cpu_shim/sgl_kernel``: the stand-in ``sgl_kernel`` package;
 * :mod:`.forkserver_first`, :mod:`.forkserver_preload`: the children's preloaded forkserver.
@@ -74,6 +74,7 @@ def register() -> None:
     )
     register_hook(CPU_VERIFY_ATTENTION_TARGET, cpu_models.torch_native_extend_with_sinks, "around")
     register_hook(CPU_DECODE_ATTENTION_TARGET, cpu_models.torch_native_decode_with_sinks, "around")
+    cpu_models.register_mla_on_torch_native()
     if cpu.cpu_fp8_kv_opted_in():
         register_hook(KV_CACHE_DTYPE_TARGET, cpu.fp8_e5m2_kv_on_cpu, "around")
     if cpu.cpu_hicache_opted_in():

@@ -10,6 +10,9 @@ on CUDA.
   (``test/unit/test_cpu_models.py``).
 * gpt-oss's attention sinks on ``torch_native`` (SGLang's gpt-oss check refuses that
   backend; its Triton kernels are the reference: the same test file).
+* DeepSeek-V2/V3's MLA on ``torch_native``: every forward absorbed (attention over the
+  latent rows the MLA pool keeps), the form SGLang's own CPU and Triton decode paths take;
+  SGLang's Triton MLA kernels are the reference (the same test file).
 """
 
 from __future__ import annotations
@@ -119,3 +122,31 @@ def _with_sinks(backend, out, q, layer, fb, counts, sinks):
             o3[row : row + n] = sink_rescale(o3[row : row + n], lse, sinks)
         row += n
     return out
+
+
+# ---- MLA on torch_native --------------------------------------------------------------------
+# SGLang's MLA block asks a registry which forward method the serving backend takes; a backend
+# it does not list gets Triton's handler, which picks the up-projected MHA for a prefill with
+# no cached prefix. torch_native's extend ignores the up-projected k / v it is then given and
+# attends over the pool's rows, which are latent rows (kv_lora_rank + rope dims), not heads:
+# the shapes fail. The absorbed method (MLA) hands torch_native the latent rows as one KV head
+# (q [n, H, r + p], k [n, 1, r + p], v = the latent [n, 1, r]), which its SDPA path attends
+# exactly; the stand-in registers it for every torch_native forward.
+
+
+def mla_absorbed_on_torch_native(attn, forward_batch):
+    """The forward method of an MLA attention block on torch_native: SGLang's own MLA
+    sub-type choice (absorbed; the AMX-fused variant where SGLang would take it)."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        _dispatch_mla_subtype,
+    )
+
+    return _dispatch_mla_subtype(attn, forward_batch)
+
+
+def register_mla_on_torch_native() -> None:
+    """Register :func:`mla_absorbed_on_torch_native` as torch_native's MLA handler."""
+    from sglang_relay.runtime.sglang.hooks import resolve
+    from sglang_relay.runtime.sglang.targets import CPU_MLA_HANDLER_REGISTRY_TARGET
+
+    resolve(CPU_MLA_HANDLER_REGISTRY_TARGET).register("torch_native", mla_absorbed_on_torch_native)
