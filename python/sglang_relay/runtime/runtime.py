@@ -33,6 +33,7 @@ from sglang_relay.runtime.forward.layer_driver import LayerDriver, span_context
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync
 from sglang_relay.runtime.import_gc import collector_state
 from sglang_relay.runtime.metrics import RelayCounters
+from sglang_relay.runtime.models.anatomy import radix_of
 from sglang_relay.runtime.scale.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
 from sglang_relay.runtime.scale.dp_fingerprints import FingerprintPublisher
 from sglang_relay.runtime.sched.gate import RequestGate
@@ -106,7 +107,7 @@ class RelayRuntime:
         self.driver = LayerDriver(self.model, self.kv_pool, anatomy)
         self.lora = lora_backend(model_runner)  # None unless SGLang serves LoRA
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        kbuf = self.kv_pool.get_key_buffer(self.model.layers[0].self_attn.attn.layer_id)
+        kbuf = self.kv_pool.get_key_buffer(radix_of(self.model.layers[0].self_attn).layer_id)
         self.device = kbuf.device
         if self.cfg.method != "standard":
             self.cfg.schedule(self.num_layers)  # validates the layer range for this model

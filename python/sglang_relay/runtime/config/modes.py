@@ -229,19 +229,48 @@ def spec_refusal(
     return None
 
 
+def mla_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
+    """What relay does not serve on a multi-head latent attention model (DeepSeek-V2/V3,
+    Kimi-K2) yet: the modes whose KV paths keep MHA's layout in relay (speculative
+    decoding's KV compaction, the host tier, span shipping), LoRA (SGLang corrects the
+    absorbed ``kv_b`` weights per request) and a KV dtype other than the model's (the
+    latent rows' FP8 form is not verified)."""
+    checks = [
+        (speculating(view), "speculative decoding (MTP / NGRAM / EAGLE compact MLA KV "
+         "through a pool method relay does not follow)", "drop --speculative-algorithm"),
+        (view.enable_lora, "LoRA (SGLang corrects the absorbed kv_b weights per request)",
+         "drop the LoRA flags"),
+        (view.enable_hierarchical_cache, "--enable-hierarchical-cache (the MLA host pool "
+         "is not verified with relay's host tier)", "drop --enable-hierarchical-cache"),
+        (ship_role is not None or view.disaggregation_mode not in (None, "", "null"),
+         "span shipping or disaggregation (not verified on latent rows)",
+         "drop --relay-ship-to / --relay-ship-listen / --disaggregation-mode"),
+        (view.kv_cache_dtype not in (None, "auto"), f"--kv-cache-dtype {view.kv_cache_dtype} "
+         "(latent rows in another dtype are not verified)", "use --kv-cache-dtype auto"),
+    ]  # fmt: skip
+    for refused, what, way_out in checks:
+        if refused:
+            return f"sglang-relay cannot serve {what} on an MLA model; {way_out}, {OUT}"
+    return None
+
+
 def refusal(
     view: ServerView, *, architecture: str | None = None, ship_role: str | None = None
 ) -> str | None:
     """The one-line refusal for a server relay cannot serve correctly, else None."""
-    for check in (ship_refusal(view, ship_role), spec_refusal(view, ship_role)):
-        if check is not None:
-            return check
     if architecture is not None and architecture not in SUPPORTED_ARCHITECTURES:
         return (
             f"sglang-relay does not support the {architecture} architecture yet (supported: "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); drop --radix-cache-backend "
             "relay to serve this model without relay"
         )
+    if architecture is not None and anatomy_of(architecture).prepare == "mla":
+        mla = mla_refusal(view, ship_role)
+        if mla is not None:
+            return mla
+    for check in (ship_refusal(view, ship_role), spec_refusal(view, ship_role)):
+        if check is not None:
+            return check
     moe = architecture is not None and any(
         "experts" in block for block in anatomy_of(architecture).mlp_blocks
     )

@@ -32,6 +32,7 @@ import torch
 
 from sglang_relay.core.attention import attention_probs, visible
 from sglang_relay.runtime.cache.side_data import SlotLedger
+from sglang_relay.runtime.models.anatomy import radix_of
 from sglang_relay.runtime.sglang.model import (
     attach_decode_capture,
     attention_entry_residual,
@@ -123,7 +124,7 @@ class InfluenceHook:
     def __init__(self, model, layer: int, ledger: SlotLedger, pool, req_to_token) -> None:
         self.ledger, self.pool, self.req_to_token = ledger, pool, req_to_token
         self.armed = False
-        attn = model.layers[layer].self_attn.attn
+        attn = radix_of(model.layers[layer].self_attn)
         self._handle = attn.register_forward_hook(self._accumulate, with_kwargs=True)
 
     def _accumulate(self, module, args, kwargs, output) -> None:
@@ -143,7 +144,7 @@ class InfluenceHook:
 def new_ledger(model, pool, capture_layer: int | None, *, influence: bool = False) -> SlotLedger:
     """The side data of ``pool``'s slots: a stamp each, the hidden row entering
     ``capture_layer`` (None: none) and, with ``influence``, an influence score."""
-    kbuf = pool.get_key_buffer(model.layers[0].self_attn.attn.layer_id)
+    kbuf = pool.get_key_buffer(radix_of(model.layers[0].self_attn).layer_id)
     weight = model.embed_tokens.weight
     return SlotLedger(
         kbuf.shape[0],

@@ -44,10 +44,13 @@ from sglang_relay.runtime.forward.lora_rows import base_only, installed
 from sglang_relay.runtime.models.anatomy import (
     Anatomy,
     gemma3_qkv,
+    mla_out,
+    mla_qkv,
     mlp_output,
     mlp_takes_batch,
     model_rope,
     native_prepare,
+    radix_of,
     rotation_table,
     sinks_of,
     split_qkv,
@@ -99,11 +102,14 @@ class Heads:
 @dataclass(frozen=True, slots=True)
 class RopeGroup:
     """Layers whose keys turn with one RoPE table: ``delta_cos_sin(delta)`` gives the
-    float32 ``(cos, sin)`` of each row's shift (``[N, rot_dim // 2]`` each)."""
+    float32 ``(cos, sin)`` of each row's shift (``[N, rot_dim // 2]`` each). ``latent``: the
+    pool rows are MLA latent rows of ``latent`` values before the rotated ones (0: the
+    rotated dims lead each key head)."""
 
     layers: tuple[int, ...]
     delta_cos_sin: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     is_neox: bool
+    latent: int = 0
 
 
 def rope_groups(model, layers, gemma3: bool) -> tuple[RopeGroup, ...]:
@@ -111,9 +117,11 @@ def rope_groups(model, layers, gemma3: bool) -> tuple[RopeGroup, ...]:
     :func:`.anatomy.rotation_table`), or Gemma 3's two (the model's local and global
     tables, the module a layer uses in :func:`.anatomy.model_rope`)."""
     if not gemma3:
-        rope = layers[0].self_attn.rotary_emb
+        attn = layers[0].self_attn
+        rope = attn.rotary_emb
         table = lambda delta: delta_cos_sin(rotation_table(rope), delta)  # noqa: E731
-        return (RopeGroup(tuple(range(len(layers))), table, bool(rope.is_neox_style)),)
+        latent = getattr(attn, "kv_lora_rank", 0) if hasattr(attn, "attn_mqa") else 0
+        return (RopeGroup(tuple(range(len(layers))), table, bool(rope.is_neox_style), latent),)
     groups: dict[int, list[int]] = {}
     modules = {}
     for lid, layer in enumerate(layers):
@@ -211,9 +219,10 @@ class LayerDriver:
         self.pool = kv_pool
         self.layers = list(model.layers)
         self.num_layers = len(self.layers)
+        self._radix = tuple(radix_of(layer.self_attn) for layer in self.layers)
         self._heads = tuple(
-            Heads.of(layer.self_attn.attn, sinks_of(layer.self_attn, anatomy))
-            for layer in self.layers
+            Heads.of(radix, sinks_of(layer.self_attn, anatomy))
+            for radix, layer in zip(self._radix, self.layers, strict=True)
         )
         native = anatomy.prepare == "native"
         self._prepare = tuple(
@@ -221,6 +230,7 @@ class LayerDriver:
         )
         self._qk_across = anatomy.qk_norm == "across_heads"
         self._gemma3 = anatomy.prepare == "gemma3"
+        self._mla = anatomy.prepare == "mla"
         self._sandwich = anatomy.norms == "sandwich"
         self._rope_groups = rope_groups(model, self.layers, self._gemma3)
         self._mlp = tuple(getattr(layer, anatomy.mlp_name) for layer in self.layers)
@@ -252,6 +262,8 @@ class LayerDriver:
             return prepare(positions, x)
         if self._gemma3:
             return gemma3_qkv(self.model, self.layers[l].self_attn, positions, x)
+        if self._mla:
+            return mla_qkv(self.layers[l].self_attn, positions, x)
         return split_qkv(self.layers[l].self_attn, positions, x, self._qk_across)
 
     def mlp(self, l: int, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:  # noqa: E741
@@ -267,6 +279,8 @@ class LayerDriver:
         attn = self.layers[l].self_attn
         x, r = self.norm_in(l, h, r)
         o = attend(*self.qkv(l, positions, x))
+        if self._mla:  # the latent-space output through w_vc
+            o = mla_out(attn, o)
         h, _ = attn.o_proj(o)
         h = finish_row_parallel(attn.o_proj, h)
         layer = self.layers[l]
@@ -317,18 +331,25 @@ class LayerDriver:
         hd = self._heads[l]
         k = k.reshape(-1, hd.kv, hd.d)
         v = v.reshape(-1, hd.v, hd.dv)
-        self.pool.set_kv_buffer(self.layers[l].self_attn.attn, kv_write_loc(loc), k, v)
+        self.pool.set_kv_buffer(self._radix[l], kv_write_loc(loc), k, v)
 
     def splice(self, src, dst, delta: torch.Tensor) -> None:
         """Every layer's KV of slots ``src`` copied into ``dst``, keys rotated by ``delta``
         positions with their layers' table (Triton on CUDA, the torch reference
-        elsewhere)."""
+        elsewhere). An MLA row (one buffer: the latent, then the rotated part) goes through
+        two views of it: the rotated part as the keys, the latent as the values (copied
+        bit-identical)."""
         for group in self._rope_groups:
             cos, sin = group.delta_cos_sin(delta)
             ids = [self._heads[lid].layer_id for lid in group.layers]
+            keys = [self.pool.get_key_buffer(i) for i in ids]
+            values = [self.pool.get_value_buffer(i) for i in ids]
+            if group.latent:
+                values = [k[..., : group.latent] for k in keys]
+                keys = [k[..., group.latent :] for k in keys]
             splice_rerotate(
-                [self.pool.get_key_buffer(i) for i in ids],
-                [self.pool.get_value_buffer(i) for i in ids],
+                keys,
+                values,
                 src,
                 dst,
                 cos,

@@ -58,7 +58,14 @@ class Anatomy:
             -> split -> per-head ``q_norm`` / ``k_norm`` -> the *model's* RoPE table of
             the layer's type (``rotary_emb_local`` for window layers, ``rotary_emb`` for
             global ones, applied with SGLang's ``apply_rotary_pos_emb``), as SGLang's
-            ``forward_native`` does (the layer's own ``rotary_emb`` is not used there).
+            ``forward_native`` does (the layer's own ``rotary_emb`` is not used there);
+            ``"mla"``: DeepSeek's multi-head latent attention, absorbed (:func:`mla_qkv`):
+            one latent row of ``kv_lora_rank`` + ``qk_rope_head_dim`` values a token is the
+            layer's one key head, its first ``kv_lora_rank`` values the value; the output is
+            un-absorbed by ``w_vc`` before ``o_proj`` (:func:`mla_out`).
+        attention_alternatives: child sets of which the attention block has exactly one
+            besides :attr:`attention_modules` (DeepSeek's q through a low-rank projection
+            or a direct one); empty: none.
         mlp_blocks: the child sets a layer's MLP block may have (:data:`DENSE_MLP`,
             :data:`SPARSE_MLP`, :data:`SHARED_EXPERT_MLP`; a MoE model may keep dense
             layers); the loop calls SGLang's block whole and sums its tensor-parallel
@@ -98,6 +105,7 @@ class Anatomy:
     windows: bool = False
     norms: str = "pre"
     residual: str = "boundary"
+    attention_alternatives: tuple[frozenset[str], ...] = ()
 
 
 QK_NORMS = ("per_head", "across_heads")
@@ -189,6 +197,77 @@ def split_qkv(attn_mod, positions, x, across_heads: bool = False):
     return q, k, v
 
 
+def radix_of(attn_mod):
+    """The ``RadixAttention`` an attention block attends and stores KV through: an MLA
+    block's absorbed one (``attn_mqa``: one latent key head), else ``attn``."""
+    mqa = getattr(attn_mod, "attn_mqa", None)
+    return mqa if mqa is not None else attn_mod.attn
+
+
+def mla_qkv(attn_mod, positions, x):
+    """Absorbed q, the latent row and its value part (flat) of a DeepSeek MLA block
+    (``prepare="mla"``): SGLang's ``forward_absorb_prepare`` sequence without its fused and
+    quantized variants (refused by :func:`mla_problems`). ``q`` is ``[n, H * (r + p)]``
+    (each head's nope part absorbed through ``w_kc`` into the latent space, then its RoPE
+    part), ``k`` ``[n, r + p]`` (the normed latent, then the rotated shared key part), ``v``
+    ``[n, r]`` (the normed latent), ``r`` = ``kv_lora_rank``, ``p`` = ``qk_rope_head_dim``."""
+    import torch
+
+    r, p = attn_mod.kv_lora_rank, attn_mod.qk_rope_head_dim
+    if attn_mod.q_lora_rank is not None:
+        q, latent = attn_mod.prepare_qkv_latent(x, None).split([attn_mod.q_lora_rank, r + p], -1)
+        q = attn_mod.q_b_proj_forward(attn_mod.q_a_layernorm(q))
+    else:
+        q = attn_mod.q_proj(x)[0].view(-1, attn_mod.num_local_heads, attn_mod.qk_head_dim)
+        latent = attn_mod.kv_a_proj_with_mqa(x)[0]
+    k_nope = attn_mod.kv_a_layernorm(latent[..., :r])
+    q_nope, q_pe = q.split([attn_mod.qk_nope_head_dim, p], dim=-1)
+    q_nope = torch.bmm(q_nope.transpose(0, 1), attn_mod.w_kc).transpose(0, 1)
+    q_pe, k_pe = attn_mod.rotary_emb(positions, q_pe, latent[..., r:].unsqueeze(1))
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    k = torch.cat((k_nope, k_pe.reshape(-1, p)), dim=-1)
+    return q.flatten(1), k, k_nope
+
+
+def mla_out(attn_mod, o):
+    """An MLA block's attention output in latent space (``[n, H * r]``) un-absorbed per
+    head through ``w_vc`` (``[n, H * v_head_dim]``), as SGLang's ``forward_absorb_core``
+    does before ``o_proj``."""
+    import torch
+
+    o = o.view(-1, attn_mod.num_local_heads, attn_mod.kv_lora_rank).transpose(0, 1)
+    return torch.bmm(o, attn_mod.w_vc).transpose(0, 1).flatten(1, 2)
+
+
+def mla_problems(attn_mod, ra, rope) -> str | None:
+    """What in a DeepSeek MLA block the absorbed loop (:func:`mla_qkv`, :func:`mla_out`)
+    would not run as SGLang does: a latent KV geometry other than one key head of
+    ``r + p`` values with the value its first ``r``; a RoPE over other dims; a sparse (DSA)
+    indexer or context-parallel decode; the absorbed weights quantized or in DeepGEMM's
+    fp8 form; GGUF's split ``kv_b``; Mistral-Large-3's Llama-4 attention scaling."""
+    import torch
+
+    r, p = getattr(attn_mod, "kv_lora_rank", None), getattr(attn_mod, "qk_rope_head_dim", None)
+    if not isinstance(r, int) or not isinstance(p, int):
+        return "an MLA block without kv_lora_rank / qk_rope_head_dim"
+    if (ra.tp_k_head_num, ra.qk_head_dim, ra.v_head_dim) != (1, r + p, r):
+        return (f"MLA attention of {ra.tp_k_head_num} key heads, dims {ra.qk_head_dim} / "
+                f"{ra.v_head_dim} (relay reads one latent head of {r + p} / {r})")  # fmt: skip
+    if rope is None or getattr(rope, "head_size", None) != p:
+        return f"MLA RoPE not over the {p} rotary dims"
+    for flag in ("use_dsa", "use_deep_gemm_bmm", "_kimi_split_gguf_kv_b"):
+        if getattr(attn_mod, flag, False):
+            return f"MLA with {flag.strip('_')}"
+    if getattr(attn_mod, "dcp_size", 1) not in (1, None):
+        return "MLA with decode context parallelism"
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    for name in ("w_kc", "w_vc"):
+        w = getattr(attn_mod, name, None)
+        if not isinstance(w, torch.Tensor) or w.dtype not in floats:
+            return f"MLA {name} of {getattr(w, 'dtype', None)} (served: fp32, bf16, fp16)"
+    return None
+
+
 def apply_qk_norm(attn_mod, q, k):
     """SGLang's own per-head q/k RMSNorm (``models.utils.apply_qk_norm``), as the
     non-fused path of a Qwen3-style attention block runs it before RoPE."""
@@ -266,6 +345,8 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
         children = {n for n, _ in attn_mod.named_children()}
         optional = anatomy.optional_attention
         runs = anatomy.attention_modules | (optional if children & optional else frozenset())
+        if anatomy.attention_alternatives:  # the one alternative the block comes closest to
+            runs |= min(anatomy.attention_alternatives, key=lambda a: len(a ^ (children - runs)))
         if children != runs:
             problems.append(
                 f"{where}.self_attn has {sorted(children - runs)} / lacks "
@@ -284,7 +365,7 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 problems.append(f"{where}.self_attn holds parameters {own}, not the adapter's "
                                 f"[{anatomy.sinks!r}]")  # fmt: skip
                 continue
-            heads = attn_mod.attn.tp_q_head_num
+            heads = radix_of(attn_mod).tp_q_head_num
             if tuple(getattr(attn_mod, anatomy.sinks).shape) != (heads,):
                 problems.append(f"{where}.self_attn.{anatomy.sinks}: not one per query head "
                                 f"({heads})")  # fmt: skip
@@ -314,7 +395,12 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
                 f"(the {anatomy.architecture} adapter runs "
                 f"{' or '.join(str(sorted(b)) for b in anatomy.mlp_blocks)})"
             )
-        ra, rope = attn_mod.attn, attn_mod.rotary_emb
+        ra, rope = radix_of(attn_mod), attn_mod.rotary_emb
+        if anatomy.prepare == "mla":
+            mla = mla_problems(attn_mod, ra, rope)
+            if mla:
+                problems.append(f"{where}: {mla}")
+                continue
         if type(rope).__name__ not in supported_rope:
             problems.append(
                 f"{where}: cannot re-rotate keys of {type(rope).__name__} "
@@ -333,6 +419,6 @@ def anatomy_problems(anatomy: Anatomy, model, supported_rope: frozenset[str]) ->
             problems.append(f"{where}: scaled (quantized) KV")
         if getattr(ra, "is_cross_attention", False) or getattr(ra, "use_irope", False):
             problems.append(f"{where}: cross attention / iRoPE")
-        if ra.qk_head_dim != ra.v_head_dim:
+        if ra.qk_head_dim != ra.v_head_dim and anatomy.prepare != "mla":
             problems.append(f"{where}: qk head dim {ra.qk_head_dim} != v head dim")
     return problems

@@ -45,6 +45,8 @@ SHARED = (
 
 # The SGLang model modules whose classes the adapters serve (what --record walks).
 MODEL_MODULES = (
+    "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",
+    "sglang.srt.models.deepseek_v2",
     "sglang.srt.models.gemma3_causal",
     "sglang.srt.models.glm4_moe",
     "sglang.srt.models.gpt_oss",
@@ -57,7 +59,18 @@ MODEL_MODULES = (
     "sglang.srt.models.qwen3_moe",
 )
 
-_METHODS = ("forward", "forward_prepare_native", "forward_native")
+# (MLA: the absorbed path's preparation and core, which ``anatomy.mla_qkv`` / ``mla_out``
+# mirror, the latent projections they call, and the load step that splits ``w_kc`` / ``w_vc``)
+_METHODS = (
+    "forward",
+    "forward_prepare_native",
+    "forward_native",
+    "forward_absorb_prepare",
+    "forward_absorb_core",
+    "prepare_qkv_latent",
+    "q_b_proj_forward",
+    "post_load_weights",
+)
 
 
 def digest(fn) -> str:

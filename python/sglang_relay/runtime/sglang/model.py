@@ -24,6 +24,7 @@ SUPPORTED_ROPE = frozenset(
         "Llama3RotaryEmbedding",
         "LinearScalingRotaryEmbedding",
         "YaRNScalingRotaryEmbedding",
+        "DeepseekScalingRotaryEmbedding",  # MLA's YaRN (its magnitude folded into the table)
     }
 )
 

@@ -13,6 +13,7 @@ something the adapter does not name (``anatomy.anatomy_problems``).
 from __future__ import annotations
 
 from sglang_relay.runtime.models.adapters import (
+    deepseek_v2,
     gemma3,
     glm4_moe,
     gpt_oss,
@@ -29,6 +30,7 @@ from sglang_relay.runtime.models.adapters import (
 
 # every adapter, in module-name order (test_anatomy checks this list against the folder)
 MODULES = (
+    deepseek_v2,
     gemma3,
     glm4_moe,
     gpt_oss,
