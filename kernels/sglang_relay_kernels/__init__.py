@@ -31,7 +31,11 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def pick_extend_attention(
-    server_backend: str | None, device: torch.device, kv_dtype: torch.dtype | None = None
+    server_backend: str | None,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
+    *,
+    latent: bool = False,
 ) -> str:
     """Which attention the relay extend uses on ``device``: ``"flashinfer"`` when the
     server's backend is FlashInfer (and the package imports), ``"triton"`` when it is
@@ -41,13 +45,16 @@ def pick_extend_attention(
     (``TRITON_INTERPRET=1``), which is how the tests run them inside a real server. An FP8
     KV cache (``kv_dtype``) under FlashInfer takes the Triton kernel: its FP8 path (FP8
     elements, fp32 products) is the one the tests run; relay's FlashInfer glue plans FP8
-    caches nowhere this project can test."""
+    caches nowhere this project can test. MLA latent rows (``latent``: one shared key head of
+    ``kv_lora_rank + rope`` values, 576 in DeepSeek-V3) take the torch path unless forced:
+    relay's Triton kernel would reload the shared row for every query head in tiles wider
+    than its GPU configuration was sized for, and its FlashInfer glue plans no such heads."""
     forced = os.environ.get("SGLANG_RELAY_KERNELS")
     if forced == "torch":
         return "torch"
     if forced == "triton" and splice.triton is not None:
         return "triton"
-    if device.type != "cuda":
+    if device.type != "cuda" or latent:
         return "torch"
     if server_backend == "triton" and splice.triton is not None:
         return "triton"

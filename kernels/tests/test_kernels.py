@@ -134,6 +134,9 @@ def test_extend_attention_choice(monkeypatch):
     assert pick_extend_attention(None, cuda) == "torch"
     # an FP8 cache under FlashInfer: the Triton kernel (whose FP8 path the tests run)
     assert pick_extend_attention("flashinfer", cuda, torch.float8_e4m3fn) == "triton"
+    # MLA latent rows: the torch path under any server backend
+    for backend in ("triton", "flashinfer", "fa3"):
+        assert pick_extend_attention(backend, cuda, latent=True) == "torch"
     monkeypatch.setenv("SGLANG_RELAY_KERNELS", "triton")  # interpreted on a CPU
     assert pick_extend_attention("torch_native", cpu) == "triton"
     monkeypatch.setenv("SGLANG_RELAY_KERNELS", "torch")

@@ -148,7 +148,10 @@ class RelayRuntime:
         # refused (modes.graph_refusal) when a captured graph would skip relay's work
         self.graphs = graphs_enabled(model_runner)
         self.attention_name = pick_extend_attention(
-            attention_backend_name(model_runner), self.device, kbuf.dtype
+            attention_backend_name(model_runner),
+            self.device,
+            kbuf.dtype,
+            latent=anatomy.prepare == "mla",
         )
         self.publisher = dp_publisher()  # None unless a DP controller routes by fingerprints
         self.store = SpanStore(
