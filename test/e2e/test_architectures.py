@@ -12,7 +12,10 @@ sigmoid-gated shared expert), Mixtral (Mistral's attention, the sparse block und
 of each 64-dim head rotates, under YaRN; a sigmoid-routed block with a shared expert after
 a dense first layer), MiniMax-M2 (partial rotary, 64 of 128 dims; one q/k RMSNorm over all
 heads, its sums reduced across tensor-parallel ranks; sigmoid routing with a correction
-bias).
+bias), gpt-oss (sliding windows and sinks), Gemma 3 (local and global RoPE tables, four
+norms), DeepSeek-V3 and Kimi-K2 (MLA: one latent KV row a token, attended absorbed; only
+its rotary part moves in a splice; under YaRN; grouped sigmoid routing with shared
+experts).
 
 On each: the server's greedy upstream equals the Hugging Face reference executor's (SGLang
 serves the random model as Hugging Face computes it); the relay of its output computes
@@ -54,7 +57,8 @@ ARCH_ARGS = {"gpt_oss": ["--disable-hybrid-swa-memory", "--moe-runner-backend", 
         # CI (`make test`) serves one dense and two MoE adapters (Qwen3: per-head q/k norms,
         # a head dim other than hidden / heads; Qwen3-MoE: router, top-k, fused experts;
         # GLM-4.5: partial rotary under YaRN, q/k norms, a shared expert, a dense first
-        # layer); TP is test_tp.py's. The full tier runs every adapter: Qwen3-MoE, GLM-4.5
+        # layer; gpt-oss: windows and sinks; DeepSeek-V3: MLA); TP is test_tp.py's. The full
+        # tier runs every adapter: Qwen3-MoE, GLM-4.5
         # and MiniMax-M2 (its q/k norm's sums all-reduced) at tp 2, Qwen2, Qwen2-MoE
         # (shared expert), Mixtral, Mistral and Phi-3. Each adapter's reference executor ==
         # its Hugging Face forward in CI (test_anatomy.py).
@@ -66,6 +70,10 @@ ARCH_ARGS = {"gpt_oss": ["--disable-hybrid-swa-memory", "--moe-runner-backend", 
         pytest.param("minimax_m2", 1, marks=pytest.mark.full),
         ("gpt_oss", 1),
         pytest.param("gemma3", 1, marks=pytest.mark.full),
+        ("deepseek_v3", 1),
+        pytest.param("deepseek_v3", 2, marks=pytest.mark.full),
+        pytest.param("kimi_k2", 1, marks=pytest.mark.full),
+        pytest.param("kimi_k2", 2, marks=pytest.mark.full),
         pytest.param("gpt_oss", 2, marks=pytest.mark.full),
         pytest.param("minimax_m2", 2, marks=pytest.mark.full),
         pytest.param("qwen3_moe", 2, marks=pytest.mark.full),

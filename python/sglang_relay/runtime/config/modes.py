@@ -229,31 +229,6 @@ def spec_refusal(
     return None
 
 
-def mla_refusal(view: ServerView, ship_role: str | None = None) -> str | None:
-    """What relay does not serve on a multi-head latent attention model (DeepSeek-V2/V3,
-    Kimi-K2) yet: the modes whose KV paths keep MHA's layout in relay (speculative
-    decoding's KV compaction, the host tier, span shipping), LoRA (SGLang corrects the
-    absorbed ``kv_b`` weights per request) and a KV dtype other than the model's (the
-    latent rows' FP8 form is not verified)."""
-    checks = [
-        (speculating(view), "speculative decoding (MTP / NGRAM / EAGLE compact MLA KV "
-         "through a pool method relay does not follow)", "drop --speculative-algorithm"),
-        (view.enable_lora, "LoRA (SGLang corrects the absorbed kv_b weights per request)",
-         "drop the LoRA flags"),
-        (view.enable_hierarchical_cache, "--enable-hierarchical-cache (the MLA host pool "
-         "is not verified with relay's host tier)", "drop --enable-hierarchical-cache"),
-        (ship_role is not None or view.disaggregation_mode not in (None, "", "null"),
-         "span shipping or disaggregation (not verified on latent rows)",
-         "drop --relay-ship-to / --relay-ship-listen / --disaggregation-mode"),
-        (view.kv_cache_dtype not in (None, "auto"), f"--kv-cache-dtype {view.kv_cache_dtype} "
-         "(latent rows in another dtype are not verified)", "use --kv-cache-dtype auto"),
-    ]  # fmt: skip
-    for refused, what, way_out in checks:
-        if refused:
-            return f"sglang-relay cannot serve {what} on an MLA model; {way_out}, {OUT}"
-    return None
-
-
 def refusal(
     view: ServerView, *, architecture: str | None = None, ship_role: str | None = None
 ) -> str | None:
@@ -264,10 +239,20 @@ def refusal(
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); drop --radix-cache-backend "
             "relay to serve this model without relay"
         )
+    # MLA (DeepSeek-V2/V3, Kimi-K2): the modes that keep MHA's KV layout in relay, LoRA
+    # (SGLang corrects the absorbed kv_b weights per request), latent rows in another dtype
     if architecture is not None and anatomy_of(architecture).prepare == "mla":
-        mla = mla_refusal(view, ship_role)
-        if mla is not None:
-            return mla
+        shipping = ship_role is not None or view.disaggregation_mode not in (None, "", "null")
+        off = [what for what, on in (
+            ("speculative decoding (--speculative-algorithm)", speculating(view)),
+            ("LoRA (--enable-lora / --lora-paths)", view.enable_lora),
+            ("--enable-hierarchical-cache", view.enable_hierarchical_cache),
+            ("span shipping or disaggregation", shipping),
+            (f"--kv-cache-dtype {view.kv_cache_dtype}", view.kv_cache_dtype not in (None, "auto")),
+        ) if on]  # fmt: skip
+        if off:
+            return (f"sglang-relay cannot serve {off[0]} on an MLA model (not verified on "
+                    f"latent rows); drop it, {OUT}")  # fmt: skip
     for check in (ship_refusal(view, ship_role), spec_refusal(view, ship_role)):
         if check is not None:
             return check
