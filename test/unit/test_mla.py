@@ -216,3 +216,32 @@ def test_modes_relay_has_not_verified_on_latent_rows_are_refused_with_the_way_ou
     assert "span shipping" in modes.refusal(view(), architecture=arch, ship_role="decode")
     # the same modes on a non-MLA model are not refused for MLA's reasons
     assert "MLA" not in (modes.refusal(view(kv_cache_dtype="fp8_e4m3")) or "")
+
+
+def test_decode_influence_reads_the_rotary_part_a_backend_passes_apart():
+    """On FlashInfer / FA3 / TRT-LLM MLA SGLang passes the absorbed query's rotary part as
+    ``q_rope``; the influence hook must see the query the Triton and torch backends get
+    whole (``[q_nope_out ; q_pe]`` per head): the same influence scores either way."""
+    from sglang_relay.runtime.forward.decode import InfluenceHook
+
+    g = torch.Generator().manual_seed(5)
+    slots, seq = 16, 11
+    kbuf = torch.randn(slots, 1, R + P, generator=g)
+    radix = Radix()
+    ledger = SimpleNamespace(influence=None)
+    pool = SimpleNamespace(get_key_buffer=lambda i: kbuf)
+    req_to_token = torch.arange(slots).view(1, slots)
+    fb = SimpleNamespace(seq_lens=torch.tensor([seq]), req_pool_indices=torch.tensor([0]))
+    q = torch.randn(1, H, R + P, generator=g)
+    scores = []
+    for args, kwargs in (
+        ((q.reshape(1, -1), None, None, fb), {}),  # whole: torch_native / Triton
+        ((q[..., :R].reshape(1, -1), None, None, fb), {"q_rope": q[..., R:].reshape(1, -1)}),
+    ):
+        ledger.influence = torch.zeros(slots)
+        hook = InfluenceHook.__new__(InfluenceHook)
+        hook.ledger, hook.pool, hook.req_to_token, hook.armed = ledger, pool, req_to_token, True
+        hook._accumulate(radix, args, kwargs, None)
+        scores.append(ledger.influence.clone())
+    assert scores[0][:seq].sum() == pytest.approx(H)  # each head's probabilities sum to 1
+    torch.testing.assert_close(scores[1], scores[0], rtol=0, atol=1e-6)

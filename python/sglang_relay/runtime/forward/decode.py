@@ -132,6 +132,11 @@ class InfluenceHook:
             return
         q = args[0] if args else kwargs["q"]
         fb = args[3] if len(args) > 3 else kwargs["forward_batch"]
+        q_rope = kwargs.get("q_rope")  # MLA on backends that take the rotary part apart
+        if q_rope is not None:
+            hq = module.tp_q_head_num
+            q = torch.cat((q.reshape(-1, hq, module.v_head_dim), q_rope.reshape(-1, hq,
+                           module.qk_head_dim - module.v_head_dim)), -1)  # fmt: skip
         sinks = kwargs.get("sinks")  # gpt-oss passes its sink logits to the attention
         accumulate_influence(
             fb, module, q, self.ledger.influence, self.pool, self.req_to_token, sinks
