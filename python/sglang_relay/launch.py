@@ -113,6 +113,7 @@ RELAY_FLAGS = {
     "--relay-config": "SGLANG_RELAY_CONFIG",
     "--relay-reuse": "SGLANG_RELAY_REUSE",
     "--relay-scope": "SGLANG_RELAY_SCOPE",
+    "--relay-meta": "SGLANG_RELAY_META",
     "--relay-lora": "SGLANG_RELAY_LORA",
     "--relay-min-share": "SGLANG_RELAY_MIN_SHARE",
     "--relay-reasoning-reuse": "SGLANG_RELAY_REASONING_REUSE",

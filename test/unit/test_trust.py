@@ -155,3 +155,88 @@ def test_an_abort_reaches_the_guards_redo(monkeypatch):
     aborted.clear()
     plugin._abort_with_redo(lambda manager, rid, *a, **k: aborted.append(rid), None, "r8")
     assert aborted == ["r8"]
+
+
+# ---- scope bound to the operator's header (SGLANG_RELAY_SCOPE=header:<Name>) -------------------
+
+
+def test_a_header_scope_files_the_tenant_the_operator_header_names(model_dir):
+    """The tenant comes from the HTTP header alone: a client's own tenant key in the body is
+    stripped with the other private keys, a request without the header (the Engine API, a
+    gateway that did not set it) gets none, a batch gets it in every entry."""
+    settings = settings_from_env(str(model_dir), {"SGLANG_RELAY_SCOPE": "header:X-Tenant"})
+    gate = trust.RequestValidator(settings, 30, 49152)
+    http = SimpleNamespace(headers={"x-tenant": "acme"})  # Starlette's headers: lower-case
+    forged = Req({"custom_params": {trust.TENANT_KEY: "victim", "relay": {"key": "k"}}})
+    gate.admit(forged, http)
+    assert forged.sampling_params["custom_params"] == {trust.TENANT_KEY: "acme",
+                                                       "relay": {"key": "k"}}  # fmt: skip
+    bare = Req({"custom_params": {trust.TENANT_KEY: "victim"}})
+    gate.admit(bare, None)
+    assert bare.sampling_params["custom_params"] == {}
+    batch = Req([{"max_new_tokens": 2}, {"custom_params": None}])
+    gate.admit(batch, http)
+    assert [sp["custom_params"] for sp in batch.sampling_params] == [{trust.TENANT_KEY: "acme"}] * 2
+    empty = Req(None)
+    gate.admit(empty, http)
+    assert empty.sampling_params == {"custom_params": {trust.TENANT_KEY: "acme"}}
+    with pytest.raises(ValueError, match="x-tenant: longer than 256"):
+        gate.admit(Req({}), SimpleNamespace(headers={"x-tenant": "a" * 257}))
+    # the default scope files nothing, whatever the headers say
+    shared = trust.RequestValidator(settings_from_env(str(model_dir), {}), 30, 49152)
+    plain = Req({"custom_params": {"mine": 1}})
+    shared.admit(plain, http)
+    assert plain.sampling_params["custom_params"] == {"mine": 1}
+
+
+def test_tenants_never_share_a_namespace_whatever_the_body_says():
+    from sglang_relay.runtime.sched.options import namespace, request_tenant
+
+    iso = (None, None, None)
+    scope = "header:x-tenant"
+    a = namespace(scope, iso, {"key": "k"}, "acme")
+    b = namespace(scope, iso, {"key": "k"}, "globex")
+    assert a != b and None not in (a, b)
+    assert namespace(scope, iso, {"key": "k"}, None) is None  # no header: no spans at all
+    assert namespace(scope, iso, {"key": "k1"}, "acme") != a  # keys still split a tenant
+    assert namespace("shared", iso, {"key": "k"}, "acme") == namespace("shared", iso, {"key": "k"})
+    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params={trust.TENANT_KEY: "t"}))
+    assert request_tenant(req) == "t"
+    for junk in ({trust.TENANT_KEY: ""}, {trust.TENANT_KEY: 3}, None, "x"):
+        req.sampling_params.custom_params = junk
+        assert request_tenant(req) is None
+
+
+def test_scope_and_meta_settings_are_checked(model_dir):
+    ok = settings_from_env(str(model_dir), {"SGLANG_RELAY_SCOPE": "header:X-Tenant-Id",
+                                            "SGLANG_RELAY_META": "counts"})  # fmt: skip
+    assert (ok.scope, ok.meta) == ("header:X-Tenant-Id", "counts")
+    for env, words in (
+        ({"SGLANG_RELAY_SCOPE": "header:"}, "header:<Name>"),
+        ({"SGLANG_RELAY_SCOPE": "header:a b"}, "header:<Name>"),
+        ({"SGLANG_RELAY_SCOPE": "tenant"}, "header:<Name>"),
+        ({"SGLANG_RELAY_META": "some"}, "full, counts, off"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            settings_from_env(str(model_dir), env)
+
+
+def test_meta_shows_what_the_operator_allows():
+    from sglang_relay.runtime.plugin import _show
+
+    info = {
+        "method": "relay",
+        "spans_matched": 2,
+        "reused_tokens": 40,
+        "selected_tokens": 4,
+        "reuse_rate": 0.9,
+        "fallback": None,
+        "probe": "last_row",
+        "operating_point": {},
+    }
+    meta = {"relay": dict(info), "prompt_tokens": 9}
+    _show(meta, "counts")
+    assert meta == {"prompt_tokens": 9, "relay": {"method": "relay", "reused_tokens": 40,
+                    "selected_tokens": 4, "reuse_rate": 0.9, "fallback": None}}  # fmt: skip
+    _show(meta, "off")
+    assert meta == {"prompt_tokens": 9}

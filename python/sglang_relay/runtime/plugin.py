@@ -280,7 +280,7 @@ async def _admitted_request(
     validator = trust.validator_for(manager)
     if validator is not None and hasattr(obj, "sampling_params"):
         try:
-            validator.admit(obj)
+            validator.admit(obj, kwargs.get("request", args[0] if args else None))
         except ValueError:
             # refused before SGLang normalized it: what SGLang's clean-up of a refused
             # stream reads (create_abort_task: obj.is_single; nothing to abort yet)
@@ -346,12 +346,35 @@ async def _unwrapped_responses(original, manager: TokenizerManager, *args, **kwa
                     meta[RELAY_INFO_KEY]["ttft_s"] = round(times[1] - times[0], 6)
             yield out
 
-    if policy is None:
-        async for out in unwrapped():
-            yield out
-        return
-    async for out in guard.guarded(unwrapped(), manager, obj, request, policy, state):
+    shown = _meta_shown(manager)
+    stream = unwrapped() if policy is None else guard.guarded(
+        unwrapped(), manager, obj, request, policy, state
+    )  # fmt: skip
+    async for out in stream:
+        if shown != "full" and isinstance(out, dict):  # after the guard, which reads it
+            _show(out.get("meta_info"), shown)
         yield out
+
+
+def _meta_shown(manager: TokenizerManager) -> str:
+    """What ``meta_info["relay"]`` shows this server's clients (``SGLANG_RELAY_META``; a
+    server without relay: ``full``, there is nothing to hide)."""
+    from sglang_relay.runtime.sched import trust
+
+    validator = trust.validator_for(manager)
+    return "full" if validator is None else validator.settings.meta
+
+
+def _show(meta_info, shown: str) -> None:
+    """``meta_info["relay"]`` cut to what ``shown`` lets a client see: ``off``, nothing;
+    ``counts``, its own method, reused and selected tokens, reuse rate and fallback."""
+    from sglang_relay.runtime.config.settings import META_COUNTS
+
+    if not isinstance(meta_info, dict) or RELAY_INFO_KEY not in meta_info:
+        return
+    info = meta_info.pop(RELAY_INFO_KEY)
+    if shown == "counts" and isinstance(info, dict):
+        meta_info[RELAY_INFO_KEY] = {k: info[k] for k in META_COUNTS if k in info}
 
 
 def _guard_policy(manager: TokenizerManager, state: ReqState):

@@ -13,9 +13,15 @@ set them directly:
   config, or 0.80 on a model without a profile
 * ``SGLANG_RELAY_CONFIG``: JSON object of RelayConfig fields overriding the profile
 * ``SGLANG_RELAY_SCOPE``: who may reuse whose spans: ``shared`` (default: every request
-  of the same SGLang isolation keys, ``cache_salt`` / LoRA, and relay key) or ``key``
-  (only requests carrying the same ``cache_salt`` or relay key; requests with neither
-  store and reuse nothing)
+  of the same SGLang isolation keys, ``cache_salt`` / LoRA, and relay key, which the client
+  asserts in its body), ``key`` (only requests carrying the same ``cache_salt`` or relay
+  key; requests with neither store and reuse nothing) or ``header:<Name>`` (the tenant is
+  the value of the HTTP header ``<Name>``, which the operator's gateway sets and the
+  client cannot forge past it: requests of different tenants never share a span, whatever
+  their body says; a request without the header stores and reuses nothing)
+* ``SGLANG_RELAY_META``: what ``meta_info["relay"]`` shows a client: ``full`` (default:
+  every field), ``counts`` (the method, reused and selected tokens, the reuse rate and the
+  fallback reason) or ``off`` (no relay field in any response)
 * ``SGLANG_RELAY_LORA``: spans across LoRA adapters: ``adapter`` (default: a request under
   adapter X reuses only KV decoded under X, base-model requests only the base model's) or
   ``shared`` (every adapter and the base model reuse each other's spans; the selected rows
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -76,7 +83,20 @@ ENV_REASONING_REUSE = "SGLANG_RELAY_REASONING_REUSE"
 # (0.015 vs 0.017) and top-1 (0.91 vs 0.81): research/studies/reasoning_fidelity.py, 32 questions
 DEFAULT_REASONING_REUSE = 0.60
 DEFAULT_MIN_SHARE = 0.5  # real relays: every pasted output >= 0.72 (docs/configuration.md)
-SCOPES = ("shared", "key")
+SCOPES = ("shared", "key")  # and "header:<Name>" (:func:`scope_header`)
+ENV_META = "SGLANG_RELAY_META"
+METAS = ("full", "counts", "off")
+# the fields meta_info["relay"] keeps under SGLANG_RELAY_META=counts
+META_COUNTS = ("method", "reused_tokens", "selected_tokens", "reuse_rate", "fallback")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+
+
+def scope_header(scope: str) -> str | None:
+    """The (lower-case) HTTP header a ``header:<Name>`` scope takes the tenant from; None
+    for the other scopes."""
+    return scope[len("header:") :].lower() if scope.startswith("header:") else None
+
+
 LORA_MODES = ("adapter", "shared")
 
 # Without a profile nothing is known about the model's layers: no hidden state is stored
@@ -116,6 +136,7 @@ class RelaySettings:
     reuse_target: float | None = None  # default operating point (None: ``config`` as is)
     overrides: tuple[tuple[str, object], ...] = ()  # SGLANG_RELAY_CONFIG, applied last
     scope: str = "shared"  # SGLANG_RELAY_SCOPE
+    meta: str = "full"  # SGLANG_RELAY_META
     lora: str = "adapter"  # SGLANG_RELAY_LORA
     min_share: float = DEFAULT_MIN_SHARE  # SGLANG_RELAY_MIN_SHARE
     reasoning_reuse: float | None = DEFAULT_REASONING_REUSE  # SGLANG_RELAY_REASONING_REUSE
@@ -188,8 +209,13 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     if raw_reuse and config.method != "relay":
         raise ValueError(f"{ENV_REUSE} applies to method relay; the server runs {config.method}")
     scope = env.get(ENV_SCOPE) or "shared"
-    if scope not in SCOPES:
-        raise ValueError(f"{ENV_SCOPE} must be one of {', '.join(SCOPES)}; got {scope!r}")
+    header = scope_header(scope)
+    if scope not in SCOPES and (header is None or not _HEADER_NAME.fullmatch(header)):
+        raise ValueError(f"{ENV_SCOPE} must be one of {', '.join(SCOPES)} or header:<Name> "
+                         f"(an HTTP header name); got {scope!r}")  # fmt: skip
+    meta = env.get(ENV_META) or "full"
+    if meta not in METAS:
+        raise ValueError(f"{ENV_META} must be one of {', '.join(METAS)}; got {meta!r}")
     lora = env.get(ENV_LORA) or "adapter"
     if lora not in LORA_MODES:
         raise ValueError(f"{ENV_LORA} must be one of {', '.join(LORA_MODES)}; got {lora!r}")
@@ -247,6 +273,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         reuse_target=reuse if config.method == "relay" else None,
         overrides=tuple(overrides.items()),
         scope=scope,
+        meta=meta,
         lora=lora,
         min_share=min_share,
         reasoning_reuse=reasoning,

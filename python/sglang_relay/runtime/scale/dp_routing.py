@@ -63,7 +63,7 @@ from sglang_relay.runtime.scale.dp_fingerprints import (
     namespace_salt,
     window_hashes,
 )
-from sglang_relay.runtime.sched.options import namespace, request_option
+from sglang_relay.runtime.sched.options import namespace, request_option, request_tenant
 from sglang_relay.runtime.state import STATE
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class DPRouter:
 
         try:
             isolation = tokenized_isolation(req, self.lora)
-            return namespace(self.scope, isolation, request_option(req))
+            return namespace(self.scope, isolation, request_option(req), request_tenant(req))
         except ValueError:
             return None  # a bad relay key: the rank runs standard prefill
 

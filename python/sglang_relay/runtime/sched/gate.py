@@ -23,6 +23,7 @@ from sglang_relay.core.relatedness import related_spans
 from sglang_relay.runtime.sched.options import (
     namespace,
     request_option,
+    request_tenant,
     resolve_config,
     stores_spans,
 )
@@ -83,7 +84,7 @@ class RequestGate:
         """The span namespace ``req`` reuses from (None: none, under scope ``key`` without
         a key); ValueError on a bad relay key."""
         isolation = request_isolation(req, self.settings.lora)
-        return namespace(self.settings.scope, isolation, request_option(req))
+        return namespace(self.settings.scope, isolation, request_option(req), request_tenant(req))
 
     def store_namespace(self, req: Req) -> tuple | None:
         """Where ``req``'s output is stored as a span (None: it is not): its namespace, if

@@ -151,13 +151,27 @@ def stores_spans(option: Any) -> bool:
     return option not in ("standard", "off")
 
 
-def namespace(scope: str, isolation: tuple, option: Any) -> tuple | None:
+def request_tenant(req: Req | TokenizedGenerateReqInput) -> str | None:
+    """The tenant the tokenizer manager filed ``req`` under from the operator's header
+    (scope ``header:<Name>``: :mod:`.trust`), a non-empty string, or None. A private key:
+    a client's own is stripped at the door."""
+    from sglang_relay.runtime.sched.trust import TENANT_KEY
+
+    params = getattr(req.sampling_params, "custom_params", None)
+    tenant = params.get(TENANT_KEY) if isinstance(params, dict) else None
+    return tenant if isinstance(tenant, str) and tenant else None
+
+
+def namespace(scope: str, isolation: tuple, option: Any, tenant: str | None = None) -> tuple | None:
     """Who may reuse whose spans: SGLang's isolation keys (``isolation``: the request's
     ``extra_key``, LoRA adapter id and ``cache_salt``, :func:`.sglang.scheduling.request_isolation`)
-    plus its relay key. ``None``: the request neither
-    stores nor reuses spans (scope ``key`` without ``cache_salt`` or relay key). A bad key
-    raises ValueError."""
+    plus its relay key, and under scope ``header:<Name>`` the ``tenant`` the operator's
+    header gave it (:func:`request_tenant`). ``None``: the request neither stores nor
+    reuses spans (scope ``key`` without ``cache_salt`` or relay key; a header scope without
+    the header). A bad key raises ValueError."""
     key = relay_key(option)
+    if scope.startswith("header:"):
+        return None if tenant is None else (*isolation, ("tenant", tenant), key)
     if scope == "key" and key is None and isolation[-1] in (None, ""):
         return None
     return (*isolation, key)

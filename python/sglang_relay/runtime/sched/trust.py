@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 PRIVATE_PREFIX = "__sglang_relay"
 RELAY_FIELD = "relay"
+# the tenant a ``header:<Name>`` scope reads from the operator's header, filed by
+# :meth:`RequestValidator.admit` after the client's private keys are gone
+TENANT_KEY = PRIVATE_PREFIX + "_tenant"
+MAX_TENANT = 256
 
 # Requests this process built itself (the guard's redo) carry this process-private
 # sentinel as an attribute no request body can set (SGLang builds request objects from the
@@ -136,11 +140,14 @@ class RequestValidator:
                         f"[0, {self.vocab_size})"
                     )
 
-    def admit(self, obj: GenerateReqInput) -> None:
+    def admit(self, obj: GenerateReqInput, request: Any = None) -> None:
         """Strip private keys and check every relay option of a generate request;
-        ValueError (HTTP 400) on a bad one."""
+        ValueError (HTTP 400) on a bad one. Under a ``header:<Name>`` scope, file the
+        request under the tenant of that header of the HTTP ``request`` (none: no tenant,
+        so it neither stores nor reuses spans)."""
         if strip_private(obj):
             logger.debug("sglang-relay: removed private custom_params keys from a request")
+        self.file_tenant(obj, request)
         ids = getattr(obj, "input_ids", None)
         if isinstance(ids, list | tuple):
             self.check_input_ids(ids)
@@ -160,6 +167,31 @@ class RequestValidator:
                     f"{type(params).__name__}"
                 )
             self.check_option(params.get(RELAY_FIELD))
+
+    def file_tenant(self, obj: GenerateReqInput, request: Any) -> None:
+        """Under a ``header:<Name>`` scope: every sampling-parameter dict of ``obj`` gets the
+        tenant the operator's header names (:data:`TENANT_KEY`). The header is read from
+        the HTTP request alone; a request without one (the Engine API, a gateway that did
+        not set it) gets no tenant. ValueError for a header longer than
+        :data:`MAX_TENANT`."""
+        from sglang_relay.runtime.config.settings import scope_header
+
+        header = scope_header(self.settings.scope)
+        if header is None or trusted(obj):  # relay's own requests carry their tenant
+            return
+        headers = getattr(request, "headers", None)
+        tenant = headers.get(header) if headers is not None else None
+        if tenant is not None and len(tenant) > MAX_TENANT:
+            raise ValueError(f"header {header}: longer than {MAX_TENANT} characters")
+        if getattr(obj, "sampling_params", None) is None:
+            obj.sampling_params = {}
+        for sp in _param_dicts(obj):
+            params = sp.get("custom_params")
+            params = dict(params) if isinstance(params, dict) else {}
+            params.pop(TENANT_KEY, None)
+            if tenant:
+                params[TENANT_KEY] = tenant
+            sp["custom_params"] = params
 
 
 def validator_for(manager: TokenizerManager) -> RequestValidator | None:
