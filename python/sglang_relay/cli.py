@@ -26,7 +26,8 @@ commands:
                          `bench fidelity --frontier`: KL vs reuse per method, knobs swept
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
-  --relay-profile FILE, --relay-config JSON, --relay-span-tokens N,
+  --relay-profile FILE, --relay-config JSON, --relay-scope shared|key|header:NAME,
+  --relay-meta full|counts|off, --relay-span-tokens N,
   --relay-host-tokens N, --relay-host-ttl SECONDS, --relay-host-priority unconsumed|lru,
   --relay-ship-to HOST:PORT[,...] (PD decode) / --relay-ship-listen HOST:PORT (PD prefill),
   --relay-ship-lease SECONDS, --relay-ship-protocol tcp|rdma,
