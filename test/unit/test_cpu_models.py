@@ -10,6 +10,8 @@ exercise the kernels' masks. Tensor parallel is two shards of the heads whose su
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from triton_reference import triton_outputs
@@ -226,3 +228,222 @@ def test_gpt_oss_sinks_on_torch_native_equal_sglangs_triton_kernel(sink_kernel):
     _, done = sink_kernel
     out = _standin(decode=False)[0]
     torch.testing.assert_close(out, done["extend"][0]["out"], rtol=1e-5, atol=1e-5)
+
+
+# ---- DeepSeek MLA on torch_native -------------------------------------------------------------
+# The stand-in sends every MLA forward down SGLang's absorbed path, which hands torch_native
+# the latent rows as one KV head: q [n, H, r + p], k [n, 1, r + p], v = k[..., :r] [n, 1, r],
+# save_kv_cache=True (``forward_absorb_core``). SGLang's real MLA pool keeps k alone and gives
+# its [..., :r] view as the value buffer. The reference is SGLang's Triton extend kernel and
+# its MLA decode kernel (has_mla: V taken from the loaded K tile, right only at r + p of 288
+# or 576, so r = 256 and p = 32 here). Two requests: an 11-token cached prefix then 9 new
+# tokens, and a fresh 14-token prompt; then one decode step for both.
+MLA_R, MLA_P, MLA_H = 256, 32, 4
+# attn_mqa.scaling: (qk_nope + p)^-0.5 * yarn_get_mscale(factor 40, mscale_all_dim 1)^2, with
+# qk_nope = 64: not (r + p)^-0.5
+MLA_SCALE = (64 + MLA_P) ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2
+MLA_PREFIX, MLA_EXTEND = [11, 0], [9, 14]
+MLA_SEQ = [p + e for p, e in zip(MLA_PREFIX, MLA_EXTEND, strict=True)]  # after the extend
+MLA_REQS, MLA_SLOTS, MLA_SPLITS = [1, 3], 64, 4  # req_to_token rows; pool size; decode splits
+
+_MLA_REFERENCE = r"""
+import sys
+sys.path.insert(0, sys.argv[3])
+import torch
+from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+
+def extend(c):
+    extend_attention_fwd(
+        c["q"], c["k_ext"], c["v_ext"], c["out"], c["k_buf"], c["v_buf"], c["qo_indptr"],
+        c["kv_indptr"], c["kv_indices"], None, True, None, c["max_ext"], 1.0, 1.0,
+        sm_scale=c["scale"],
+    )
+
+
+def decode(c):
+    decode_attention_fwd(
+        c["q"], c["k_buf"], c["v_buf"], c["out"], c["kv_indptr"], c["kv_indices"],
+        c["attn_logits"], c["attn_lse"], c["num_kv_splits"], c["max_kv_splits"], c["scale"],
+        1.0, 1.0, has_mla=True,
+    )
+
+
+RUN = {"extend": extend, "decode": decode}
+"""
+
+
+def _mla_batch(seed=5):
+    """Per request (positions 0..seq, the decode token last): its pool slots and latent rows
+    ``[seq + 1, 1, r + p]``; the extend's queries ``[sum(EXTEND), H, r + p]`` and the
+    decode's ``[2, H, r + p]``."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [s + 1 for s in MLA_SEQ]
+    perm = 1 + torch.randperm(MLA_SLOTS, generator=g)[: sum(lens)]  # slot 0 is SGLang's pad
+    slots = list(perm.split(lens))
+    rows = [torch.randn(n, 1, MLA_R + MLA_P, generator=g) for n in lens]
+    q_ext = torch.randn(sum(MLA_EXTEND), MLA_H, MLA_R + MLA_P, generator=g)
+    q_dec = torch.randn(len(lens), MLA_H, MLA_R + MLA_P, generator=g)
+    return slots, rows, q_ext, q_dec
+
+
+def _mla_pool_rows(upto):
+    """The latent buffer ``[slots + 1, 1, r + p]`` holding each request's first
+    ``upto[i]`` rows, as SGLang's pool lays them out (written here, independently)."""
+    slots, rows, _, _ = _mla_batch()
+    buf = torch.zeros(MLA_SLOTS + 1, 1, MLA_R + MLA_P)
+    for s, x, n in zip(slots, rows, upto, strict=True):
+        buf[s[:n]] = x[:n]
+    return buf
+
+
+@pytest.fixture(scope="module")
+def mla_kernels(tmp_path_factory):
+    slots, rows, q_ext, q_dec = _mla_batch()
+    # extend: the new rows as k_extend / v_extend, the prefix read from the pool (which the
+    # Triton backend has already written the new rows into); v is the pool's [..., :r] view
+    k_ext = torch.cat([x[p:s] for x, p, s in zip(rows, MLA_PREFIX, MLA_SEQ, strict=True)])
+    buf = _mla_pool_rows(MLA_SEQ)
+    extend = {
+        "q": q_ext, "k_ext": k_ext, "v_ext": k_ext[..., :MLA_R].contiguous(),
+        "out": torch.zeros(q_ext.shape[0], MLA_H, MLA_R), "k_buf": buf,
+        "v_buf": buf[..., :MLA_R], "scale": MLA_SCALE, "max_ext": max(MLA_EXTEND),
+        "qo_indptr": torch.tensor([0, MLA_EXTEND[0], sum(MLA_EXTEND)], dtype=torch.int32),
+        "kv_indptr": torch.tensor([0, MLA_PREFIX[0], sum(MLA_PREFIX)], dtype=torch.int32),
+        "kv_indices": torch.cat([s[:p] for s, p in zip(slots, MLA_PREFIX, strict=True)]),
+    }  # fmt: skip
+    # decode: every row (the decode token's written) from the pool, the MLA kernel's V view
+    buf = _mla_pool_rows([s + 1 for s in MLA_SEQ])
+    lens = torch.tensor([s + 1 for s in MLA_SEQ])
+    decode = {
+        "q": q_dec, "k_buf": buf, "v_buf": buf[..., :MLA_R],
+        "out": torch.zeros(q_dec.shape[0], MLA_H, MLA_R), "scale": MLA_SCALE,
+        "kv_indptr": torch.cat((torch.zeros(1), lens.cumsum(0))).to(torch.int32),
+        "kv_indices": torch.cat(slots),
+        "attn_logits": torch.empty(2, MLA_H, MLA_SPLITS, MLA_R),
+        "attn_lse": torch.empty(2, MLA_H, MLA_SPLITS),
+        "num_kv_splits": torch.tensor([MLA_SPLITS, 2], dtype=torch.int32),
+        "max_kv_splits": MLA_SPLITS,
+    }  # fmt: skip
+    cases = {"extend": [extend], "decode": [decode]}
+    return triton_outputs(_MLA_REFERENCE, cases, tmp_path_factory.mktemp("mla"))
+
+
+@pytest.fixture(scope="module")
+def mla_standin():
+    """SGLang's ``TorchNativeAttnBackend`` over a real ``MLATokenToKVPool`` and
+    ``ReqToTokenPool``, on an ``attn_mqa``-shaped ``RadixAttention``, called as
+    ``forward_absorb_core`` calls it: (extend out ``[23, H * r]``, the pool's buffer after
+    it, decode out ``[2, H * r]``, the pool's buffer after it)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+
+    slots, rows, q_ext, q_dec = _mla_batch()
+    pool = MLATokenToKVPool(MLA_SLOTS, 1, torch.float32, MLA_R, MLA_P, 1, "cpu", False)
+    reqs = ReqToTokenPool(4, 32, "cpu", False)
+    for req, s in zip(MLA_REQS, slots, strict=True):
+        reqs.req_to_token[req, : len(s)] = s.to(torch.int32)
+    attn = RadixAttention(num_heads=MLA_H, head_dim=MLA_R + MLA_P, scaling=MLA_SCALE,
+                          num_kv_heads=1, layer_id=0, v_head_dim=MLA_R)  # fmt: skip
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=reqs, token_to_kv_pool=pool)
+    backend = TorchNativeAttnBackend(runner)
+    req_idx = torch.tensor(MLA_REQS)
+
+    def batch(mode, seq, new, **extend):
+        loc = torch.cat([s[q - n : q] for s, q, n in zip(slots, seq, new, strict=True)])
+        fb = ForwardBatch(forward_mode=mode, batch_size=2, input_ids=torch.zeros_like(loc),
+                          req_pool_indices=req_idx, seq_lens=torch.tensor(seq),
+                          out_cache_loc=loc, seq_lens_sum=sum(seq), **extend)  # fmt: skip
+        backend.init_forward_metadata(fb)
+        k = torch.cat([x[q - n : q] for x, q, n in zip(rows, seq, new, strict=True)])
+        return fb, k
+
+    with get_parallel().override(dcp_enabled=False):  # what set_kv_buffer asks (no DCP)
+        # the cached prefix, as an earlier forward left it
+        pool.set_kv_buffer(attn, slots[0][: MLA_PREFIX[0]], rows[0][: MLA_PREFIX[0]], None)
+        fb, k = batch(ForwardMode.EXTEND, MLA_SEQ, MLA_EXTEND,
+                      extend_prefix_lens=torch.tensor(MLA_PREFIX),
+                      extend_seq_lens=torch.tensor(MLA_EXTEND), extend_prefix_lens_cpu=MLA_PREFIX,
+                      extend_seq_lens_cpu=MLA_EXTEND)  # fmt: skip
+        out_ext = backend.forward_extend(q_ext, k, k[..., :MLA_R], attn, fb, save_kv_cache=True)
+        buf_ext = pool.get_key_buffer(0).clone()
+        fb, k = batch(ForwardMode.DECODE, [s + 1 for s in MLA_SEQ], [1, 1])
+        out_dec = backend.forward_decode(q_dec, k, k[..., :MLA_R], attn, fb, save_kv_cache=True)
+    return out_ext, buf_ext, out_dec, pool.get_key_buffer(0).clone()
+
+
+def test_mla_standin_writes_the_latent_rows_sglangs_pool_keeps(mla_standin):
+    _, buf_ext, _, buf_dec = mla_standin
+    assert torch.equal(buf_ext, _mla_pool_rows(MLA_SEQ))
+    assert torch.equal(buf_dec, _mla_pool_rows([s + 1 for s in MLA_SEQ]))
+
+
+def test_mla_on_torch_native_equals_float64(mla_standin):
+    """Both steps against MQA in float64 over each request's latent rows (V = their first
+    r columns), at the absorbed layer's scale."""
+    from sglang_relay.core.attention import positional_causal_attention
+
+    out_ext, _, out_dec, _ = mla_standin
+    _, rows, q_ext, q_dec = _mla_batch()
+    lo = 0
+    for i, (p, s) in enumerate(zip(MLA_PREFIX, MLA_SEQ, strict=True)):
+        for q, out, pos in ((q_ext[lo : lo + s - p], out_ext[lo : lo + s - p], range(p, s)),
+                            (q_dec[i : i + 1], out_dec[i : i + 1], [s])):  # fmt: skip
+            kv = rows[i][: pos[-1] + 1].double()
+            want = positional_causal_attention(q.double(), kv, kv[..., :MLA_R],
+                                               torch.tensor(list(pos)), MLA_SCALE)  # fmt: skip
+            got = out.view(-1, MLA_H, MLA_R).double()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        lo += s - p
+
+
+def test_mla_extend_on_torch_native_equals_sglangs_triton_kernel(mla_standin, mla_kernels):
+    _, done = mla_kernels
+    out = mla_standin[0].view(-1, MLA_H, MLA_R)
+    torch.testing.assert_close(out, done["extend"][0]["out"], rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_on_torch_native_equals_sglangs_triton_mla_kernel(mla_standin, mla_kernels):
+    _, done = mla_kernels
+    out = mla_standin[2].view(-1, MLA_H, MLA_R)
+    torch.testing.assert_close(out, done["decode"][0]["out"], rtol=1e-5, atol=1e-5)
+
+
+def test_registered_torch_native_handler_takes_the_absorbed_method(monkeypatch):
+    """Before the stand-in registers it, torch_native falls back to Triton's handler, which
+    takes the up-projected MHA for an extend with no cached prefix; after, the same extend
+    (and a decode) is absorbed MLA, and SGLang's AMX choice passes through."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handler
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    registry = handler.AttentionBackendRegistry
+    monkeypatch.setattr(registry, "_handlers", dict(registry._handlers))  # undone at teardown
+    monkeypatch.delitem(registry._handlers, "torch_native", raising=False)
+    # Triton's handler reads the published exec config (deterministic inference: off)
+    exec_cfg = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic_inference=False))
+    monkeypatch.setattr(handler, "get_exec", lambda: exec_cfg)
+    attn = SimpleNamespace(fused_qkv_a_proj_with_mqa=object())  # what the MLA sub-type reads
+    fresh = SimpleNamespace(forward_mode=ForwardMode.EXTEND, extend_prefix_lens_cpu=[0, 0])
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, extend_prefix_lens_cpu=None)
+    assert registry.get_handler("torch_native") is handler.handle_attention_triton
+    assert registry.get_handler("torch_native")(attn, fresh) == AttnForwardMethod.MHA
+
+    cpu_models.register_mla_on_torch_native()
+    h = registry.get_handler("torch_native")
+    assert h is cpu_models.mla_absorbed_on_torch_native
+    assert h(attn, fresh) == AttnForwardMethod.MLA
+    assert h(attn, decode) == AttnForwardMethod.MLA
+    amx = SimpleNamespace(fused_qkv_a_proj_with_mqa=object(), use_intel_amx_backend=True)
+    assert h(amx, fresh) == AttnForwardMethod.MLA_FUSED_ROPE_CPU
+    assert registry.get_handler("triton") is handler.handle_attention_triton  # untouched
