@@ -221,6 +221,7 @@ def check_server_mode(argv: list[str]) -> None:
     role = ship_role()
     # the mode matrix's messages first (they say more about the options they know)
     message = modes.refusal(parse_server_view(argv), ship_role=role)
+    message = message or server_options.environment_refusal()
     message = message or server_options.refusal(vars(typed))
     if message is None:
         try:

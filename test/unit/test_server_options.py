@@ -183,3 +183,16 @@ def test_serve_refuses_an_unclassified_mode_before_weights_load(tmp_path):
     ]
     assert "Load weight" not in text
     print(f"refused in {time.monotonic() - t0:.1f} s")
+
+
+def test_the_rust_front_end_is_refused_with_the_way_out():
+    """SGLANG_RUST_SERVER serves requests without the tokenizer manager, where relay's
+    request boundary lives: refused when SGLang's own parser reads it true, not otherwise."""
+    from sglang_relay.runtime.config.server_options import environment_refusal
+
+    for on in ("1", "true", "YES", "y"):
+        message = environment_refusal({"SGLANG_RUST_SERVER": on})
+        assert message and "unset SGLANG_RUST_SERVER" in message and "tokenizer manager" in message
+    for off in ("0", "false", "", "no"):
+        assert environment_refusal({"SGLANG_RUST_SERVER": off}) is None
+    assert environment_refusal({}) is None
