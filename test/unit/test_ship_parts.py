@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import secrets
 
 import pytest
 import torch
@@ -71,13 +72,18 @@ def _offer(**change) -> tuple[dict, list[bytes]]:
     args = dict(span=3, tokens=list(range(100, 100 + N)), start=50, namespace=(None,) * 4,
                 answer_start=0, host_idx=list(range(N)), offsets=list(range(N)),
                 digest="ab" * 16, side=side)  # fmt: skip
-    header, frames = wire.decode(wire.offer(**args))
+    header, frames = wire.decode(wire.offer(KEY, 1, **args))
     header.update(change)
+    header["mac"] = wire.sign(KEY, header, frames)  # a publisher that holds the secret
     return header, frames
 
 
-def _read(header, frames):
-    return wire.read_offer(header, frames, vocab=VOCAB, max_position=4096, hidden=HIDDEN)
+KEY = wire.session_key("s", "n" * 32)
+
+
+def _read(header, frames, key=KEY, last_seq=0):
+    return wire.read_offer(header, frames, key=key, last_seq=last_seq, vocab=VOCAB,
+                           max_position=4096, hidden=HIDDEN)[1]  # fmt: skip
 
 
 def test_a_well_formed_offer_reads_back_as_sent():
@@ -139,19 +145,42 @@ def test_truncated_frames_and_foreign_headers_are_refused():
     header, frames = _offer()
     with pytest.raises(wire.BadMessage):
         _read(header, [frames[0], frames[1][:-4], frames[2]])
-    for raw in (b"\x80\x04pickle", b"[]", json.dumps({"v": 2, "kind": "offer"}).encode(),
-                json.dumps({"v": 1, "kind": "exec"}).encode(), b""):  # fmt: skip
+    for raw in (b"\x80\x04pickle", b"[]", json.dumps({"v": 1, "kind": "offer"}).encode(),
+                json.dumps({"v": 2, "kind": "exec"}).encode(), b""):  # fmt: skip
         with pytest.raises(wire.BadMessage):
             wire.decode([raw])
     with pytest.raises(wire.BadMessage):
-        wire.read_hello({"session": "x" * 1000, "base": 1, "size": 1, "geometry": {}})
+        wire.read_hello({"session": "x" * 1000, "base": 1, "size": 1, "geometry": {}}, "", 0, {})
+
+
+def test_a_forged_altered_or_replayed_offer_is_refused():
+    """Offers are signed with the connection's key (the secret bound to its hello's nonce)
+    and numbered: one altered after signing, signed without the secret or for another
+    connection, or numbered at or below the last taken, is dropped."""
+    header, frames = _offer()
+    assert _read(header, frames).tokens == list(range(100, 100 + N))
+    forged = {**header, "namespace": ["victim-tenant", None, None, None]}  # mac kept
+    other = {**header, "mac": wire.sign(wire.session_key("guess", "n" * 32), header, frames)}
+    reconnect = wire.session_key("s", "m" * 32)  # the same secret, another connection
+    for bad, key in ((forged, KEY), (other, KEY), (header, reconnect)):
+        with pytest.raises(wire.BadMessage, match="not signed"):
+            _read(bad, frames, key=key)
+    with pytest.raises(wire.BadMessage, match="not signed"):  # a frame altered in flight
+        _read(header, [frames[0], bytes(len(frames[1])), frames[2]])
+    with pytest.raises(wire.BadMessage, match="replayed"):
+        _read(header, frames, last_seq=1)
 
 
 def test_ship_settings_take_one_role_and_host_port_addresses():
     from sglang_relay.runtime.config.settings import settings_from_env
 
     assert settings_from_env("", {"SGLANG_RELAY_SHIP_TO": "a:1,b:2"}).ship_to == ("a:1", "b:2")
-    assert settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "h:9"}).ship_role == "receiver"
+    listen = {"SGLANG_RELAY_SHIP_LISTEN": "h:9", "SGLANG_RELAY_SHIP_SECRET": "s"}
+    assert settings_from_env("", listen).ship_role == "receiver"
+    local = {"SGLANG_RELAY_SHIP_LISTEN": "127.0.0.1:9"}  # loopback: a secret is optional
+    assert settings_from_env("", local).ship_role == "receiver"
+    with pytest.raises(ValueError, match="beyond loopback without SGLANG_RELAY_SHIP_SECRET"):
+        settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "0.0.0.0:9"})
     assert settings_from_env("", {}).ship_role is None
     for bad in (
         {"SGLANG_RELAY_SHIP_TO": "nohost"},
@@ -203,15 +232,29 @@ def test_a_publisher_of_other_pools_or_without_the_secret_is_refused():
                 "dtype": "torch.bfloat16", "page_size": 1, "hidden": 576,
                 "hidden_dtype": "torch.bfloat16", "model": "m"}  # fmt: skip
 
-    def hello(secret: str = "s", **change) -> wire.Hello:
-        header, _ = wire.decode(wire.hello("h:1", 4096, 64, {**geometry, **change}, secret))
-        return wire.read_hello(header)
+    seen: dict[str, float] = {}
+    now = 1_800_000_000.0
 
-    assert wire.hello_refusal(hello(), geometry, "s") is None
-    assert wire.hello_refusal(hello(secret=""), geometry, "") is None
-    assert "secret" in wire.hello_refusal(hello(secret="t"), geometry, "s")
-    assert "secret" in wire.hello_refusal(hello(secret=""), geometry, "s")
+    def hello(
+        secret="correct horse", mine="correct horse", nonce=None, sent=now, **change
+    ) -> wire.Hello:
+        nonce = nonce or secrets.token_hex(16)
+        message = wire.hello("h:1", 4096, 64, {**geometry, **change}, secret, nonce, sent)
+        header, _ = wire.decode(message)
+        assert secret == "" or secret not in json.dumps(header)  # the secret is never sent
+        return wire.read_hello(header, mine, now, seen)
+
+    assert wire.hello_refusal(hello(), geometry) is None
+    assert wire.hello_refusal(hello(secret="", mine=""), geometry) is None  # loopback
+    for secret in ("wrong battery", ""):  # a wrong secret, or none where the receiver has one
+        with pytest.raises(wire.BadMessage, match="not signed with this receiver's secret"):
+            hello(secret=secret)
+    with pytest.raises(wire.BadMessage, match="clock"):  # outside the replay window
+        hello(sent=now - 2 * wire.HELLO_WINDOW_S)
+    hello(nonce="a" * 32)
+    with pytest.raises(wire.BadMessage, match="replayed"):  # the same hello again
+        hello(nonce="a" * 32)
     for change in ({"page_size": 16}, {"model": "other"}, {"dtype": "torch.float32"},
                    {"hidden": 0}, {"layout": "page_first"}, {"extra": 1}):  # fmt: skip
-        why = wire.hello_refusal(hello(**change), geometry, "s")
+        why = wire.hello_refusal(hello(**change), geometry)
         assert why is not None and next(iter(change)) in why, why

@@ -40,19 +40,20 @@ def _side(seed: int, **geometry_change):
     return p, tier, store, geometry
 
 
-def _peers(**publisher_geometry):
+def _peers(secrets=("k", "k"), **publisher_geometry):
     """A receiver and a publisher pointed at it (the publisher's geometry changed by
-    ``publisher_geometry``)."""
+    ``publisher_geometry``; ``secrets``: the receiver's and the publisher's)."""
     port = free_port()
     rp, rtier, rstore, rgeo = _side(0)
     receiver = Receiver(
         tier=rtier, store=rstore, ledger=rp.ledger, transport=MooncakeTransport("127.0.0.1"),
         listen=f"127.0.0.1:{port}", geometry=rgeo, vocab=1000, max_position=4096,
+        secret=secrets[0],
     )  # fmt: skip
     pp, ptier, pstore, pgeo = _side(1, **publisher_geometry)
     publisher = Publisher(
         tier=ptier, store=pstore, transport=MooncakeTransport("127.0.0.1"),
-        peers=[f"127.0.0.1:{port}"], geometry=pgeo, lease=30.0,
+        peers=[f"127.0.0.1:{port}"], geometry=pgeo, lease=30.0, secret=secrets[1],
     )  # fmt: skip
     return pp, pstore, publisher, rp, rstore, receiver
 
@@ -150,6 +151,22 @@ def test_a_publisher_of_other_pools_is_refused_and_stops_offering():
         publisher.offer(span_id, tokens)
         assert publisher.counters["offers"] == 1 and not publisher.pending
         assert ptier.copies[span_id].lease_until == 0  # nobody to wait for
+    finally:
+        publisher.close()
+        receiver.close()
+
+
+def test_a_publisher_without_the_receivers_secret_is_refused_and_plants_nothing():
+    """The hello is signed, never carries the secret: a publisher with another secret is
+    refused at its hello, stops offering, and the receiver's store stays empty."""
+    pp, pstore, publisher, rp, rstore, receiver = _peers(secrets=("ours", "guessed"))
+    try:
+        assert _until(lambda: receiver.counters["peers_refused"] == 1, receiver, publisher)
+        assert _until(lambda: publisher.refused == {0}, publisher=publisher)
+        span_id, tokens = _record(pp, pstore, torch.tensor([1, 2, 3, 4, 5]))
+        publisher.offer(span_id, tokens)
+        receiver.poll()
+        assert not receiver.peers and not rstore.spans
     finally:
         publisher.close()
         receiver.close()

@@ -264,6 +264,15 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         raise ValueError(
             f"{ENV_SHIP_PROTOCOL} must be one of {', '.join(SHIP_PROTOCOLS)}; got {ship_protocol!r}"
         )
+    ship_secret = env.get(ENV_SHIP_SECRET) or ""
+    loopback = ("127.0.0.1", "localhost", "::1", "[::1]")
+    if ship_listen and not ship_secret and ship_listen.rpartition(":")[0] not in loopback:
+        raise ValueError(
+            f"{ENV_SHIP_LISTEN} {ship_listen} listens beyond loopback without "
+            f"{ENV_SHIP_SECRET}: any host that reaches it could offer spans; set the same "
+            "secret on every shipping server (--relay-ship-secret is not a flag: it stays "
+            "out of process listings), or listen on 127.0.0.1"
+        )
     return RelaySettings(
         config=config,
         span_tokens=budget,
@@ -284,7 +293,7 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         ship_listen=ship_listen,
         ship_lease=60.0 if ship_lease is None else ship_lease,
         ship_protocol=ship_protocol,
-        ship_secret=env.get(ENV_SHIP_SECRET) or "",
+        ship_secret=ship_secret,
     )
 
 

@@ -72,13 +72,6 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
             max_position=int(getattr(model_config, "context_len", 0) or 1 << 31),
             secret=settings.ship_secret,
         )  # fmt: skip
-        if not settings.ship_secret:
-            logger.warning(
-                "sglang-relay: span shipping receiver on %s without SGLANG_RELAY_SHIP_SECRET: "
-                "any host that reaches this address can offer spans; bind it to a trusted "
-                "network or set the same secret on every shipping server",
-                settings.ship_listen,
-            )
     logger.info(
         "sglang-relay: span shipping as %s (%s, session %s)", role, address, transport.session
     )

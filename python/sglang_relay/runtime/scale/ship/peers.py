@@ -18,6 +18,7 @@ engine's timeout). A failed or refused transfer leaves nothing recorded (counted
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -76,19 +77,22 @@ class Publisher:
         lease: float = 60.0,
         secret: str = "",
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         import zmq
 
         self.tier, self.store, self.transport = tier, store, transport
         self.lease = lease
-        self.clock = clock
+        self.clock, self.wall = clock, wall
+        self.secret = secret
+        self.geometry = geometry
         self.address = PoolAddress.of(tier.host_pool)
         transport.register(self.address.base, self.address.nbytes)
         self.counters: Counter[str] = Counter()
         # span id -> (receivers yet to answer, when the lease ends)
         self.pending: dict[int, tuple[int, float]] = {}
-        self.hello = wire.hello(transport.session, self.address.base, self.address.size,
-                                geometry.to_dict(), secret)  # fmt: skip
+        self.keys: dict[int, bytes] = {}  # receiver -> its connection's key (its hello's)
+        self.seq = 0  # offers are numbered across connections, never reused
         self.sockets = []
         self.refused: set[int] = set()  # receivers that refused this publisher
         frame = max_frame_bytes(geometry, tier.capacity)
@@ -108,9 +112,14 @@ class Publisher:
         for i, sock in enumerate(self.sockets):
             if i in self.greeted:
                 continue
+            nonce = secrets.token_hex(16)  # fresh per hello: a receiver refuses one it saw
+            a = self.address
+            hello = wire.hello(self.transport.session, a.base, a.size, self.geometry.to_dict(),
+                               self.secret, nonce, self.wall())  # fmt: skip
             try:
-                sock.send_multipart(self.hello, flags=zmq.NOBLOCK)
+                sock.send_multipart(hello, flags=zmq.NOBLOCK)
                 self.greeted.add(i)
+                self.keys[i] = wire.session_key(self.secret, nonce)
             except zmq.Again:  # not connected yet
                 pass
 
@@ -134,7 +143,7 @@ class Publisher:
             return
         side = {"has_hidden": copy.has_hidden, "hidden": copy.hidden,
                 "influence": copy.influence, "context": span.context}  # fmt: skip
-        message = wire.offer(
+        fields = (
             span_id, [int(t) for t in tokens], int(span.positions[0]),
             tuple(span.namespace), span.answer_start, copy.host_idx.tolist(),
             copy.offsets.tolist(), digest(self.tier.host_pool, copy.host_idx), side,
@@ -145,6 +154,8 @@ class Publisher:
             if i in self.refused or i not in self.greeted:
                 self.counters["offers_not_sent"] += int(i not in self.refused)
                 continue
+            self.seq += 1
+            message = wire.offer(self.keys[i], self.seq, *fields)
             try:
                 sock.send_multipart(message, flags=zmq.NOBLOCK)
                 sent += 1
@@ -236,6 +247,7 @@ class Receiver:
         max_position: int,
         secret: str = "",
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         import zmq
 
@@ -243,12 +255,14 @@ class Receiver:
         self.geometry = geometry
         self.secret = secret
         self.vocab, self.max_position = vocab, max_position
-        self.clock = clock
+        self.clock, self.wall = clock, wall
+        self.seen: dict[str, float] = {}  # hello nonces of the replay window -> when seen
         self.address = PoolAddress.of(tier.host_pool)
         transport.register(self.address.base, self.address.nbytes)
         self.sock = _socket(zmq.ROUTER, max_frame=max_frame_bytes(geometry, tier.capacity))
         self.sock.bind(_endpoint(listen))
-        self.peers: dict[bytes, wire.Hello] = {}
+        # connection -> [its hello, its key, the number of the last offer taken]
+        self.peers: dict[bytes, list] = {}
         self.counters: Counter[str] = Counter()
         self.pulls = 0  # in this poll
 
@@ -268,7 +282,7 @@ class Receiver:
             try:
                 header, frames = wire.decode(parts)
                 if header["kind"] == "hello":
-                    self._hello(identity, wire.read_hello(header))
+                    self._hello(identity, header)
                 elif header["kind"] == "offer":
                     self._offer(identity, header, frames)
                 else:
@@ -280,16 +294,21 @@ class Receiver:
                 self.counters["receive_errors"] += 1
                 logger.exception("sglang-relay: taking a shipped span failed")
 
-    def _hello(self, identity: bytes, hello: wire.Hello) -> None:
-        why = wire.hello_refusal(hello, self.geometry.to_dict(), self.secret)
+    def _hello(self, identity: bytes, header: dict[str, Any]) -> None:
+        try:
+            hello = wire.read_hello(header, self.secret, self.wall(), self.seen)
+            why = wire.hello_refusal(hello, self.geometry.to_dict())
+        except wire.BadMessage as exc:  # unsigned, wrong secret, stale or replayed
+            hello, why = None, str(exc)
         if why is not None:
             self.counters["peers_refused"] += 1
-            logger.warning("sglang-relay: refused a ship publisher (%s): %s", hello.session, why)
+            session = getattr(hello, "session", "unauthenticated")
+            logger.warning("sglang-relay: refused a ship publisher (%s): %s", session, why)
             self._send(identity, wire.refuse(why))
             return
         if identity not in self.peers and len(self.peers) >= MAX_PEERS:
             self.peers.pop(next(iter(self.peers)))  # the oldest connection
-        self.peers[identity] = hello
+        self.peers[identity] = [hello, wire.session_key(self.secret, hello.nonce), 0]
         self.counters["peers"] = len(self.peers)
 
     def _offer(self, identity: bytes, header: dict[str, Any], frames: list[bytes]) -> None:
@@ -298,12 +317,14 @@ class Receiver:
             self.counters["offers_before_hello"] += 1
             self._send(identity, wire.refuse("hello first", resend_hello=True))
             return
-        self.pulls += 1
-        offer = wire.read_offer(
-            header, frames, vocab=self.vocab, max_position=self.max_position,
-            hidden=self.geometry.hidden,
+        hello, key, last_seq = peer
+        seq, offer = wire.read_offer(
+            header, frames, key=key, last_seq=last_seq, vocab=self.vocab,
+            max_position=self.max_position, hidden=self.geometry.hidden,
         )  # fmt: skip
-        ok, why = self._take(peer, offer)
+        peer[2] = seq
+        self.pulls += 1
+        ok, why = self._take(hello, offer)
         self.counters["received_spans" if ok else f"declined_{why}"] += 1
         self._send(identity, wire.ack(offer.span, ok, why))
 

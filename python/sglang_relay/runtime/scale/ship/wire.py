@@ -3,17 +3,25 @@ treated as hostile until it passed them (a JSON header of known fields and bound
 then raw tensor frames of the announced dtype and shape; never pickle).
 
 * ``hello`` (publisher -> receiver, once per connection): the publisher's transfer
-  session, its host pool's base address and size, and its :class:`~.pages.Geometry`.
+  session, its host pool's base address and size, and its :class:`~.pages.Geometry`, with
+  a fresh nonce and its clock, signed with the shared secret (an HMAC over the header and
+  the frames' digests: the secret itself never crosses the network). A receiver refuses a
+  wrong signature, a clock outside :data:`HELLO_WINDOW_S` of its own, or a nonce it has
+  seen (a replayed hello).
 * ``offer`` (publisher -> receiver, per recorded span): the span (tokens, first position,
   namespace, where its answer starts), its host slots and token offsets in the publisher's
   pool, the digest of those pages, and its side rows as frames (which rows came with a
-  stored hidden state, the hidden rows, influence scores, context masses).
+  stored hidden state, the hidden rows, influence scores, context masses); signed with the
+  connection's key (:func:`session_key`: the secret and the hello's nonce) and numbered:
+  an offer forged without the secret, or replayed (a number not above the last), is
+  dropped.
 * ``ack`` / ``refuse`` (receiver -> publisher): the span was taken (or not), so its lease
   ends; a hello was refused, with the reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from dataclasses import dataclass
@@ -21,7 +29,8 @@ from typing import Any
 
 import torch
 
-VERSION = 1
+VERSION = 2
+HELLO_WINDOW_S = 300  # a hello's clock may differ from the receiver's by this much
 MAX_HEADER_BYTES = 4 << 20
 MAX_SPAN_TOKENS = 1 << 17
 MAX_SESSION = 256
@@ -76,6 +85,34 @@ def decode(parts: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
     return header, list(parts[1:])
 
 
+# ---- signatures ------------------------------------------------------------------------------
+def sign(key: bytes, header: dict[str, Any], frames: list[bytes] = ()) -> str:
+    """HMAC-SHA256 (hex) with ``key`` over ``header`` (canonical JSON, without ``mac``)
+    and the SHA-256 of each frame, in order."""
+    body = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True)
+    mac = hmac.new(key, body.encode(), hashlib.sha256)
+    for frame in frames:
+        mac.update(hashlib.sha256(frame).digest())
+    return mac.hexdigest()
+
+
+def signed(key: bytes, header: dict[str, Any], frames: list[bytes] = ()) -> list[bytes]:
+    header = {"v": VERSION, **header}
+    return encode({**header, "mac": sign(key, header, frames)}, frames)
+
+
+def verified(key: bytes, header: dict[str, Any], frames: list[bytes] = ()) -> bool:
+    mac = header.get("mac")
+    return isinstance(mac, str) and hmac.compare_digest(mac, sign(key, header, frames))
+
+
+def session_key(secret: str, nonce: str) -> bytes:
+    """The key a connection's offers are signed with: the secret bound to its hello's
+    nonce (an offer of one connection does not verify on another)."""
+    return hmac.new(secret.encode(), b"sglang-relay ship session " + nonce.encode(),
+                    hashlib.sha256).digest()  # fmt: skip
+
+
 # ---- hello -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Hello:
@@ -83,28 +120,34 @@ class Hello:
     base: int
     size: int
     geometry: dict[str, Any]
-    secret: str = ""
+    nonce: str
+    time: int
 
 
-def hello(
-    session: str, base: int, size: int, geometry: dict[str, Any], secret: str = ""
-) -> list[bytes]:
-    return encode({"kind": "hello", "session": session, "base": base, "size": size,
-                   "geometry": geometry, "secret": secret})  # fmt: skip
+def hello(session: str, base: int, size: int, geometry: dict[str, Any], secret: str,
+          nonce: str, now: float) -> list[bytes]:  # fmt: skip
+    """A publisher's hello, signed with ``secret`` ("" when none is set: integrity only,
+    which a receiver accepts on loopback alone, :mod:`sglang_relay.runtime.config.settings`)."""
+    return signed(secret.encode(), {"kind": "hello", "session": session, "base": base,
+                                    "size": size, "geometry": geometry, "nonce": nonce,
+                                    "time": int(now)})  # fmt: skip
 
 
-def hello_refusal(hello: Hello, geometry: dict[str, Any], secret: str) -> str | None:
-    """Why a receiver of ``geometry`` (and shared ``secret``, "" for none) refuses a
-    publisher's hello, else None: a wrong secret, or pools whose pages are not each
-    other's KV (layout, shape, dtype, page size, stored hidden rows, model)."""
-    if secret and not hmac.compare_digest(hello.secret.encode(), secret.encode()):
-        return "the shared secret (SGLANG_RELAY_SHIP_SECRET) differs"
+def hello_refusal(hello: Hello, geometry: dict[str, Any]) -> str | None:
+    """Why a receiver of ``geometry`` refuses a publisher's (authenticated) hello, else
+    None: pools whose pages are not each other's KV (layout, shape, dtype, page size,
+    stored hidden rows, model)."""
     diff = sorted(k for k in geometry if hello.geometry.get(k) != geometry[k])
     diff += sorted(k for k in hello.geometry if k not in geometry)
     return f"geometry differs in {', '.join(diff)}" if diff else None
 
 
-def read_hello(header: dict[str, Any]) -> Hello:
+def read_hello(header: dict[str, Any], secret: str, now: float, seen: dict[str, float]) -> Hello:
+    """The hello in ``header``, authenticated: signed with ``secret``, its clock within
+    :data:`HELLO_WINDOW_S` of ``now``, its nonce not in ``seen`` (nonce -> when seen, kept
+    by the receiver for the window; this hello's is added). BadMessage otherwise."""
+    if not verified(secret.encode(), header):
+        raise BadMessage("hello: not signed with this receiver's secret (SGLANG_RELAY_SHIP_SECRET)")
     geometry = header.get("geometry")
     if not isinstance(geometry, dict) or len(json.dumps(geometry)) > 4096:
         raise BadMessage("geometry: a small object expected")
@@ -112,12 +155,22 @@ def read_hello(header: dict[str, Any]) -> Hello:
     host, sep, port = session.rpartition(":")
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
         raise BadMessage("session: HOST:PORT expected")
+    nonce = _str(header, "nonce", 64)
+    sent = _int(header, "time", 0, 1 << 40)
+    if abs(sent - now) > HELLO_WINDOW_S:
+        raise BadMessage(f"hello: its clock is {int(sent - now)} s from the receiver's")
+    for old in [n for n, t in seen.items() if t < now - 2 * HELLO_WINDOW_S]:
+        del seen[old]
+    if len(nonce) < 16 or nonce in seen:
+        raise BadMessage("hello: a nonce seen before (a replayed hello)")
+    seen[nonce] = now
     return Hello(
         session=session,
         base=_int(header, "base", 1, (1 << 64) - 1),
         size=_int(header, "size", 1, 1 << 40),
         geometry=geometry,
-        secret=_str(header, "secret") if "secret" in header else "",
+        nonce=nonce,
+        time=sent,
     )
 
 
@@ -135,9 +188,10 @@ class Offer:
     side: dict[str, torch.Tensor]  # SIDE names present
 
 
-def offer(span: int, tokens: list[int], start: int, namespace: tuple, answer_start: int,
-          host_idx: list[int], offsets: list[int], digest: str,
+def offer(key: bytes, seq: int, span: int, tokens: list[int], start: int, namespace: tuple,
+          answer_start: int, host_idx: list[int], offsets: list[int], digest: str,
           side: dict[str, torch.Tensor | None]) -> list[bytes]:  # fmt: skip
+    """Offer number ``seq`` of a connection, signed with its ``key`` (:func:`session_key`)."""
     frames, shapes = [], {}
     for name in SIDE:
         t = side.get(name)
@@ -147,18 +201,25 @@ def offer(span: int, tokens: list[int], start: int, namespace: tuple, answer_sta
         shapes[name] = [str(t.dtype).removeprefix("torch."), list(t.shape)]
         frames.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     header = {
-        "kind": "offer", "span": span, "tokens": tokens, "start": start,
+        "kind": "offer", "seq": seq, "span": span, "tokens": tokens, "start": start,
         "namespace": list(namespace), "answer_start": answer_start, "host_idx": host_idx,
         "offsets": offsets, "digest": digest, "side": shapes,
     }  # fmt: skip
-    return encode(header, frames)
+    return signed(key, header, frames)
 
 
 def read_offer(
-    header: dict[str, Any], frames: list[bytes], *, vocab: int, max_position: int, hidden: int
-) -> Offer:
-    """The offer in ``header`` + ``frames``, checked against the receiver's model (token
-    ids below ``vocab``, positions below ``max_position``, hidden rows ``hidden`` wide)."""
+    header: dict[str, Any], frames: list[bytes], *, key: bytes, last_seq: int, vocab: int,
+    max_position: int, hidden: int,
+) -> tuple[int, Offer]:  # fmt: skip
+    """``(seq, offer)`` in ``header`` + ``frames``: signed with the connection's ``key``,
+    numbered above ``last_seq``, and checked against the receiver's model (token ids below
+    ``vocab``, positions below ``max_position``, hidden rows ``hidden`` wide)."""
+    if not verified(key, header, frames):
+        raise BadMessage("offer: not signed with this connection's key (forged or altered)")
+    seq = _int(header, "seq", 0, 1 << 62)
+    if seq <= last_seq:
+        raise BadMessage(f"offer: number {seq} not above {last_seq} (replayed)")
     tokens_field = header.get("tokens")
     n = len(tokens_field) if isinstance(tokens_field, list) else 0
     if not 1 <= n <= MAX_SPAN_TOKENS:
@@ -191,8 +252,8 @@ def read_offer(
         side[name] = _tensor(name, shapes[name], frame, n, hidden)
     if "has_hidden" not in side:
         raise BadMessage("has_hidden: expected")
-    return Offer(header["span"] if type(header.get("span")) is int else -1, tokens, start,
-                 tuple(ns), answer_start, host_idx, offsets, digest, side)  # fmt: skip
+    return seq, Offer(header["span"] if type(header.get("span")) is int else -1, tokens,
+                      start, tuple(ns), answer_start, host_idx, offsets, digest, side)  # fmt: skip
 
 
 def _tensor(name: str, spec: Any, frame: bytes, n: int, hidden: int) -> torch.Tensor:
