@@ -7,7 +7,10 @@
 * A scheduler killed outright takes the whole server down (SGLang's watchdog sees it through
   the CPU stand-in's forkserver as through a spawn): no server is left up that answers nothing.
 * Under ``--tp-size 2``, planning fails on rank 1 only: every rank falls back together
-  (no rank left waiting in a collective) and the answer equals standard prefill."""
+  (no rank left waiting in a collective) and the answer equals standard prefill.
+* Recording a finished output fails (its context masses, computed inside SGLang's
+  ``cache_finished_req``): the span is dropped and counted, the request's answer is
+  unchanged, the server keeps serving (it used to end the scheduler)."""
 
 from __future__ import annotations
 
@@ -85,4 +88,25 @@ def test_a_planning_failure_on_one_tp_rank_falls_back_on_all(tp_model):
         info = relay_info(url)
         assert info.get("relay_extends", 0) == 0
         assert info.get("fallback_tp_mismatch", 0) >= 1, info
+        assert healthy(url)
+
+
+@pytest.mark.model
+def test_a_span_recording_failure_drops_the_span_not_the_server(tp_model):
+    import json
+
+    from relay_helpers import CONTEXT_RULE_AT_2
+
+    env = {**server_env("record_error"), "SGLANG_RELAY_CONFIG": json.dumps(CONTEXT_RULE_AT_2)}
+    args = ["--model-path", str(tp_model), "--max-total-tokens", "8192"]  # no profile
+    with running_server(args, env=env) as server:
+        url = server.url
+        head = list(range(1000, 1040))
+        up = generate_ids(url, head, 48)  # its recording fails after the answer is final
+        assert up["output_ids"] == generate_ids(url, head, 48, relay="standard")["output_ids"]
+        info = relay_info(url)
+        assert info.get("span_record_errors", 0) >= 1 and info.get("recorded_spans", 0) == 0
+        span = up["output_ids"][:-1]
+        down = generate_ids(url, [*range(2000, 2030), *span], 4)  # nothing stored to relay
+        assert down["meta_info"]["relay"]["reused_tokens"] == 0
         assert healthy(url)

@@ -87,6 +87,7 @@ class RelayRadixCache(UnifiedRadixCache):
             "guard_reprefills": 0,  # redos of relayed replies that stopped early (guard.py)
             "guard_relayed_tokens_redone": 0,
             "held_tail_pages": 0,  # last partial pages of tree-kept outputs the store holds
+            "span_record_errors": 0,  # outputs not stored: recording them raised
         }
 
     def match_prefix(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,7 +125,14 @@ class RelayRadixCache(UnifiedRadixCache):
                     redo.get("reused_tokens") or 0
                 )
             namespace = rt.gate.store_namespace(req)  # None: not stored (no context pass either)
-            span = self._span_of(req, up_to, with_context=namespace is not None)
+            try:
+                span = self._span_of(req, up_to, with_context=namespace is not None)
+            except Exception:  # noqa: BLE001 - e.g. out of memory copying a long row's keys:
+                # the span is dropped, the request finishes as SGLang's would (never ends
+                # the scheduler, which calls this inside cache_finished_req)
+                self.relay_counters["span_record_errors"] += 1
+                logger.exception("sglang-relay: recording a finished output failed; not stored")
+                span = None
         super().checkpoint(req, up_to=tree_up_to, **kwargs)
         if span is None:
             return

@@ -9,6 +9,9 @@ and names the faults in ``SGLANG_RELAY_FAULTS`` (comma-separated):
   forward would; the runtime invariant must turn relay off (``RelayRuntime.check_forward``).
 - ``plan_error@rankR``: planning a relay extend raises on TP rank R; every rank must fall
   back together (no rank left waiting in a collective).
+- ``record_error``: computing a finished output's context masses raises (as an out-of-memory
+  copying a long row's keys would) inside SGLang's ``cache_finished_req``; the span must be
+  dropped and counted, the server must keep serving.
 
 Each fault wraps one method of relay's classes when the plug-in registers; without
 ``SGLANG_RELAY_FAULTS`` it registers nothing.
@@ -77,6 +80,15 @@ def _plan_error(rank: str) -> None:
     Planner.plan_batch = planned
 
 
+def _record_error() -> None:
+    from sglang_relay.runtime.runtime import RelayRuntime
+
+    def span_context(self, *args, **kwargs):
+        raise InjectedFault("injected failure recording a span")
+
+    RelayRuntime.span_context = span_context
+
+
 def register() -> None:
     """SGLang's plug-in entry point: wrap what ``SGLANG_RELAY_FAULTS`` names (once)."""
     global _registered
@@ -88,3 +100,5 @@ def register() -> None:
         _bypass_forward(int(asked["bypass_forward"]))
     if "plan_error" in asked:
         _plan_error(asked["plan_error"])
+    if "record_error" in asked:
+        _record_error()
