@@ -11,6 +11,7 @@ from sglang_relay.runtime.config.settings import settings_from_env
 from sglang_relay.runtime.metrics import MAX_EVENTS, OVERFLOW_EVENT, RelayCounters
 from sglang_relay.runtime.sched import trust
 from sglang_relay.runtime.sched.guard import redo_request
+from sglang_relay.runtime.sched.options import TENANT_KEY
 from sglang_relay.runtime.sglang.scheduling import DP_ROUTE_KEY, GUARD_KEY, dp_route, guard_redo_of
 from sglang_relay.runtime.state import STATE
 
@@ -167,19 +168,19 @@ def test_a_header_scope_files_the_tenant_the_operator_header_names(model_dir):
     settings = settings_from_env(str(model_dir), {"SGLANG_RELAY_SCOPE": "header:X-Tenant"})
     gate = trust.RequestValidator(settings, 30, 49152)
     http = SimpleNamespace(headers={"x-tenant": "acme"})  # Starlette's headers: lower-case
-    forged = Req({"custom_params": {trust.TENANT_KEY: "victim", "relay": {"key": "k"}}})
+    forged = Req({"custom_params": {TENANT_KEY: "victim", "relay": {"key": "k"}}})
     gate.admit(forged, http)
-    assert forged.sampling_params["custom_params"] == {trust.TENANT_KEY: "acme",
+    assert forged.sampling_params["custom_params"] == {TENANT_KEY: "acme",
                                                        "relay": {"key": "k"}}  # fmt: skip
-    bare = Req({"custom_params": {trust.TENANT_KEY: "victim"}})
+    bare = Req({"custom_params": {TENANT_KEY: "victim"}})
     gate.admit(bare, None)
     assert bare.sampling_params["custom_params"] == {}
     batch = Req([{"max_new_tokens": 2}, {"custom_params": None}])
     gate.admit(batch, http)
-    assert [sp["custom_params"] for sp in batch.sampling_params] == [{trust.TENANT_KEY: "acme"}] * 2
+    assert [sp["custom_params"] for sp in batch.sampling_params] == [{TENANT_KEY: "acme"}] * 2
     empty = Req(None)
     gate.admit(empty, http)
-    assert empty.sampling_params == {"custom_params": {trust.TENANT_KEY: "acme"}}
+    assert empty.sampling_params == {"custom_params": {TENANT_KEY: "acme"}}
     with pytest.raises(ValueError, match="x-tenant: longer than 256"):
         gate.admit(Req({}), SimpleNamespace(headers={"x-tenant": "a" * 257}))
     # the default scope files nothing, whatever the headers say
@@ -200,9 +201,9 @@ def test_tenants_never_share_a_namespace_whatever_the_body_says():
     assert namespace(scope, iso, {"key": "k"}, None) is None  # no header: no spans at all
     assert namespace(scope, iso, {"key": "k1"}, "acme") != a  # keys still split a tenant
     assert namespace("shared", iso, {"key": "k"}, "acme") == namespace("shared", iso, {"key": "k"})
-    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params={trust.TENANT_KEY: "t"}))
+    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params={TENANT_KEY: "t"}))
     assert request_tenant(req) == "t"
-    for junk in ({trust.TENANT_KEY: ""}, {trust.TENANT_KEY: 3}, None, "x"):
+    for junk in ({TENANT_KEY: ""}, {TENANT_KEY: 3}, None, "x"):
         req.sampling_params.custom_params = junk
         assert request_tenant(req) is None
 

@@ -280,8 +280,9 @@ def random_hf_model(arch: str, *, seed: int = 0, **overrides: Any):
         for name, p in model.named_parameters():
             if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share,
                 p.copy_(p.normal_(0.0, 1.0).bfloat16())  # bf16 values: SGLang keeps bf16
-            elif name.endswith("e_score_correction_bias"):  # DeepSeek: zeros by default
-                p.copy_(p.normal_(0.0, 0.5))
+        for name, b in model.named_buffers():  # DeepSeek's router bias: zeros by default
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     return model
 
 

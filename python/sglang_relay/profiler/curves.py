@@ -30,8 +30,9 @@ NOISE = 1e-5  # mean deviation below this is float noise (no curve value)
 def span_rows_and_reused(
     ref: RefModel, relay: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Span rows of a relay and what reuse puts there: ``rows [S]``, keys re-rotated and
-    values ``[L, S, H_kv, D]``, decode streams ``[L, S, hidden]``."""
+    """Span rows of a relay and what reuse puts there: ``rows [S]``, keys re-rotated (as the
+    reference's splice turns them) and values ``[L, S, H_kv, D]``, decode streams
+    ``[L, S, hidden]``."""
     rows, ks, vs, hs, deltas = [], [], [], [], []
     for s in relay.spans:
         lo, hi = s.span_start, s.span_start + s.length
@@ -41,9 +42,12 @@ def span_rows_and_reused(
         vs.append(s.record.v[:, lo:hi])
         hs.append(s.record.hidden[lo:hi].transpose(0, 1))
     delta = torch.cat(deltas)
-    cos, sin = delta_cos_sin(ref.cos_sin_cache(int(delta.abs().max()) + 1), delta)
-    k = torch.cat(ks, 1)
-    k = torch.stack([apply_rotation(k[lid], cos, sin) for lid in range(k.shape[0])])
+    k = torch.cat(ks, 1).clone()
+    turn = ref.rot_slice  # the rotated columns (MLA: the latent's are not), each layer's table
+    for lid in range(k.shape[0]):
+        table = ref.cos_sin_cache(int(delta.abs().max()) + 1, lid)
+        cos, sin = delta_cos_sin(table, delta)
+        k[lid][..., turn] = apply_rotation(k[lid][..., turn], cos, sin, is_neox=ref.is_neox)
     return torch.cat(rows), k, torch.cat(vs, 1), torch.cat(hs, 1)
 
 

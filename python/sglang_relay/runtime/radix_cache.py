@@ -80,15 +80,11 @@ class RelayRadixCache(UnifiedRadixCache):
         super().__init__(params)  # calls reset()
         self.relay_architecture = architecture
         self.relay_model_config = None  # the scheduler's model config (build_relay_cache)
-        self.relay_counters: dict[str, int] = {
-            "finished_requests": 0,
-            "recorded_spans": 0,
-            "unstored_outputs": 0,
-            "guard_reprefills": 0,  # redos of relayed replies that stopped early (guard.py)
-            "guard_relayed_tokens_redone": 0,
-            "held_tail_pages": 0,  # last partial pages of tree-kept outputs the store holds
-            "span_record_errors": 0,  # outputs not stored: recording them raised
-        }
+        # guard_*: redos of replies that stopped early (guard.py); held_tail_pages: partial
+        # pages the store holds for the tree; span_record_errors: recordings that raised
+        self.relay_counters: dict[str, int] = dict.fromkeys(("finished_requests",
+            "recorded_spans", "unstored_outputs", "guard_reprefills", "guard_relayed_tokens_redone",
+            "held_tail_pages", "span_record_errors"), 0)  # fmt: skip
 
     def match_prefix(self, *args: Any, **kwargs: Any) -> Any:
         # spans shipped from peers are taken before prompts are matched (scheduler thread)
@@ -125,11 +121,9 @@ class RelayRadixCache(UnifiedRadixCache):
                     redo.get("reused_tokens") or 0
                 )
             namespace = rt.gate.store_namespace(req)  # None: not stored (no context pass either)
-            try:
+            try:  # inside cache_finished_req: a failure (e.g. out of memory) drops the span
                 span = self._span_of(req, up_to, with_context=namespace is not None)
-            except Exception:  # noqa: BLE001 - e.g. out of memory copying a long row's keys:
-                # the span is dropped, the request finishes as SGLang's would (never ends
-                # the scheduler, which calls this inside cache_finished_req)
+            except Exception:  # noqa: BLE001
                 self.relay_counters["span_record_errors"] += 1
                 logger.exception("sglang-relay: recording a finished output failed; not stored")
                 span = None

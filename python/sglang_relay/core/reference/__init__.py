@@ -1,5 +1,7 @@
 """Reference executor of the relay semantics on a Hugging Face Llama-family causal LM
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+the MoE families) or an MLA one (``DeepseekV3ForCausalLM``: one latent row a token, as
+SGLang's MLA pool holds it, up-projected where the loop attends; :mod:`.model`).
 
 This is the plain, per-request twin of :mod:`sglang_relay.runtime.forward.extend`: the same
 layer loop with explicit per-layer active rows, written on the HF modules of the model

@@ -61,11 +61,11 @@ def generate(
         max_new_tokens = max(len(f) for f in force)
     lens = [len(p) for p in prompts]
     tmax = max(lens) + max_new_tokens
-    num_l, hkv, d = ref.num_layers, ref.num_kv_heads, ref.head_dim
+    num_l, hkv = ref.num_layers, ref.num_kv_heads
     dev = ref.device
-    # [L, B, H_kv, T, D]: the layout SDPA wants per layer
-    kb = torch.zeros(num_l, bsz, hkv, tmax, d, dtype=ref.dtype, device=dev)
-    vb = torch.zeros_like(kb)
+    # [L, B, H_kv, T, D] and [L, B, H_kv, T, D_v]: the layout SDPA wants per layer
+    kb = torch.zeros(num_l, bsz, hkv, tmax, ref.head_dim, dtype=ref.dtype, device=dev)
+    vb = torch.zeros(num_l, bsz, hkv, tmax, ref.v_dim, dtype=ref.dtype, device=dev)
     first = []
     if relayed is not None and len(relayed) != bsz:
         raise ValueError("relayed needs one entry (None or (spans, config)) per prompt")
@@ -101,7 +101,6 @@ def generate(
     )
     # [L, B, T] float32 attention mass received from later decode queries, per layer
     influence = torch.zeros(num_l, bsz, tmax, device=dev) if capture else None
-    group = ref.num_heads // hkv
     base = torch.tensor(lens, device=dev)
     arange_b = torch.arange(bsz, device=dev)
     for step in range(max_new_tokens - 1):
@@ -121,14 +120,17 @@ def generate(
             q, k, v = ref.qkv(layer, x, pos)  # q [B, Hq, D], k/v [B, Hkv, D]
             kb[lid, arange_b, :, pos] = ref.stored(k)
             vb[lid, arange_b, :, pos] = ref.stored(v)
-            # eager attention with explicit probabilities: [B, H_kv, group, T]
-            qg = q.view(bsz, hkv, group, d)
-            scores = torch.einsum("bgrd,bgtd->bgrt", qg, kb[lid]) * ref.scale
+            # the keys and values attended over, [B, G, T, *] (MLA: G = H, up-projected)
+            keys, values = ref.expand(lid, kb[lid].transpose(1, 2), vb[lid].transpose(1, 2))
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+            # eager attention with explicit probabilities: [B, G, group, T]
+            qg = q.view(bsz, keys.shape[1], -1, q.shape[-1])
+            scores = torch.einsum("bgrd,bgtd->bgrt", qg, keys) * ref.scale
             seen = visible(pos, tmax, ref.window[lid])[:, None, None]  # [B, 1, 1, T]
             probs = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), ref.sinks[lid])
             if influence is not None:  # attention mass each position receives (all heads)
                 influence[lid] += probs.sum(dim=(1, 2)).float() * live[:, None]
-            o = torch.einsum("bgrt,bgtd->bgrd", probs, vb[lid])
+            o = torch.einsum("bgrt,bgtd->bgrd", probs, values)
             hs = ref.finish(layer, hs, o.reshape(bsz, -1))
         tok = choose(ref.logits(hs), outputs)
         for b in range(bsz):

@@ -208,10 +208,11 @@ def last_row_probe(
         q, k, v = ref.qkv(layer, layer.input_layernorm(h), rows)
         cache.k[lid, rows], cache.v[lid, rows] = ref.stored(k), ref.stored(v)
         seen = visible(rows, total, ref.window[lid]) & known[None, :]
-        probs = attention_probs(q, cache.k[lid], seen, ref.scale, ref.sinks[lid])  # [n,G,R,T]
+        keys, values = ref.expand(lid, cache.k[lid], cache.v[lid])
+        probs = attention_probs(q, keys, seen, ref.scale, ref.sinks[lid])  # [n, G, R, T]
         last = probs[-1][..., span_rows]  # [G, R, S]
         out.append(last.reshape(-1, span_rows.numel()) if heads else last.mean((0, 1)))
-        o = torch.einsum("ngrt,tgd->ngrd", probs, cache.v[lid]).reshape(rows.numel(), -1)
+        o = torch.einsum("ngrt,tgd->ngrd", probs, values).reshape(rows.numel(), -1)
         h = ref.finish(layer, h, o)
     return torch.stack(out)
 
@@ -283,7 +284,8 @@ def record_decode_queries(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [n, H_q, D], keys [P + n, H_kv, D], positions [n])`` at ``layer``: the span
     tokens' decode queries rebuilt from the stored stream entering ``layer``, and the keys
-    of the upstream prompt and the span they attended to."""
+    of the upstream prompt and the span they attended to (MLA: the cached rows up-projected
+    per head, ``[P + n, H, c + p]``, :meth:`~.model.RefModel.expand_keys`)."""
     if rec.hidden is None or rec.k is None:
         raise ValueError("the context mass needs the upstream record's hidden states and KV")
     p, n = len(rec.prompt), rec.k.shape[1]
@@ -291,7 +293,7 @@ def record_decode_queries(
         prompt_k = rec.prompt_k[layer]
     else:
         prompt_k = relay_prefill(ref, rec.prompt, [], None).cache.k[layer, :p]
-    keys = torch.cat((prompt_k, rec.k[layer]))
+    keys = ref.expand_keys(layer, torch.cat((prompt_k, rec.k[layer])))
     pos = torch.arange(p, p + n, device=ref.device)
     lyr = ref.layers[layer]
     q, _, _ = ref.qkv(lyr, lyr.input_layernorm(rec.hidden[:, layer].to(ref.dtype)), pos)

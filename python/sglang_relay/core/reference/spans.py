@@ -104,7 +104,8 @@ def _splice(
     ref: RefModel, cache: KVCache, spans: Sequence[SpanOccurrence], span_rows: torch.Tensor
 ) -> None:
     """Upstream KV of ``spans`` (prompt order) into ``cache`` at ``span_rows`` in every
-    layer, keys re-rotated by new - old position."""
+    layer, keys re-rotated by new - old position (only the columns ``ref.rot_slice`` in
+    ``ref.is_neox``'s layout: MLA's latent is copied bit for bit)."""
     src_k, src_v = _upstream_kv(spans)
     old_pos = torch.cat(
         [
@@ -121,7 +122,9 @@ def _splice(
             rotations[kind] = delta_cos_sin(table, delta)
         cos, sin = rotations[kind]
         # stored keys rotated in float32, then rounded once more into the engine's pool
-        cache.k[lid, span_rows] = ref.stored(apply_rotation(src_k[lid], cos, sin, is_neox=True))
+        k, turn = src_k[lid].clone(), ref.rot_slice
+        k[..., turn] = apply_rotation(k[..., turn], cos, sin, is_neox=ref.is_neox)
+        cache.k[lid, span_rows] = ref.stored(k)
         cache.v[lid, span_rows] = src_v[lid]
 
 

@@ -151,12 +151,15 @@ def stores_spans(option: Any) -> bool:
     return option not in ("standard", "off")
 
 
+# the tenant a ``header:<Name>`` scope reads from the operator's header, filed by the
+# request boundary (:mod:`.trust`) after a client's own private keys are stripped
+TENANT_KEY = "__sglang_relay_tenant"
+
+
 def request_tenant(req: Req | TokenizedGenerateReqInput) -> str | None:
     """The tenant the tokenizer manager filed ``req`` under from the operator's header
     (scope ``header:<Name>``: :mod:`.trust`), a non-empty string, or None. A private key:
     a client's own is stripped at the door."""
-    from sglang_relay.runtime.sched.trust import TENANT_KEY
-
     params = getattr(req.sampling_params, "custom_params", None)
     tenant = params.get(TENANT_KEY) if isinstance(params, dict) else None
     return tenant if isinstance(tenant, str) and tenant else None

@@ -31,10 +31,7 @@ logger = logging.getLogger(__name__)
 
 PRIVATE_PREFIX = "__sglang_relay"
 RELAY_FIELD = "relay"
-# the tenant a ``header:<Name>`` scope reads from the operator's header, filed by
-# :meth:`RequestValidator.admit` after the client's private keys are gone
-TENANT_KEY = PRIVATE_PREFIX + "_tenant"
-MAX_TENANT = 256
+MAX_TENANT = 256  # characters of a tenant header
 
 # Requests this process built itself (the guard's redo) carry this process-private
 # sentinel as an attribute no request body can set (SGLang builds request objects from the
@@ -175,6 +172,7 @@ class RequestValidator:
         not set it) gets no tenant. ValueError for a header longer than
         :data:`MAX_TENANT`."""
         from sglang_relay.runtime.config.settings import scope_header
+        from sglang_relay.runtime.sched.options import TENANT_KEY
 
         header = scope_header(self.settings.scope)
         if header is None or trusted(obj):  # relay's own requests carry their tenant
