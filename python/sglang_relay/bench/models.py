@@ -203,47 +203,6 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),  # fmt: skip
-    # Kimi-K2 (DeepSeek-V3's classes): 8 heads, a 64-dim rotary part beside a 224-dim
-    # latent (r + p = 288), a longer YaRN (factor 32, theta 50000, mscale == mscale_all_dim:
-    # the softmax scale unscaled), ungrouped routing over 16 experts (top 4)
-    "kimi_k2": (
-        "DeepseekV3",
-        {
-            "num_attention_heads": 8,
-            "num_key_value_heads": 8,
-            "q_lora_rank": 128,
-            "kv_lora_rank": 224,
-            "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 64,
-            "v_head_dim": 64,
-            "rope_interleave": True,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 50000.0,
-                "factor": 32.0,
-                "original_max_position_embeddings": 256,
-                "beta_fast": 1.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-            "n_routed_experts": 16,
-            "num_experts_per_tok": 4,
-            "n_group": 1,
-            "topk_group": 1,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 64,
-            "first_k_dense_replace": 1,
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 2.827,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "moe_layer_freq": 1,
-            "attention_bias": False,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        },
-    ),  # fmt: skip
     # Mistral's attention, 8 experts (top 2) in block_sparse_moe
     "mixtral": (
         "Mixtral",
@@ -256,6 +215,25 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
 }
 
+
+# Kimi-K2 (DeepSeek-V3's classes): 8 heads, a 64-dim rotary part beside a 224-dim latent
+# (r + p = 288), a longer YaRN (factor 32, theta 50000, mscale == mscale_all_dim: the
+# softmax scale unscaled), ungrouped routing over 16 experts (top 4)
+ARCHITECTURES["kimi_k2"] = (
+    "DeepseekV3",
+    {
+        **ARCHITECTURES["deepseek_v3"][1],
+        "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128,
+        "kv_lora_rank": 224, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+            "original_max_position_embeddings": 256, "beta_fast": 1.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+        "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+        "moe_intermediate_size": 64, "routed_scaling_factor": 2.827,
+    },
+)  # fmt: skip
 
 TEXT_CONFIGS = {"Gemma3": "Gemma3TextConfig"}
 
