@@ -196,3 +196,30 @@ def test_the_rust_front_end_is_refused_with_the_way_out():
     for off in ("0", "false", "", "no"):
         assert environment_refusal({"SGLANG_RUST_SERVER": off}) is None
     assert environment_refusal({}) is None
+
+
+def test_served_values_that_never_ran_are_named_not_refused():
+    """Served by design, never run by relay's tests: a GPU attention backend, a GPU
+    quantization method, HiCache layouts other than the tested one (only with HiCache on),
+    speculative decoding off the CPU, the device itself; what ran is not named."""
+    from sglang_relay.runtime.config.server_options import never_ran
+
+    assert never_ran({"attention_backend": "torch_native"}, "cpu") == []
+    assert never_ran({"attention_backend": "fa3"}, "cpu") == ["--attention-backend fa3"]
+    assert never_ran({}, "cuda") == ["--device cuda"]
+    assert never_ran({"quantization": "awq"}, "cpu") == ["--quantization awq"]
+    hicache = {"enable_hierarchical_cache": True, "hicache_io_backend": "direct",
+               "hicache_mem_layout": "page_first"}  # fmt: skip
+    assert never_ran(hicache, "cpu") == ["--hicache-mem-layout page_first"]
+    assert never_ran({**hicache, "enable_hierarchical_cache": False}, "cpu") == []
+    spec = {"speculative_algorithm": "NGRAM"}
+    assert never_ran(spec, "cpu") == []
+    assert never_ran(spec, "cuda") == ["--device cuda", "--speculative-algorithm NGRAM"]
+    assert modes_refusal_free(spec)
+
+
+def modes_refusal_free(values) -> bool:
+    """Never-ran values are still served: the allow-list does not refuse them."""
+    from sglang_relay.runtime.config.server_options import refusal
+
+    return refusal(values) is None

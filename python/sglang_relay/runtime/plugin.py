@@ -39,13 +39,21 @@ def _refuse_before_children(server_args, *args, **kwargs) -> None:
     model's architecture and KV layout too."""
     if not serves_relay(server_args):
         return
-    from sglang_relay.runtime.config.server_options import server_refusal
+    from sglang_relay.runtime.config.server_options import (
+        never_ran,
+        server_refusal,
+        typed_values,
+    )
     from sglang_relay.runtime.config.settings import ship_role
     from sglang_relay.runtime.sglang.server import server_view
 
     message = server_refusal(server_view(server_args), server_args, ship_role=ship_role())
     if message is not None:
         raise ValueError(message)
+    untested = never_ran(typed_values(server_args), str(getattr(server_args, "device", "")))
+    if untested:  # served by design, never run by relay's tests: said once, at start-up
+        logger.warning("sglang-relay: served but never run by relay's tests: %s "
+                       "(docs/server-options.md)", ", ".join(untested))  # fmt: skip
 
 
 def register() -> None:

@@ -26,8 +26,15 @@ OUT = "or serve without relay (drop --radix-cache-backend relay / use --no-relay
 
 @dataclass(frozen=True, slots=True)
 class Served:
+    """A served option: the test that shows it, its served values (None: any), the values
+    among them that ran here (``ran``; None: every one did; the others are served by design
+    and never ran) and whether it ran on the CPU stand-in only (``cpu_only``: on any other
+    device it never ran)."""
+
     test: str
     values: tuple | None = None
+    ran: tuple | None = None
+    cpu_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,12 @@ class OptionTable:
 
 def parse_table(data: dict[str, Any]) -> OptionTable:
     served = {
-        name: Served(entry["test"], tuple(entry["values"]) if "values" in entry else None)
+        name: Served(
+            entry["test"],
+            tuple(entry["values"]) if "values" in entry else None,
+            tuple(entry["ran"]) if "ran" in entry else None,
+            bool(entry.get("cpu_only", False)),
+        )
         for name, entry in data.get("served", {}).items()
     }
     refused = {
@@ -176,6 +188,27 @@ def environment_refusal(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
+def never_ran(values: dict[str, Any], device: str, table: OptionTable | None = None) -> list[str]:
+    """The served option values of a server (``values``: dest -> value as typed, the
+    resolved ``device`` apart) that no test of relay ever ran: served by design, unverified
+    (docs/server-options.md, "ran here"). HiCache's layout options count only with HiCache
+    on (their defaults then apply)."""
+    table = load_table() if table is None else table
+    flags = {dest: (flag, default) for dest, flag, default in sglang_options()}
+    found = []
+    for dest, served in sorted(table.served.items()):
+        value = device if dest == "device" else values.get(dest)
+        if value is None or (dest.startswith("hicache_") and not values.get(
+            "enable_hierarchical_cache")):  # fmt: skip
+            continue
+        flag, default = flags.get(dest, (dest, None))
+        if (served.ran is not None and value not in served.ran) or (
+            served.cpu_only and device != "cpu" and _differs(value, default)
+        ):
+            found.append(f"{flag} {value}")
+    return found
+
+
 def typed_values(obj: Any) -> dict[str, Any]:
     """dest -> value of an argparse namespace or a ServerArgs record (its raw fields: SGLang
     0.5.23 keeps what was typed and records its own decisions apart)."""
@@ -199,19 +232,23 @@ def markdown(table: OptionTable | None = None) -> str:
         "(`test/unit/test_server_options.py` checks that the two agree and that every",
         "option of the installed SGLang is classified). A relay server refuses at start-up,",
         "before weights load, every option below that is **refused**, a **served** option",
-        "set to a value not listed, and any option not in this table.",
+        "set to a value not listed, and any option not in this table. A served value that",
+        'no test ever ran ("ran here") is served by design: the server starts and logs one',
+        "warning naming each such value it uses.",
         "",
         f"{len(table.served)} served, {len(table.neutral)} neutral, {len(table.refused)} refused.",
         "",
         "## Served",
         "",
-        "| option | values | test |",
-        "|---|---|---|",
+        "| option | values | ran here | test |",
+        "|---|---|---|---|",
     ]
     for dest in sorted(table.served):
         s = table.served[dest]
         values = ", ".join(f"`{v}`" for v in s.values) if s.values else "any"
-        lines.append(f"| {flag(dest)} | {values} | `{s.test}` |")
+        ran = ", ".join(f"`{v}`" for v in s.ran) if s.ran is not None else "all"
+        ran = f"{ran}, on the CPU only" if s.cpu_only else ran
+        lines.append(f"| {flag(dest)} | {values} | {ran} | `{s.test}` |")
     lines += ["", "## Refused (any value but SGLang's default)", "", "| option | why | way out |"]
     lines.append("|---|---|---|")
     for dest in sorted(table.refused):
