@@ -209,7 +209,7 @@ def check_server_mode(argv: list[str]) -> None:
     options as typed against the allow-list (:mod:`.server_options`) and the mode matrix
     (:mod:`.modes`), then as SGLang resolves them (a backend may force a page size); an
     error of SGLang's own resolution is reported here, before any weights load."""
-    from sglang_relay.runtime.config import modes, server_options
+    from sglang_relay.runtime.config import environment, modes, server_options
     from sglang_relay.runtime.config.settings import ship_role
     from sglang_relay.runtime.sglang.server import (
         parse_server_args,
@@ -221,7 +221,7 @@ def check_server_mode(argv: list[str]) -> None:
     role = ship_role()
     # the mode matrix's messages first (they say more about the options they know)
     message = modes.refusal(parse_server_view(argv), ship_role=role)
-    message = message or server_options.environment_refusal()
+    message = message or environment.environment_refusal()
     message = message or server_options.refusal(vars(typed))
     if message is None:
         try:

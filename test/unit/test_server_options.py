@@ -188,7 +188,7 @@ def test_serve_refuses_an_unclassified_mode_before_weights_load(tmp_path):
 def test_the_rust_front_end_is_refused_with_the_way_out():
     """SGLANG_RUST_SERVER serves requests without the tokenizer manager, where relay's
     request boundary lives: refused when SGLang's own parser reads it true, not otherwise."""
-    from sglang_relay.runtime.config.server_options import environment_refusal
+    from sglang_relay.runtime.config.environment import environment_refusal
 
     for on in ("1", "true", "YES", "y"):
         message = environment_refusal({"SGLANG_RUST_SERVER": on})
@@ -223,3 +223,26 @@ def modes_refusal_free(values) -> bool:
     from sglang_relay.runtime.config.server_options import refusal
 
     return refusal(values) is None
+
+
+def test_every_sglang_environment_variable_is_classified():
+    """Every section of the installed SGLang's environment registry is neutral or unverified
+    in environment.toml (a newer SGLang's new section fails here), every variable named in
+    it exists, and the variables that take requests around relay's boundary are refused."""
+    from sglang_relay.runtime.config import environment
+
+    sections = set(environment.sglang_sections().values())
+    table = environment.table()
+    listed = set(table["sections"]["neutral"]) | set(table["sections"]["unverified"])
+    assert len(environment.sglang_sections()) > 700 and len(sections) > 60
+    assert sections <= listed, sorted(sections - listed)
+    assert not set(table["sections"]["neutral"]) & set(table["sections"]["unverified"])
+    named = [*table["refused"], *table["served"]["names"]]
+    assert set(named) <= set(environment.sglang_sections()), named
+    assert environment.classify("SGLANG_RUST_SERVER") == "refused"
+    assert "unset SGLANG_GRPC_PORT" in environment.environment_refusal({"SGLANG_GRPC_PORT": "9"})
+    assert environment.classify("SGLANG_NATIVE_MOVE_KV_CACHE") == "served"
+    env = {"SGLANG_GRPC_PORT": "", "SGLANG_NATIVE_MOVE_KV_CACHE": "1", "HOME": "/root"}
+    assert environment.environment_refusal(env) is None and environment.unverified_set(env) == []
+    some = next(n for n, s in environment.sglang_sections().items() if s == "DeepGEMM")
+    assert environment.unverified_set({some: "1"}) == [some]

@@ -39,6 +39,7 @@ def _refuse_before_children(server_args, *args, **kwargs) -> None:
     model's architecture and KV layout too."""
     if not serves_relay(server_args):
         return
+    from sglang_relay.runtime.config.environment import unverified_set
     from sglang_relay.runtime.config.server_options import (
         never_ran,
         server_refusal,
@@ -51,6 +52,7 @@ def _refuse_before_children(server_args, *args, **kwargs) -> None:
     if message is not None:
         raise ValueError(message)
     untested = never_ran(typed_values(server_args), str(getattr(server_args, "device", "")))
+    untested += unverified_set()  # SGLang environment variables of unverified sections
     if untested:  # served by design, never run by relay's tests: said once, at start-up
         logger.warning("sglang-relay: served but never run by relay's tests: %s "
                        "(docs/server-options.md)", ", ".join(untested))  # fmt: skip

@@ -158,34 +158,10 @@ def server_refusal(view: Any, server_args: Any, *, ship_role, architecture=None)
     The scheduler's cache factory and, before any child starts, the plug-in in SGLang's own
     launcher (``plugin._refuse_before_children``) both ask it."""
     from sglang_relay.runtime.config import modes
+    from sglang_relay.runtime.config.environment import environment_refusal
 
     message = modes.refusal(view, architecture=architecture, ship_role=ship_role)
     return message or environment_refusal() or refusal(typed_values(server_args))
-
-
-# SGLang environment variables that take a request path relay's boundary is not on: the
-# Rust HTTP front end serves requests without the tokenizer manager, where relay strips
-# private keys, answers bad relay options with 400, runs the early-stop guard and unwraps
-# meta_info (runtime/sched/trust.py, runtime/plugin.py)
-REFUSED_ENVIRONMENT = {
-    "SGLANG_RUST_SERVER": "the Rust front end starts no tokenizer manager, so relay's "
-    "request gate (private keys stripped, 400s), the early-stop guard and meta_info.relay "
-    "would silently vanish",
-}
-
-
-def environment_refusal(environ: dict[str, str] | None = None) -> str | None:
-    """The refusal for an SGLang environment variable set in a way relay cannot serve
-    (:data:`REFUSED_ENVIRONMENT`: set as SGLang's boolean parser reads true)."""
-    import os
-
-    from sglang_relay.runtime.config.modes import OUT
-
-    environ = os.environ if environ is None else environ
-    for name, why in REFUSED_ENVIRONMENT.items():
-        if environ.get(name, "").lower() in ("true", "1", "yes", "y"):  # SGLang's EnvBool
-            return f"sglang-relay cannot serve {name}={environ[name]} ({why}); unset {name}, {OUT}"
-    return None
 
 
 def never_ran(values: dict[str, Any], device: str, table: OptionTable | None = None) -> list[str]:
