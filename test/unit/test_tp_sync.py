@@ -96,3 +96,39 @@ def test_every_rank_takes_part_in_the_plan_check(monkeypatch):
         assert disabled == ("relay turned itself off on another TP rank" if rank == 0
                             else "off here")  # fmt: skip
     assert NO_PLAN != [1, 7, 3, 5, 9, 3, 5, 9]
+
+
+def _tag_worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=_timeout())
+    tp = TPSync(_Group())
+    out = []
+    # rank 1 skipped the plan check (it failed in between) and is at the restore agreement
+    out.append(tp.bounds([0, 3, 9] if rank == 0 else [1], "plan" if rank == 0 else "restore"))
+    out.append(tp.bounds([5, rank], "plan"))  # the next exchange pairs correctly again
+    out.append(tp.bounds([4, 2], "plan"))
+    results[rank] = (out, dict(tp.counters))
+    dist.destroy_process_group()
+
+
+def test_ranks_at_different_exchanges_disagree_instead_of_pairing_values():
+    """A rank that skipped an exchange does not pair its values with another exchange's:
+    both ranks see bounds that disagree (no hang, no silent agreement), and the exchanges
+    after it line up again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    results = ctx.Manager().dict()
+    procs = [ctx.Process(target=_tag_worker, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for rank in range(2):
+        (first, second, third), counters = results[rank]
+        n = 3 if rank == 0 else 1
+        assert first == ([0] * n, [1] * n)
+        assert second == ([5, 0], [5, 1]) and third == ([4, 2], [4, 2])
+        assert counters["tp_exchange_mismatches"] == 1

@@ -20,6 +20,7 @@ same rows. Two things would break that, and this module closes both:
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -61,20 +62,31 @@ class TPSync:
         return lo == hi
 
     def bounds(self, values: list[int], what: str) -> tuple[list[int], list[int]]:
-        """The element-wise MIN and MAX of ``values`` over the ranks (collective; every rank
-        passes the same number of values). Equal bounds: every rank holds the same."""
-        t = torch.tensor(values, dtype=torch.int64)
-        lo, hi = t.clone(), t.clone()
-        torch.distributed.all_reduce(
-            lo, op=torch.distributed.ReduceOp.MIN, group=self.group.cpu_group
-        )
-        torch.distributed.all_reduce(
-            hi, op=torch.distributed.ReduceOp.MAX, group=self.group.cpu_group
-        )
+        """The element-wise MIN and MAX of ``values`` over the ranks (collective). Equal
+        bounds: every rank holds the same. The exchange is tagged: the ranks first agree
+        that each is at the same exchange (``what``) with as many values; if one is not
+        (a rank failed between two exchanges and skipped one), no values are paired with
+        another exchange's: every rank gets bounds that disagree everywhere (``hi`` all 1,
+        ``lo`` all 0), and the next exchange starts aligned again."""
         self.counters[f"tp_{what}_checks"] += 1
-        if not torch.equal(lo, hi):
+        head_lo, head_hi = self._min_max([zlib.crc32(what.encode()), len(values)])
+        if head_lo != head_hi:
             self.counters[f"tp_{what}_mismatches"] += 1
-        return lo.tolist(), hi.tolist()
+            self.counters["tp_exchange_mismatches"] += 1
+            return [0] * len(values), [1] * len(values)
+        lo, hi = self._min_max(values)
+        if lo != hi:
+            self.counters[f"tp_{what}_mismatches"] += 1
+        return lo, hi
+
+    def _min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
+        """Element-wise MIN and MAX over the ranks in one all-reduce (MIN of the values and
+        of their negations) on the CPU group."""
+        n = len(values)
+        t = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN,
+                                     group=self.group.cpu_group)  # fmt: skip
+        return t[:n].tolist(), (-t[n:]).tolist()
 
     def stats(self) -> dict[str, int]:
         return {"tp_size": self.size, "tp_rank": self.rank, **dict(self.counters)}
