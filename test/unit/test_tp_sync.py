@@ -55,6 +55,23 @@ def _worker(rank: int, port: int, cases, results) -> None:
     dist.destroy_process_group()
 
 
+def _two_ranks(worker, *args) -> dict:
+    """``worker(rank, port, *args, results)`` in two forked processes over gloo; their
+    results by rank (each must exit cleanly)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    results = ctx.Manager().dict()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(results)
+
+
 def _timeout():
     import datetime
 
@@ -66,21 +83,11 @@ def test_every_rank_takes_part_in_the_plan_check(monkeypatch):
 
     # a plan's fingerprint is whatever the (fake) plan carries
     monkeypatch.setattr(runtime, "plan_fingerprint", lambda plan: plan.fingerprint)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     on = (False, False)
     cases = [((False, False), on), ((True, False), on), ((False, True), on), ((True, True), on)]
     # relay off on rank 1 only (it plans nothing): off on both, the plan falls back as such
     cases.append(((True, False), (False, True)))
-    ctx = mp.get_context("fork")
-    results = ctx.Manager().dict()
-    procs = [ctx.Process(target=_worker, args=(r, port, cases, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = _two_ranks(_worker, cases)
     for rank in range(2):
         got = results[rank]
         assert got[0] == (True, [], None)  # neither has a plan: plain forward, no fallback
@@ -115,17 +122,7 @@ def test_ranks_at_different_exchanges_disagree_instead_of_pairing_values():
     """A rank that skipped an exchange does not pair its values with another exchange's:
     both ranks see bounds that disagree (no hang, no silent agreement), and the exchanges
     after it line up again."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    results = ctx.Manager().dict()
-    procs = [ctx.Process(target=_tag_worker, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = _two_ranks(_tag_worker)
     for rank in range(2):
         (first, second, third), counters = results[rank]
         n = 3 if rank == 0 else 1

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.rope import apply_rotation
 
 __all__ = ["KVCache", "RefModel", "load_model"]
 
@@ -322,16 +323,8 @@ def _mla_rope(
     """``q_pe [n, H, p]`` and ``k_pe [n, 1, p]`` rotated by ``cos``, ``sin`` (``[n, p]``,
     Hugging Face's ``cat(freqs, freqs)``), in SGLang's layout: GPT-J pairs ``(2j, 2j + 1)``
     rotated in place (the same products Hugging Face's interleaved RoPE writes as
-    ``cat(evens, odds)``), or neox halves."""
-    if is_neox:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        return apply_rotary_pos_emb(q_pe, k_pe, cos, sin, unsqueeze_dim=1)
+    ``cat(evens, odds)``), or neox halves (:func:`~sglang_relay.core.rope.apply_rotation`)."""
     half = cos.shape[-1] // 2
-    cos, sin = cos[:, None, :half], sin[:, None, :half]  # [n, 1, p / 2]
-
-    def turn(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
-
-    return turn(q_pe), turn(k_pe)
+    cos, sin = cos[:, :half], sin[:, :half]
+    return (apply_rotation(q_pe, cos, sin, is_neox=is_neox),
+            apply_rotation(k_pe, cos, sin, is_neox=is_neox))  # fmt: skip
