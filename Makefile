@@ -14,7 +14,7 @@ JOBS ?= 2
 XDIST := -n $(JOBS) --dist loadfile --no-loadscope-reorder
 BENCH_OUT ?= bench-results
 
-.PHONY: setup demo serve test test-full test-unit test-e2e lint bench clean
+.PHONY: setup demo serve test test-full test-unit test-e2e lint bench gpu-check docs-numbers clean
 
 setup: $(STAMP)
 	@$(PY) -m sglang_relay.cli prepare-model >/dev/null
@@ -59,9 +59,21 @@ test-unit: setup
 test-e2e: setup
 	$(PY) -m pytest -q test/e2e $(ARGS)
 
+# The first GPU run in one command (docs/gpu.md): on one CUDA GPU the Triton kernels compiled,
+# FlashInfer's plan and glue, and a bf16 relay server with FlashInfer and decode CUDA graphs
+# against the reference executor, in under ten minutes; one table, and gpu-check.json. Without
+# a GPU: the CPU parts (the kernel tests under Triton's interpreter, ~30 s here).
+gpu-check: setup
+	$(PY) -m sglang_relay.cli gpu-check $(ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The tables of measured numbers in README.md and docs/*.md, rewritten from the committed data
+# (python/sglang_relay/bench/docs_numbers.py; test/unit/test_docs_numbers.py fails on a stale one).
+docs-numbers: $(STAMP)
+	$(PY) -m sglang_relay.bench.docs_numbers --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info python/*.egg-info

@@ -24,6 +24,8 @@ commands:
   bench run|ttft|fidelity|decode|load|chaos|serve|report|quantized
                          benchmarks (`bench run --quick` = make bench; benchmark/README.md);
                          `bench fidelity --frontier`: KL vs reuse per method, knobs swept
+  gpu-check              the first GPU run in one command (make gpu-check; docs/gpu.md):
+                         kernels compiled, FlashInfer, a bf16 graph server vs the reference
 
 relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-profile FILE, --relay-config JSON, --relay-scope shared|key|header:NAME,
@@ -77,6 +79,12 @@ BENCHES = {
 }
 
 
+def _cmd_gpu_check(argv: list[str]) -> int:
+    from sglang_relay.gpu_check import main as gpu_check_main
+
+    return gpu_check_main(argv)
+
+
 def _cmd_bench(argv: list[str]) -> int:
     import importlib
 
@@ -92,6 +100,7 @@ COMMANDS = {
     "prepare-model": _cmd_prepare_model,
     "profile": _cmd_profile,
     "bench": _cmd_bench,
+    "gpu-check": _cmd_gpu_check,
 }
 
 
