@@ -20,6 +20,8 @@ commands:
                          embedded model, 127.0.0.1:30000, CPU settings when there is no GPU)
   demo                   three-agent relay (Architect -> Developer -> Reviewer) on a real server
   prepare-model          convert the embedded model into the cache folder and print its path
+  ship-key --name NAME   a span-shipping publisher's key (SGLANG_RELAY_SHIP_KEY), from the
+                         receivers' SGLANG_RELAY_SHIP_SECRET in the environment
   profile                offline layer-range profiler (writes a profile JSON and a plot)
   bench run|ttft|fidelity|decode|load|chaos|serve|report|quantized
                          benchmarks (`bench run --quick` = make bench; benchmark/README.md);
@@ -32,7 +34,9 @@ relay flags of serve: --relay-method standard|naive|cacheblend|epic|relay,
   --relay-meta full|counts|off, --relay-span-tokens N,
   --relay-host-tokens N, --relay-host-ttl SECONDS, --relay-host-priority unconsumed|lru,
   --relay-ship-to HOST:PORT[,...] (PD decode) / --relay-ship-listen HOST:PORT (PD prefill),
-  --relay-ship-lease SECONDS, --relay-ship-protocol tcp|rdma,
+  --relay-ship-name NAME (publisher) / --relay-ship-publishers NAME=*|NAME=TENANT[,...]
+  (receiver), --relay-ship-lease SECONDS, --relay-ship-protocol tcp|rdma,
+  --relay-ship-staging TOKENS,
   --relay-allow-approx-prefix, --no-relay (plain SGLang, same defaults)
 """
 
@@ -79,6 +83,27 @@ BENCHES = {
 }
 
 
+def _cmd_ship_key(argv: list[str]) -> int:
+    """A span-shipping publisher's own key, from the receivers' secret in the environment."""
+    import os
+
+    from sglang_relay.runtime.config.settings import ENV_SHIP_SECRET
+    from sglang_relay.runtime.scale.ship.wire import check_name, publisher_key
+
+    parser = argparse.ArgumentParser(prog="sglang-relay ship-key")
+    parser.add_argument("--name", required=True, help="the publisher's --relay-ship-name")
+    args = parser.parse_args(argv)
+    secret = os.environ.get(ENV_SHIP_SECRET) or ""
+    if not secret:
+        raise RelayError(f"ship-key derives a publisher's key from {ENV_SHIP_SECRET}; set it")
+    try:
+        name = check_name(args.name)
+    except ValueError as exc:
+        raise RelayError(str(exc)) from None
+    print(publisher_key(secret, name).hex())
+    return 0
+
+
 def _cmd_gpu_check(argv: list[str]) -> int:
     from sglang_relay.gpu_check import main as gpu_check_main
 
@@ -101,6 +126,7 @@ COMMANDS = {
     "profile": _cmd_profile,
     "bench": _cmd_bench,
     "gpu-check": _cmd_gpu_check,
+    "ship-key": _cmd_ship_key,
 }
 
 

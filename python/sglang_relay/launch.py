@@ -126,6 +126,9 @@ RELAY_FLAGS = {
     "--relay-ship-listen": "SGLANG_RELAY_SHIP_LISTEN",
     "--relay-ship-lease": "SGLANG_RELAY_SHIP_LEASE",
     "--relay-ship-protocol": "SGLANG_RELAY_SHIP_PROTOCOL",
+    "--relay-ship-name": "SGLANG_RELAY_SHIP_NAME",
+    "--relay-ship-publishers": "SGLANG_RELAY_SHIP_PUBLISHERS",
+    "--relay-ship-staging": "SGLANG_RELAY_SHIP_STAGING",
 }
 
 

@@ -130,9 +130,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     ship = free_port()
     base = ["--model-path", model, "--max-total-tokens", "16384", *TIER]
-    receiver = ServerProcess([*base, "--relay-ship-listen", f"127.0.0.1:{ship}"])
+    receiver = ServerProcess([*base, "--relay-ship-listen", f"127.0.0.1:{ship}",
+                              "--relay-ship-publishers", "u=*"])  # fmt: skip
     with receiver:
-        with ServerProcess([*base, "--relay-ship-to", f"127.0.0.1:{ship}"]) as publisher:
+        with ServerProcess([*base, "--relay-ship-to", f"127.0.0.1:{ship}",
+                            "--relay-ship-name", "u"]) as publisher:  # fmt: skip
             rows = run(publisher.url, receiver.url, tok, args)
             stats = {
                 name: requests.get(s.url + "/get_server_info", timeout=30).json()[

@@ -44,8 +44,10 @@ def test_a_span_decoded_on_one_server_relays_on_another(model_dir):
     model = str(model_dir)
     port = free_port()
     args = ["--model-path", model, "--max-total-tokens", "4096", *TIER]
-    receiver_args = [*args, "--relay-ship-listen", f"127.0.0.1:{port}"]
-    publisher_args = [*args, "--relay-ship-to", f"127.0.0.1:{port}"]
+    receiver_args = [*args, "--relay-ship-listen", f"127.0.0.1:{port}",
+                     "--relay-ship-publishers", "decode-0=*"]  # fmt: skip
+    publisher_args = [*args, "--relay-ship-to", f"127.0.0.1:{port}",
+                      "--relay-ship-name", "decode-0"]  # fmt: skip
     # started together: a publisher may come up before its receiver (it says hello later)
     with both_servers(publisher_args, receiver_args) as (publisher, receiver):
         upstream = generate_ids(publisher.url, UP_IDS, 96)
@@ -61,10 +63,12 @@ def test_a_span_decoded_on_one_server_relays_on_another(model_dir):
         assert info["fallback"] is None and info["reused_tokens"] == len(span), info
         # the pulled KV and side rows relay as the reference executor's own span
         assert_matches_reference(served, R.relay_prefill(ref, prompt, [occ], cfg))
-        # the publisher reads acks when its scheduler next matches a prompt: the lease ends
+        # the publisher reads acks when its scheduler next matches a prompt: its staging
+        # pages are free again
         generate_ids(publisher.url, [7, 8, 9], 1)
         pub = relay_info(publisher.url)
-        assert pub["ship_acks_taken"] == 1 and pub["host_leased"] == 0, pub
+        assert pub["ship_acks_taken"] == 1, pub
+        assert pub["ship_staging_free"] == pub["ship_staging_tokens"], pub
 
 
 @contextlib.contextmanager
@@ -100,11 +104,13 @@ def test_under_pd_disaggregation_the_prefill_server_relays_what_the_decode_serve
     env = {"SGLANG_HOST_IP": "127.0.0.1"}
     prefill_args = [*common, "--disaggregation-mode", "prefill",
                     "--disaggregation-bootstrap-port", str(bootstrap),
-                    "--relay-ship-listen", f"127.0.0.1:{ship}"]  # fmt: skip
+                    "--relay-ship-listen", f"127.0.0.1:{ship}",
+                    "--relay-ship-publishers", "decode-0=*"]  # fmt: skip
     decode_args = [*common, "--disaggregation-mode", "decode",
                    "--disaggregation-decode-enable-radix-cache",
                    "--disaggregation-decode-retraction-backup", "cpu_tensor",
-                   "--relay-ship-to", f"127.0.0.1:{ship}"]  # fmt: skip
+                   "--relay-ship-to", f"127.0.0.1:{ship}",
+                   "--relay-ship-name", "decode-0"]  # fmt: skip
     greedy = {"temperature": 0, "ignore_eos": True}
     with both_servers(prefill_args, decode_args, env=env) as (prefill, decode):
         up = {"input_ids": UP_IDS, "sampling_params": {"max_new_tokens": 96, **greedy}}

@@ -161,41 +161,6 @@ def test_a_full_tier_gives_way_by_the_retention_order():
     assert tier.counters["backups_declined_no_host"] == 1  # larger than the tier
 
 
-def test_leased_and_quarantined_host_slots_are_not_reused_before_their_time():
-    """A copy a peer is reading (leased) is neither evicted for room, expired, nor freed
-    when its span is dropped, until the lease ends; slots a failed pull may still write
-    stay out of use until their quarantine ends."""
-    p = _parts(1, host_tokens=8)
-    clock = [0.0]
-    tier = _tier(p, retention=Retention(ttl=100.0), clock=lambda: clock[0])
-    a, b = torch.arange(0, 4), torch.arange(10, 14)
-    assert tier.backup(1, a, _decoded(p, a, torch.zeros(4, HIDDEN)))
-    assert tier.lease(1, 30.0) is not None and tier.lease(9, 30.0) is None
-    assert tier.backup(2, b, _decoded(p, b, torch.zeros(4, HIDDEN)))  # fills the tier
-    c = torch.arange(20, 24)
-    assert tier.backup(3, c, _decoded(p, c, torch.zeros(4, HIDDEN)))
-    assert tier.copies.keys() == {1, 3}  # span 2 gave way: span 1, older, is leased
-    d = torch.arange(30, 34)
-    tier.lease(3, 30.0)
-    assert not tier.backup(4, d, _decoded(p, d, torch.zeros(4, HIDDEN)))  # all leased
-    assert tier.copies.keys() == {1, 3} and tier.counters["backups_declined_no_host"] == 1
-    clock[0] += 200  # past the TTL and the first lease
-    tier.lease(1, 30.0)  # leased again (a second receiver)
-    assert tier.sweep() == 1 and tier.copies.keys() == {1}  # the leased one stays
-    tier.discard(1)  # the store dropped span 1 while a peer reads it
-    assert p.host.available_size() == 4  # its slots are held
-    tier.end_lease(1)
-    assert p.host.available_size() == 8
-    slots = tier.reserve(4)
-    tier.quarantine(slots, 120.0)
-    clock[0] += 119
-    tier.sweep()
-    assert p.host.available_size() == 4
-    clock[0] += 2
-    tier.sweep()
-    assert p.host.available_size() == 8 and tier.counters["quarantined_slots"] == 4
-
-
 def test_a_copy_back_not_every_rank_can_run_allocates_nothing():
     p = _parts(1)
     asked = []

@@ -14,8 +14,9 @@ import pytest
 import torch
 from kv_pools import cpu_kv_pools
 
+from sglang_relay.runtime.cache.host_rows import digest
 from sglang_relay.runtime.scale.ship import wire
-from sglang_relay.runtime.scale.ship.pages import PoolAddress, digest, paired_runs, transfer_lists
+from sglang_relay.runtime.scale.ship.pages import PoolAddress, paired_runs, transfer_lists
 
 
 def test_paired_runs_are_the_runs_consecutive_on_both_sides():
@@ -54,6 +55,38 @@ def test_the_transfer_lists_move_exactly_the_span_rows(layout):
         PoolAddress.of(src).ranges(60, 8)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_staging_holds_a_host_pools_rows_in_whole_pages(layout):
+    """A page-4 staging region of a host pool (either layout) takes rows in and gives them
+    back exactly (checked by indexing the pools' buffers), hands out aligned whole pages,
+    and keeps quarantined pages out of use until their time."""
+    from sglang_relay.runtime.scale.ship.staging import Staging
+
+    host = cpu_kv_pools(slots=64, layers=3, seed=1, host_tokens=64, layout=layout).host
+    host.kv_buffer.copy_(
+        torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(5))
+    )
+    clock = [0.0]
+    staging = Staging(host, tokens=10, page_size=4, clock=lambda: clock[0])
+    assert staging.size == 12 and staging.available() == 12  # rounded up to pages
+    with pytest.raises(ValueError):
+        staging.alloc(6)
+    a = staging.alloc(8)
+    assert a.view(-1, 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and staging.alloc(8) is None
+    rows = torch.tensor([33, 34, 35, 36, 2, 3, 4, 5])
+    staging.take(host, rows, a)
+    assert torch.equal(staging.kv_buffer[:, :, a], _rows(host, rows))
+    back = torch.tensor([50, 51, 52, 53, 60, 61, 62, 63])
+    staging.give(a, host, back)
+    assert torch.equal(_rows(host, back), _rows(host, rows))
+    assert digest(staging, a) == digest(host, rows)
+    staging.quarantine(a[:4], 120.0)
+    staging.free(a[4:])
+    assert staging.available() == 8
+    clock[0] += 121
+    assert staging.available() == 12
+
+
 def _rows_of(buf: torch.Tensor, host, mask: torch.Tensor) -> torch.Tensor:
     idx = mask.nonzero()[:, 0]
     return buf[:, :, idx] if host.layout == "layer_first" else buf[:, idx].transpose(1, 2)
@@ -78,7 +111,7 @@ def _offer(**change) -> tuple[dict, list[bytes]]:
     return header, frames
 
 
-KEY = wire.session_key("s", "n" * 32)
+KEY = wire.session_key(wire.publisher_key("s", "p"), "n" * 32)
 
 
 def _read(header, frames, key=KEY, last_seq=0):
@@ -93,6 +126,19 @@ def test_a_well_formed_offer_reads_back_as_sent():
     assert offer.namespace == (None, None, None, None)
     assert offer.side["hidden"].shape == (N, HIDDEN) and offer.side["has_hidden"].all()
     assert set(offer.side) == {"has_hidden", "hidden", "context"}
+    tenant = [None, None, None, ["tenant", "acme"], "k"]  # a header scope's, as JSON sends it
+    assert _read(*_offer(namespace=tenant)).namespace == (None, None, None, ("tenant", "acme"), "k")
+
+
+def test_a_receiver_files_spans_by_its_own_map_of_the_publisher():
+    from sglang_relay.runtime.scale.ship.peers import filed_namespace
+
+    plain, acme = ("e", 1, "salt", "k"), ("e", 1, "salt", ("tenant", "acme"), "k")
+    assert filed_namespace("*", plain) == plain and filed_namespace("*", acme) == acme
+    assert filed_namespace("acme", plain) == acme  # filed under the mapped tenant
+    assert filed_namespace("acme", acme) == acme
+    assert filed_namespace("acme", ("e", 1, "salt", ("tenant", "victim"), "k")) is None
+    assert filed_namespace("acme", (("tenant", "acme"), ("tenant", "acme"), "k")) is None
 
 
 HOSTILE = [
@@ -108,6 +154,9 @@ HOSTILE = [
     {"host_idx": list(range(10))},  # fewer slots than tokens
     {"namespace": [{"a": 1}]},
     {"namespace": ["x" * 5000]},
+    {"namespace": [None, None, None, ["tenant", 5], None]},
+    {"namespace": [None, None, None, ["admin", "x"], None]},
+    {"namespace": [None, None, None, ["tenant", "a", "b"], None]},
     {"digest": 7},
     {"side": {"hidden": ["float32", [N, HIDDEN]]}},  # no has_hidden, frame count off
     {
@@ -160,8 +209,9 @@ def test_a_forged_altered_or_replayed_offer_is_refused():
     header, frames = _offer()
     assert _read(header, frames).tokens == list(range(100, 100 + N))
     forged = {**header, "namespace": ["victim-tenant", None, None, None]}  # mac kept
-    other = {**header, "mac": wire.sign(wire.session_key("guess", "n" * 32), header, frames)}
-    reconnect = wire.session_key("s", "m" * 32)  # the same secret, another connection
+    guess = wire.session_key(wire.publisher_key("guess", "p"), "n" * 32)
+    other = {**header, "mac": wire.sign(guess, header, frames)}
+    reconnect = wire.session_key(wire.publisher_key("s", "p"), "m" * 32)  # another connection
     for bad, key in ((forged, KEY), (other, KEY), (header, reconnect)):
         with pytest.raises(wire.BadMessage, match="not signed"):
             _read(bad, frames, key=key)
@@ -174,22 +224,38 @@ def test_a_forged_altered_or_replayed_offer_is_refused():
 def test_ship_settings_take_one_role_and_host_port_addresses():
     from sglang_relay.runtime.config.settings import settings_from_env
 
-    assert settings_from_env("", {"SGLANG_RELAY_SHIP_TO": "a:1,b:2"}).ship_to == ("a:1", "b:2")
-    listen = {"SGLANG_RELAY_SHIP_LISTEN": "h:9", "SGLANG_RELAY_SHIP_SECRET": "s"}
-    assert settings_from_env("", listen).ship_role == "receiver"
-    local = {"SGLANG_RELAY_SHIP_LISTEN": "127.0.0.1:9"}  # loopback: a secret is optional
+    pub = {"SGLANG_RELAY_SHIP_TO": "a:1,b:2", "SGLANG_RELAY_SHIP_NAME": "decode-0"}
+    got = settings_from_env("", pub)
+    assert got.ship_to == ("a:1", "b:2") and got.ship_name == "decode-0" and not got.ship_key
+    maps = {"SGLANG_RELAY_SHIP_PUBLISHERS": "decode-0=*,decode-1=*"}
+    listen = {"SGLANG_RELAY_SHIP_LISTEN": "h:9", "SGLANG_RELAY_SHIP_SECRET": "s", **maps}
+    got = settings_from_env("", listen)
+    assert got.ship_role == "receiver"
+    assert got.ship_publishers == (("decode-0", "*"), ("decode-1", "*"))
+    local = {"SGLANG_RELAY_SHIP_LISTEN": "127.0.0.1:9", **maps}  # loopback: secret optional
     assert settings_from_env("", local).ship_role == "receiver"
     with pytest.raises(ValueError, match="beyond loopback without SGLANG_RELAY_SHIP_SECRET"):
-        settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "0.0.0.0:9"})
+        settings_from_env("", {"SGLANG_RELAY_SHIP_LISTEN": "0.0.0.0:9", **maps})
+    tenant = {**listen, "SGLANG_RELAY_SHIP_PUBLISHERS": "decode-0=acme"}
+    with pytest.raises(ValueError, match="needs a tenant scope"):
+        settings_from_env("", tenant)
+    scoped = settings_from_env("", {**tenant, "SGLANG_RELAY_SCOPE": "header:X-Tenant"})
+    assert scoped.ship_publishers == (("decode-0", "acme"),)
     assert settings_from_env("", {}).ship_role is None
-    for bad in (
-        {"SGLANG_RELAY_SHIP_TO": "nohost"},
-        {"SGLANG_RELAY_SHIP_LISTEN": "h:99999"},
-        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_LISTEN": "h:2"},
-        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_PROTOCOL": "udp"},
-        {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_LEASE": "0"},
+    for bad, named in (
+        ({"SGLANG_RELAY_SHIP_TO": "nohost"}, "HOST:PORT"),
+        ({"SGLANG_RELAY_SHIP_LISTEN": "h:99999", **maps}, "HOST:PORT"),
+        ({**pub, "SGLANG_RELAY_SHIP_LISTEN": "h:2"}, "two roles"),
+        ({**pub, "SGLANG_RELAY_SHIP_PROTOCOL": "udp"}, "PROTOCOL"),
+        ({**pub, "SGLANG_RELAY_SHIP_LEASE": "0"}, "LEASE"),
+        ({"SGLANG_RELAY_SHIP_TO": "a:1"}, "--relay-ship-name"),  # a publisher is named
+        ({**pub, "SGLANG_RELAY_SHIP_SECRET": "s"}, "ship-key"),  # never the secret
+        ({**pub, "SGLANG_RELAY_SHIP_KEY": "zz"}, "64 hex"),
+        ({"SGLANG_RELAY_SHIP_LISTEN": "127.0.0.1:9"}, "--relay-ship-publishers"),
+        ({**local, "SGLANG_RELAY_SHIP_PUBLISHERS": "decode-0"}, "--relay-ship-publishers"),
+        ({**local, "SGLANG_RELAY_SHIP_PUBLISHERS": "a=*,a=*"}, "--relay-ship-publishers"),
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=named):
             settings_from_env("", bad)
 
 
@@ -236,19 +302,27 @@ def test_a_publisher_of_other_pools_or_without_the_secret_is_refused():
     now = 1_800_000_000.0
 
     def hello(
-        secret="correct horse", mine="correct horse", nonce=None, sent=now, **change
-    ) -> wire.Hello:
+        secret="correct horse", mine="correct horse", nonce=None, sent=now, name="decode-0",
+        signer=None, **change,
+    ) -> wire.Hello:  # fmt: skip
         nonce = nonce or secrets.token_hex(16)
-        message = wire.hello("h:1", 4096, 64, {**geometry, **change}, secret, nonce, sent)
+        key = wire.publisher_key(secret, signer or name)
+        message = wire.hello(name, "h:1", 4096, 64, {**geometry, **change}, key, nonce, sent)
         header, _ = wire.decode(message)
-        assert secret == "" or secret not in json.dumps(header)  # the secret is never sent
+        text = json.dumps(header)
+        assert (secret == "" or secret not in text) and key.hex() not in text  # never sent
         return wire.read_hello(header, mine, now, seen)
 
     assert wire.hello_refusal(hello(), geometry) is None
+    assert hello().key == wire.publisher_key("correct horse", "decode-0")
     assert wire.hello_refusal(hello(secret="", mine=""), geometry) is None  # loopback
-    for secret in ("wrong battery", ""):  # a wrong secret, or none where the receiver has one
-        with pytest.raises(wire.BadMessage, match="not signed with this receiver's secret"):
-            hello(secret=secret)
+    for change in (dict(secret="wrong battery"), dict(secret=""), dict(signer="decode-1")):
+        # a wrong secret, none where the receiver has one, another publisher's key
+        with pytest.raises(wire.BadMessage, match="not signed with publisher decode-0's key"):
+            hello(**change)
+    for name in ("", "a b", "x" * 65, "../etc"):
+        with pytest.raises(wire.BadMessage, match="publisher name"):
+            hello(name=name)
     with pytest.raises(wire.BadMessage, match="clock"):  # outside the replay window
         hello(sent=now - 2 * wire.HELLO_WINDOW_S)
     hello(nonce="a" * 32)
@@ -258,3 +332,19 @@ def test_a_publisher_of_other_pools_or_without_the_secret_is_refused():
                    {"hidden": 0}, {"layout": "page_first"}, {"extra": 1}):  # fmt: skip
         why = wire.hello_refusal(hello(**change), geometry)
         assert why is not None and next(iter(change)) in why, why
+
+
+def test_ship_key_prints_the_key_a_receiver_derives_for_the_name(monkeypatch, capsys):
+    import hashlib
+    import hmac
+
+    from sglang_relay.cli import main
+
+    monkeypatch.setenv("SGLANG_RELAY_SHIP_SECRET", "deployment secret")
+    assert main(["ship-key", "--name", "decode-0"]) == 0
+    printed = capsys.readouterr().out.strip()
+    want = hmac.new(b"deployment secret", b"sglang-relay ship publisher decode-0", hashlib.sha256)
+    assert printed == want.hexdigest()
+    assert main(["ship-key", "--name", "bad name"]) == 1
+    monkeypatch.delenv("SGLANG_RELAY_SHIP_SECRET")
+    assert main(["ship-key", "--name", "decode-0"]) == 1

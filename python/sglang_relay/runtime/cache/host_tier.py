@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from sglang_relay.runtime.cache.host_rows import digest
 from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.sglang.host import l2_transfer
 
@@ -58,7 +59,9 @@ class HostCopy:
     influence: torch.Tensor | None  # [n] float32 (host)
     last_use: float
     consumed: bool = False  # a later prompt matched the span
-    lease_until: float = 0.0  # a peer server is reading it (span shipping): kept till then
+    # the KV digest a copy that arrived from a peer (span shipping) was taken with: checked
+    # again before the copy goes back to the device (None: this server's own copy)
+    digest: str | None = None
 
 
 class Retention:
@@ -72,14 +75,11 @@ class Retention:
         self.ttl = ttl
         self.priority = priority
 
-    def victim(
-        self, copies: OrderedDict[int, HostCopy], keep: int, now: float = 0.0
-    ) -> tuple[int, str]:
+    def victim(self, copies: OrderedDict[int, HostCopy], keep: int) -> tuple[int, str]:
         """(span id, why) of the copy to free next for room (the expired ones are freed
-        before, :meth:`expired`); ``copies`` in LRU order (oldest first), ``keep`` and
-        copies leased past ``now`` never chosen. Raises ``LookupError`` when nothing else
-        is held."""
-        candidates = [(sid, c) for sid, c in copies.items() if sid != keep and c.lease_until <= now]
+        before, :meth:`expired`); ``copies`` in LRU order (oldest first), ``keep`` never
+        chosen. Raises ``LookupError`` when nothing else is held."""
+        candidates = [(sid, c) for sid, c in copies.items() if sid != keep]
         if not candidates:
             raise LookupError("no host copy to free")
         if self.priority == "unconsumed":
@@ -89,9 +89,7 @@ class Retention:
         return candidates[0][0], "lru"
 
     def expired(self, copies: OrderedDict[int, HostCopy], now: float) -> list[int]:
-        return [
-            sid for sid, c in copies.items() if now - c.last_use > self.ttl and c.lease_until <= now
-        ]
+        return [sid for sid, c in copies.items() if now - c.last_use > self.ttl]
 
 
 class HostTier:
@@ -139,10 +137,6 @@ class HostTier:
         self.agree = agree
         self.clock = clock
         self.copies: OrderedDict[int, HostCopy] = OrderedDict()  # LRU order, oldest first
-        # host slots no copy owns that must not be reused before a time: a copy dropped
-        # while leased (by span id), slots a failed transfer may still write (negative keys)
-        self.orphans: dict[int, tuple[torch.Tensor, float]] = {}
-        self._quarantined = 0
         self.counters: Counter[str] = Counter()
 
     @property
@@ -197,6 +191,8 @@ class HostTier:
         pages), or None when the copy is gone or the device has no room on some rank."""
         self.sweep()  # a copy past the TTL is gone
         copy = self.copies.get(span_id)
+        if copy is not None and copy.digest is not None and not self._intact(span_id, copy):
+            copy = None
         have = copy is not None
         if self.agree is not None and not self.agree(have):
             self.counters["restores_declined_tp" if have else "restores_missed_no_copy"] += 1
@@ -235,6 +231,16 @@ class HostTier:
         self.counters["restore_tokens"] += int(slots.numel())
         return slots, self.ledger.snapshot(slots), device_idx
 
+    def _intact(self, span_id: int, copy: HostCopy) -> bool:
+        """A copy that arrived from a peer still holds the KV it was taken with (else it
+        is dropped, counted: the host memory changed under it)."""
+        if digest(self.host_pool, copy.host_idx) == copy.digest:
+            return True
+        logger.warning("sglang-relay: a shipped span's host copy changed; it is dropped")
+        self.counters["restores_declined_digest"] += 1
+        self.discard(span_id)
+        return False
+
     def _device_slots(self, need: int) -> torch.Tensor | None:
         available = self.allocator.available_size()
         if available < need and self.make_room is not None:
@@ -254,45 +260,12 @@ class HostTier:
             self.copies.move_to_end(span_id)
 
     def discard(self, span_id: int) -> None:
-        """The span is gone from the store: free its copy (a leased one when its lease
-        ends: a peer may be reading its pages)."""
+        """The span is gone from the store: free its copy."""
         copy = self.copies.pop(span_id, None)
-        if copy is None:
-            return
-        if copy.lease_until > self.clock():
-            self.orphans[span_id] = (copy.host_idx, copy.lease_until)
-        else:
+        if copy is not None:
             self.host_pool.free(copy.host_idx)
 
-    # ---- span shipping (runtime/scale/ship): leases and copies that arrive from a peer ----------
-    def lease(self, span_id: int, seconds: float) -> HostCopy | None:
-        """Keep span ``span_id``'s copy (its host pages unchanged) for ``seconds``, while
-        a peer reads it; None when there is no copy."""
-        copy = self.copies.get(span_id)
-        if copy is not None:
-            copy.lease_until = self.clock() + seconds
-        return copy
-
-    def end_lease(self, span_id: int) -> None:
-        copy = self.copies.get(span_id)
-        if copy is not None:
-            copy.lease_until = 0.0
-        orphan = self.orphans.pop(span_id, None)
-        if orphan is not None:
-            self.host_pool.free(orphan[0])
-
-    def quarantine(self, host_idx: torch.Tensor, seconds: float) -> None:
-        """Slots a transfer that failed (or timed out) may still write: freed only after
-        ``seconds``, never handed to another copy before."""
-        self._quarantined += 1
-        self.orphans[-self._quarantined] = (host_idx, self.clock() + seconds)
-        self.counters["quarantined_slots"] += int(host_idx.numel())
-
-    def _free_orphans(self) -> None:
-        now = self.clock()
-        for key in [k for k, (_, until) in self.orphans.items() if until <= now]:
-            self.host_pool.free(self.orphans.pop(key)[0])
-
+    # ---- span shipping (runtime/scale/ship): copies that arrive from a peer -----------------
     def reserve(self, tokens: int) -> torch.Tensor | None:
         """Host slots for a copy arriving from a peer (whole pages), making room by the
         retention order; None when it cannot fit (counted)."""
@@ -314,8 +287,6 @@ class HostTier:
 
     def sweep(self, now: float | None = None) -> int:
         """Free the copies no prompt used for the TTL (returns how many)."""
-        if self.orphans:
-            self._free_orphans()
         expired = self.retention.expired(self.copies, self.clock() if now is None else now)
         for span_id in expired:
             self.discard(span_id)
@@ -325,17 +296,12 @@ class HostTier:
     def _alloc(self, need: int, *, keep: int) -> torch.Tensor | None:
         if need > self.capacity:
             return None
-        now = self.clock()
-        freeable = sum(
-            int(c.host_idx.numel())
-            for sid, c in self.copies.items()
-            if sid != keep and c.lease_until <= now
-        )
-        if self.host_pool.available_size() + freeable < need:  # leases hold the rest
+        freeable = sum(int(c.host_idx.numel()) for sid, c in self.copies.items() if sid != keep)
+        if self.host_pool.available_size() + freeable < need:
             return None
         while self.host_pool.available_size() < need:
             try:
-                victim, why = self.retention.victim(self.copies, keep, self.clock())
+                victim, why = self.retention.victim(self.copies, keep)
             except LookupError:
                 return None
             self.discard(victim)
@@ -360,7 +326,6 @@ class HostTier:
         return {
             "host_spans": len(self.copies),
             "host_tokens": sum(int(c.host_idx.numel()) for c in self.copies.values()),
-            "host_leased": sum(c.lease_until > self.clock() for c in self.copies.values()),
             "host_capacity_tokens": self.capacity,
             "host_ttl_s": self.retention.ttl,
             "host_priority": self.retention.priority,

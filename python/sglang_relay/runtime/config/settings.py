@@ -50,8 +50,18 @@ set them directly:
   ``HOST:PORT`` it takes offers on (:mod:`sglang_relay.runtime.scale.ship`)
 * ``SGLANG_RELAY_SHIP_LEASE``: seconds a publisher keeps an offered host copy unchanged
   for its receivers (default 60)
-* ``SGLANG_RELAY_SHIP_SECRET``: a secret every shipping server of a deployment shares; a
-  receiver refuses publishers that do not present it (not encrypted: a trusted network)
+* ``SGLANG_RELAY_SHIP_SECRET``: a receiver's secret; it refuses a publisher whose hello is
+  not signed with the key the secret gives that publisher's name (the traffic is signed, not
+  encrypted). Needed to listen beyond loopback; never set on a publisher.
+* ``SGLANG_RELAY_SHIP_NAME``: a publisher's name (receivers map it to a namespace)
+* ``SGLANG_RELAY_SHIP_KEY``: a publisher's own signing key, ``sglang-relay ship-key --name
+  NAME`` with the receivers' secret in the environment (unset: the key of no secret, which
+  a loopback receiver without a secret takes)
+* ``SGLANG_RELAY_SHIP_PUBLISHERS``: a receiver's map ``NAME=*|NAME=TENANT[,...]`` of the
+  publishers it takes spans from: ``*`` files a span under the namespace it was offered
+  with, ``TENANT`` under that tenant (a ``header:`` scope) whatever the offer says
+* ``SGLANG_RELAY_SHIP_STAGING``: tokens of KV the staging region holds, the only memory a
+  shipping server registers with the transfer engine (default 8192)
 * ``SGLANG_RELAY_SHIP_PROTOCOL``: the transfer engine's protocol, ``tcp`` (default) or
   ``rdma`` (not run here)
 * ``SGLANG_RELAY_ALLOW_APPROX_PREFIX``: 1 lets relayed (approximate) KV enter the radix
@@ -122,6 +132,11 @@ ENV_SHIP_LISTEN = "SGLANG_RELAY_SHIP_LISTEN"
 ENV_SHIP_LEASE = "SGLANG_RELAY_SHIP_LEASE"
 ENV_SHIP_PROTOCOL = "SGLANG_RELAY_SHIP_PROTOCOL"
 ENV_SHIP_SECRET = "SGLANG_RELAY_SHIP_SECRET"
+ENV_SHIP_NAME = "SGLANG_RELAY_SHIP_NAME"
+ENV_SHIP_KEY = "SGLANG_RELAY_SHIP_KEY"
+ENV_SHIP_PUBLISHERS = "SGLANG_RELAY_SHIP_PUBLISHERS"
+ENV_SHIP_STAGING = "SGLANG_RELAY_SHIP_STAGING"
+DEFAULT_SHIP_STAGING = 8192  # tokens of KV each shipping server exposes to the engine
 SHIP_PROTOCOLS = ("tcp", "rdma")
 HOST_PRIORITIES = ("unconsumed", "lru")
 
@@ -147,7 +162,11 @@ class RelaySettings:
     ship_listen: str | None = None  # SGLANG_RELAY_SHIP_LISTEN
     ship_lease: float = 60.0  # SGLANG_RELAY_SHIP_LEASE
     ship_protocol: str = "tcp"  # SGLANG_RELAY_SHIP_PROTOCOL
-    ship_secret: str = field(default="", repr=False)  # SGLANG_RELAY_SHIP_SECRET
+    ship_secret: str = field(default="", repr=False)  # SGLANG_RELAY_SHIP_SECRET (receiver)
+    ship_name: str = ""  # SGLANG_RELAY_SHIP_NAME (publisher)
+    ship_key: str = field(default="", repr=False)  # SGLANG_RELAY_SHIP_KEY (publisher, hex)
+    ship_publishers: tuple[tuple[str, str], ...] = ()  # SGLANG_RELAY_SHIP_PUBLISHERS
+    ship_staging: int = DEFAULT_SHIP_STAGING  # SGLANG_RELAY_SHIP_STAGING
 
     @property
     def ship_role(self) -> str | None:
@@ -269,10 +288,11 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
     if ship_listen and not ship_secret and ship_listen.rpartition(":")[0] not in loopback:
         raise ValueError(
             f"{ENV_SHIP_LISTEN} {ship_listen} listens beyond loopback without "
-            f"{ENV_SHIP_SECRET}: any host that reaches it could offer spans; set the same "
-            "secret on every shipping server (--relay-ship-secret is not a flag: it stays "
-            "out of process listings), or listen on 127.0.0.1"
+            f"{ENV_SHIP_SECRET}: any host that reaches it could offer spans; set a secret "
+            "on the receiver and give each publisher its key (sglang-relay ship-key; neither "
+            "is a flag: they stay out of process listings), or listen on 127.0.0.1"
         )
+    ship = _ship_identity(env, ship_to, ship_listen, ship_secret, scope)
     return RelaySettings(
         config=config,
         span_tokens=budget,
@@ -294,7 +314,52 @@ def settings_from_env(model_path: str = "", env: dict[str, str] | None = None) -
         ship_lease=60.0 if ship_lease is None else ship_lease,
         ship_protocol=ship_protocol,
         ship_secret=ship_secret,
+        **ship,
     )
+
+
+def _ship_identity(env, ship_to, ship_listen, secret: str, scope: str) -> dict:
+    """Who a shipping server is: a publisher's name and its own key; a receiver's map of
+    the publishers it takes spans from (name -> tenant, or ``*``), and the staging size."""
+    staging = _number(env, ENV_SHIP_STAGING, int, minimum=0, strict=True)
+    out: dict = {"ship_staging": staging or DEFAULT_SHIP_STAGING}
+    name, key = (env.get(ENV_SHIP_NAME) or "").strip(), (env.get(ENV_SHIP_KEY) or "").strip()
+    if ship_to:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+            raise ValueError(
+                f"a publisher (--relay-ship-to) names itself: --relay-ship-name NAME (1-64 "
+                f"letters, digits, '.', '_', '-'; receivers map it to a namespace); got {name!r}"
+            )
+        if secret:
+            raise ValueError(
+                f"a publisher holds its own key, not the deployment's {ENV_SHIP_SECRET} (with "
+                f"it a publisher could sign as any other): set {ENV_SHIP_KEY}=$(sglang-relay "
+                f"ship-key --name {name}) from the secret, on the publisher only"
+            )
+        if key and not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError(f"{ENV_SHIP_KEY} is 64 hex digits (sglang-relay ship-key prints it)")
+        return out | {"ship_name": name, "ship_key": key}
+    if not ship_listen:
+        return out
+    raw = env.get(ENV_SHIP_PUBLISHERS) or ""
+    pairs = [item.strip().partition("=") for item in raw.split(",") if item.strip()]
+    publishers = tuple((n.strip(), rule.strip()) for n, _, rule in pairs)
+    bad = [f"{n}={r}" for n, r in publishers
+           if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", n) or not r]  # fmt: skip
+    if not publishers or bad or len({n for n, _ in publishers}) != len(publishers):
+        raise ValueError(
+            "a receiver (--relay-ship-listen) names the publishers it takes spans from and "
+            "where it files them: --relay-ship-publishers NAME=*|NAME=TENANT[,...] (* keeps "
+            "the namespace a publisher sends: a PD pair behind one gateway; TENANT files all "
+            f"of its spans under that tenant of a header scope); got {raw!r}"
+        )
+    tenants = [n for n, r in publishers if r != "*"]
+    if tenants and scope_header(scope) is None:
+        raise ValueError(
+            f"--relay-ship-publishers maps {', '.join(tenants)} to a tenant, which needs a "
+            f"tenant scope (--relay-scope header:NAME); this server's scope is {scope}"
+        )
+    return out | {"ship_publishers": publishers}
 
 
 def ship_role(env: dict[str, str] | None = None) -> str | None:

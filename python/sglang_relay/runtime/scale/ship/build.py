@@ -44,7 +44,9 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
     relay host tier) and ``runtime``'s store and ledger."""
     from sglang_relay.runtime.scale.ship.mooncake import MooncakeTransport
     from sglang_relay.runtime.scale.ship.pages import model_digest, pool_geometry
-    from sglang_relay.runtime.scale.ship.peers import Publisher, Receiver
+    from sglang_relay.runtime.scale.ship.peers import Publisher
+    from sglang_relay.runtime.scale.ship.receiver import Receiver
+    from sglang_relay.runtime.scale.ship.wire import publisher_key
 
     hf_config = model_config.hf_config
     layers = {
@@ -59,10 +61,13 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
     address = settings.ship_listen if role == "receiver" else settings.ship_to[0]
     host = address.rpartition(":")[0] if role == "receiver" else _local_host(address)
     transport = MooncakeTransport(host, settings.ship_protocol)
+    staging = min(settings.ship_staging, tier.capacity)
     if role == "publisher":
+        key = bytes.fromhex(settings.ship_key) if settings.ship_key else None
         shipper = Publisher(
             tier=tier, store=runtime.store, transport=transport, peers=list(settings.ship_to),
-            geometry=geometry, lease=settings.ship_lease, secret=settings.ship_secret,
+            geometry=geometry, lease=settings.ship_lease, name=settings.ship_name,
+            key=key or publisher_key("", settings.ship_name), staging_tokens=staging,
         )  # fmt: skip
     else:
         shipper = Receiver(
@@ -70,7 +75,8 @@ def build_shipper(settings: Any, *, tier: Any, runtime: Any, model_config: Any) 
             listen=settings.ship_listen, geometry=geometry,
             vocab=int(getattr(hf_config, "vocab_size", 0) or 1 << 31),
             max_position=int(getattr(model_config, "context_len", 0) or 1 << 31),
-            secret=settings.ship_secret,
+            secret=settings.ship_secret, publishers=dict(settings.ship_publishers),
+            staging_tokens=staging,
         )  # fmt: skip
     logger.info(
         "sglang-relay: span shipping as %s (%s, session %s)", role, address, transport.session

@@ -156,13 +156,3 @@ def transfer_lists(
             rp.append(ra)
             ln.append(lb)
     return lp, rp, ln
-
-
-def digest(host_pool: Any, host_idx: torch.Tensor) -> str:
-    """blake2b of the KV bytes of ``host_idx``'s slots (K then V, layer by layer, in the
-    slots' order): the same for the same KV in either layout's pool."""
-    buf = host_pool.kv_buffer
-    idx = host_idx.to(torch.int64).to(buf.device)
-    rows = buf[:, :, idx] if host_pool.layout == "layer_first" else buf[:, idx].transpose(1, 2)
-    data = rows.contiguous().view(torch.uint8).cpu().numpy()
-    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()

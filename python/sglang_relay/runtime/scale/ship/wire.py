@@ -2,21 +2,25 @@
 treated as hostile until it passed them (a JSON header of known fields and bounded sizes,
 then raw tensor frames of the announced dtype and shape; never pickle).
 
-* ``hello`` (publisher -> receiver, once per connection): the publisher's transfer
-  session, its host pool's base address and size, and its :class:`~.pages.Geometry`, with
-  a fresh nonce and its clock, signed with the shared secret (an HMAC over the header and
-  the frames' digests: the secret itself never crosses the network). A receiver refuses a
-  wrong signature, a clock outside :data:`HELLO_WINDOW_S` of its own, or a nonce it has
-  seen (a replayed hello).
+* ``hello`` (publisher -> receiver, once per connection): the publisher's name, its
+  transfer session, its staging region's base address and size
+  (:class:`~.staging.Staging`: the only memory it exposes to the transfer engine), and its
+  :class:`~.pages.Geometry`, with a fresh nonce and its clock, signed with the
+  publisher's own key (:func:`publisher_key`: the deployment secret bound to its name,
+  an HMAC over the header and the frames' digests: no key crosses the network). A
+  receiver derives that key from its secret and the claimed name, so a publisher cannot
+  sign as another; it refuses a wrong signature, a clock outside :data:`HELLO_WINDOW_S`
+  of its own, or a nonce it has seen (a replayed hello).
 * ``offer`` (publisher -> receiver, per recorded span): the span (tokens, first position,
-  namespace, where its answer starts), its host slots and token offsets in the publisher's
-  pool, the digest of those pages, and its side rows as frames (which rows came with a
-  stored hidden state, the hidden rows, influence scores, context masses); signed with the
-  connection's key (:func:`session_key`: the secret and the hello's nonce) and numbered:
-  an offer forged without the secret, or replayed (a number not above the last), is
-  dropped.
-* ``ack`` / ``refuse`` (receiver -> publisher): the span was taken (or not), so its lease
-  ends; a hello was refused, with the reason.
+  namespace, where its answer starts), its slots and token offsets in the publisher's
+  staging region, the digest of those pages, and its side rows as frames (which rows came
+  with a stored hidden state, the hidden rows, influence scores, context masses); signed
+  with the connection's key (:func:`session_key`: the publisher's key and the hello's
+  nonce) and numbered: an offer forged without the key, or replayed (a number not above
+  the last), is dropped. The namespace it carries is advice: the receiver files the span
+  where its own configuration maps the publisher (:func:`.peers.filed_namespace`).
+* ``ack`` / ``refuse`` (receiver -> publisher): the span was taken (or not), so its
+  staging pages are free; a hello was refused, with the reason.
 """
 
 from __future__ import annotations
@@ -106,31 +110,53 @@ def verified(key: bytes, header: dict[str, Any], frames: list[bytes] = ()) -> bo
     return isinstance(mac, str) and hmac.compare_digest(mac, sign(key, header, frames))
 
 
-def session_key(secret: str, nonce: str) -> bytes:
-    """The key a connection's offers are signed with: the secret bound to its hello's
-    nonce (an offer of one connection does not verify on another)."""
-    return hmac.new(secret.encode(), b"sglang-relay ship session " + nonce.encode(),
+def publisher_key(secret: str, name: str) -> bytes:
+    """A publisher's own signing key: the deployment ``secret`` (which receivers hold)
+    bound to the publisher's ``name``. A publisher holds only this key
+    (``SGLANG_RELAY_SHIP_KEY``, printed by ``sglang-relay ship-key``), so it can sign as
+    no other publisher."""
+    return hmac.new(secret.encode(), b"sglang-relay ship publisher " + name.encode(),
                     hashlib.sha256).digest()  # fmt: skip
+
+
+def session_key(key: bytes, nonce: str) -> bytes:
+    """The key a connection's offers are signed with: the publisher's ``key`` bound to its
+    hello's nonce (an offer of one connection does not verify on another)."""
+    return hmac.new(key, b"sglang-relay ship session " + nonce.encode(),
+                    hashlib.sha256).digest()  # fmt: skip
+
+
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_name(name: str) -> str:
+    """A publisher name: 1-64 of letters, digits, ``.``, ``_``, ``-`` (ValueError)."""
+    if not (isinstance(name, str) and 0 < len(name) <= 64 and set(name) <= NAME_CHARS):
+        raise ValueError(f"a ship publisher name is 1-64 letters, digits, dots, _ or -: {name!r}")
+    return name
 
 
 # ---- hello -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Hello:
+    name: str
     session: str
     base: int
     size: int
     geometry: dict[str, Any]
     nonce: str
     time: int
+    key: bytes  # the publisher's key (:func:`publisher_key`), as the receiver derived it
 
 
-def hello(session: str, base: int, size: int, geometry: dict[str, Any], secret: str,
+def hello(name: str, session: str, base: int, size: int, geometry: dict[str, Any], key: bytes,
           nonce: str, now: float) -> list[bytes]:  # fmt: skip
-    """A publisher's hello, signed with ``secret`` ("" when none is set: integrity only,
-    which a receiver accepts on loopback alone, :mod:`sglang_relay.runtime.config.settings`)."""
-    return signed(secret.encode(), {"kind": "hello", "session": session, "base": base,
-                                    "size": size, "geometry": geometry, "nonce": nonce,
-                                    "time": int(now)})  # fmt: skip
+    """Publisher ``name``'s hello, signed with its ``key`` (:func:`publisher_key`; of the
+    empty secret when none is set: integrity only, which a receiver accepts on loopback
+    alone, :mod:`sglang_relay.runtime.config.settings`)."""
+    return signed(key, {"kind": "hello", "name": name, "session": session, "base": base,
+                        "size": size, "geometry": geometry, "nonce": nonce,
+                        "time": int(now)})  # fmt: skip
 
 
 def hello_refusal(hello: Hello, geometry: dict[str, Any]) -> str | None:
@@ -143,11 +169,20 @@ def hello_refusal(hello: Hello, geometry: dict[str, Any]) -> str | None:
 
 
 def read_hello(header: dict[str, Any], secret: str, now: float, seen: dict[str, float]) -> Hello:
-    """The hello in ``header``, authenticated: signed with ``secret``, its clock within
-    :data:`HELLO_WINDOW_S` of ``now``, its nonce not in ``seen`` (nonce -> when seen, kept
-    by the receiver for the window; this hello's is added). BadMessage otherwise."""
-    if not verified(secret.encode(), header):
-        raise BadMessage("hello: not signed with this receiver's secret (SGLANG_RELAY_SHIP_SECRET)")
+    """The hello in ``header``, authenticated: signed with the key ``secret`` gives the
+    name it claims, its clock within :data:`HELLO_WINDOW_S` of ``now``, its nonce not in
+    ``seen`` (nonce -> when seen, kept by the receiver for the window; this hello's is
+    added). BadMessage otherwise."""
+    try:
+        name = check_name(header.get("name"))
+    except ValueError as exc:
+        raise BadMessage(f"hello: {exc}") from None
+    key = publisher_key(secret, name)
+    if not verified(key, header):
+        raise BadMessage(
+            f"hello: not signed with publisher {name}'s key under this receiver's secret "
+            "(SGLANG_RELAY_SHIP_SECRET; the publisher's SGLANG_RELAY_SHIP_KEY)"
+        )
     geometry = header.get("geometry")
     if not isinstance(geometry, dict) or len(json.dumps(geometry)) > 4096:
         raise BadMessage("geometry: a small object expected")
@@ -165,12 +200,14 @@ def read_hello(header: dict[str, Any], secret: str, now: float, seen: dict[str, 
         raise BadMessage("hello: a nonce seen before (a replayed hello)")
     seen[nonce] = now
     return Hello(
+        name=name,
         session=session,
         base=_int(header, "base", 1, (1 << 64) - 1),
         size=_int(header, "size", 1, 1 << 40),
         geometry=geometry,
         nonce=nonce,
         time=sent,
+        key=key,
     )
 
 
@@ -236,11 +273,7 @@ def read_offer(
     ns = header.get("namespace")
     if not isinstance(ns, list) or len(ns) > 8:
         raise BadMessage("namespace: a short list expected")
-    for item in ns:
-        if item is not None and not (
-            (isinstance(item, str) and len(item) <= MAX_NAMESPACE_ITEM) or type(item) is int
-        ):
-            raise BadMessage("namespace: strings, integers or nulls expected")
+    ns = [_namespace_item(item) for item in ns]
     digest = _str(header, "digest", 64)
     shapes = header.get("side")
     if not isinstance(shapes, dict) or not set(shapes) <= set(SIDE):
@@ -254,6 +287,19 @@ def read_offer(
         raise BadMessage("has_hidden: expected")
     return seq, Offer(header["span"] if type(header.get("span")) is int else -1, tokens,
                       start, tuple(ns), answer_start, host_idx, offsets, digest, side)  # fmt: skip
+
+
+def _namespace_item(item: Any) -> Any:
+    """A namespace item as sent: a string, an integer, null, or a tenant pair (a header
+    scope's ``("tenant", name)``, a list on the wire) read back as the tuple it was."""
+    if item is None or type(item) is int:
+        return item
+    if isinstance(item, str) and len(item) <= MAX_NAMESPACE_ITEM:
+        return item
+    if (isinstance(item, list) and len(item) == 2 and item[0] == "tenant"
+            and isinstance(item[1], str) and 0 < len(item[1]) <= MAX_NAMESPACE_ITEM):  # fmt: skip
+        return ("tenant", item[1])
+    raise BadMessage("namespace: strings, integers, nulls or tenant pairs expected")
 
 
 def _tensor(name: str, spec: Any, frame: bytes, n: int, hidden: int) -> torch.Tensor:
