@@ -6,8 +6,11 @@
   of the server's life; every later request runs standard prefill and says why.
 * A scheduler killed outright takes the whole server down (SGLang's watchdog sees it through
   the CPU stand-in's forkserver as through a spawn): no server is left up that answers nothing.
-* Under ``--tp-size 2``, planning fails on rank 1 only: every rank falls back together
-  (no rank left waiting in a collective) and the answer equals standard prefill.
+* Under ``--tp-size 2``, a relay extend fails on one rank only, at each point before its
+  first collective: planning (rank 1), relay's own memory bound (rank 0: no memory free
+  for its buffers), preparing the extend (rank 1: splicing the spans raises). Every rank
+  falls back together (no rank left waiting in a collective), the answer equals standard
+  prefill, the reason names the failure, and the next relayed prompt relays.
 * Recording a finished output fails (its context masses, computed inside SGLang's
   ``cache_finished_req``): the span is dropped and counted, the request's answer is
   unchanged, the server keeps serving (it used to end the scheduler)."""
@@ -70,24 +73,35 @@ def tp_model(model_dir, tmp_path_factory) -> Path:
     return random_llama(tmp_path_factory.mktemp("faults") / "RandomLlama-tp", model_dir)
 
 
+FAULTS = "plan_error@rank1:4001,scratch_full@rank0:4002,prepare_error@rank1:4003"
+
+
 @pytest.mark.model
-@pytest.mark.full  # a third TP server start; make test-full
-def test_a_planning_failure_on_one_tp_rank_falls_back_on_all(tp_model):
+def test_a_relay_extend_failing_on_one_tp_rank_falls_back_on_all(tp_model):
     args = ["--model-path", str(tp_model), "--tp", "2", "--max-total-tokens", "8192"]
-    with running_server(args, env=server_env("plan_error@rank1")) as server:
+    with running_server(args, env=server_env(FAULTS)) as server:
         url = server.url
-        head = list(range(1000, 1040))
-        up = generate_ids(url, head, 96)
+        up = generate_ids(url, list(range(1000, 1040)), 96)
         span = up["output_ids"]
-        prompt = [*range(2000, 2030), *span, *range(3000, 3020)]
-        out = generate_ids(url, prompt, 16)  # would hang if rank 0 waited in a collective
-        relay = out["meta_info"]["relay"]
-        assert relay["reused_tokens"] == 0 and relay["fallback"] is not None, relay
-        std = generate_ids(url, prompt, 16, relay="standard")
-        assert out["output_ids"] == std["output_ids"]
+        expected = {
+            4001: "tp_mismatch: plans differ across ranks",  # rank 1 planned nothing
+            4002: "memory: relay needs",  # rank 0's own bound, before the forward
+            4003: "tp_mismatch: error on another TP rank",  # rank 1's splice raised
+        }
+        for marker, reason in expected.items():
+            prompt = [marker, *range(2000, 2030), *span, *range(3000, 3020)]
+            out = generate_ids(url, prompt, 16)  # would hang if a rank waited in a collective
+            relay = out["meta_info"]["relay"]
+            assert relay["reused_tokens"] == 0 and relay["fallback"].startswith(reason), relay
+            std = generate_ids(url, prompt, 16, relay="standard")
+            assert out["output_ids"] == std["output_ids"]
         info = relay_info(url)
-        assert info.get("relay_extends", 0) == 0
-        assert info.get("fallback_tp_mismatch", 0) >= 1, info
+        assert info.get("relay_extends", 0) == 0 and info["disabled"] is None, info
+        assert info["fallback_tp_mismatch"] >= 2 and info["fallback_memory"] >= 1, info
+        # the ranks' collectives stayed paired: an unmarked prompt relays
+        out = generate_ids(url, [*range(2000, 2030), *span, *range(3000, 3020)], 16)
+        assert out["meta_info"]["relay"]["reused_tokens"] > 0, out["meta_info"]["relay"]
+        assert relay_info(url)["relay_extends"] == 1
         assert healthy(url)
 
 

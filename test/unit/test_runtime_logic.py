@@ -540,29 +540,42 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
     """One rank: the batch runs SGLang's forward and its requests say why. Under TP the
     failing rank may have left the others inside a collective it never joins, so relay
     turns off and the error goes to SGLang (which fails as on any forward error) instead
-    of pairing SGLang's collectives with relay's."""
+    of pairing SGLang's collectives with relay's. A failure before the first collective
+    (relay's memory bound, preparing the extend) falls back under TP too: the ranks learn
+    it together (``worst_failure``, a real two-rank exchange in test_tp_sync.py)."""
     from sglang_relay.runtime import runtime as rt_mod
     from sglang_relay.runtime.runtime import RelayRuntime
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
+    prepared = []
+    monkeypatch.setattr(rt_mod, "relay_prepare", lambda *a: prepared.append(a))
     monkeypatch.setattr(rt_mod, "relay_extend", broken)
     ledger = SlotLedger(64, "cpu", hidden_size=4, dtype=torch.float32)
     fb = SimpleNamespace(out_cache_loc=torch.arange(4))
-    for tp in (None, SimpleNamespace(rank=1)):
+
+    def runtime(tp):
         owner = RequestStats("relay", L)
-        plan = SimpleNamespace(owners=[owner], lora=None)
+        plan = SimpleNamespace(owners=[owner], lora=None, span_rows=torch.arange(3),
+                               probes=[], groups=[])  # fmt: skip
         me = SimpleNamespace(tp=tp, lora=None, ledger=ledger, capture_layer=None, disabled=None)
         me.influence_hook, me.decode_capture = None, SimpleNamespace(stores=0)
-        me.driver = None
+        me.driver = SimpleNamespace(num_layers=2, heads=lambda lid: SimpleNamespace(
+            q=4, kv=2, d=8, dv=8))  # fmt: skip
+        me.scratch_free = lambda: 1 << 40
         me._plain = lambda *a, me=me: RelayRuntime._plain(me, *a)
+        me._fall_back = lambda *a, me=me: RelayRuntime._fall_back(me, *a)
         me.discarded = []
         me._discard = lambda stats, reason, me=me: me.discarded.append(reason)
         me.disable = lambda reason, me=me: setattr(me, "disabled", reason)
         ran = []
         standard = lambda *a, ran=ran, **k: ran.append("standard") or "out"  # noqa: E731
-        call = (standard, "model", "ids", "pos", fb, plan, (), {})
+        return me, ran, (standard, "model", "ids", "pos", fb, plan, (), {})
+
+    agreed = SimpleNamespace(rank=1, worst_failure=lambda failed, what: failed)
+    for tp in (None, agreed):
+        me, ran, call = runtime(tp)
         if tp is None:
             assert RelayRuntime._relay(me, *call) == "out"
             assert ran == ["standard"] and me.discarded == ["error: RuntimeError"]
@@ -571,3 +584,16 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
             with pytest.raises(RuntimeError, match="boom"):
                 RelayRuntime._relay(me, *call)
             assert ran == [] and "TP rank 1" in me.disabled
+    # before the first collective: no memory for relay's buffers (a plan of 3 span rows
+    # of 2 KV heads x 8 needs 2 * 2 * 3 * 16 * 4 bytes at its splice), or the splice raises
+    monkeypatch.setattr(rt_mod, "relay_extend", lambda *a: pytest.fail("not to run"))
+    for tp in (None, agreed):
+        me, ran, call = runtime(tp)
+        me.scratch_free = lambda: 10
+        assert RelayRuntime._relay(me, *call) == "out" and ran == ["standard"]
+        assert me.discarded[0].startswith("memory: relay needs") and me.disabled is None
+        me, ran, call = runtime(tp)
+        monkeypatch.setattr(rt_mod, "relay_prepare", broken)
+        assert RelayRuntime._relay(me, *call) == "out" and ran == ["standard"]
+        assert me.discarded == ["error: RuntimeError"] and me.disabled is None
+        monkeypatch.setattr(rt_mod, "relay_prepare", lambda *a: None)

@@ -129,3 +129,36 @@ def test_ranks_at_different_exchanges_disagree_instead_of_pairing_values():
         assert first == ([0] * n, [1] * n)
         assert second == ([5, 0], [5, 1]) and third == ([4, 2], [4, 2])
         assert counters["tp_exchange_mismatches"] == 1
+
+
+def _failure_worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=_timeout())
+    tp = TPSync(_Group())
+    mine = [
+        (None, None),  # no rank failed
+        ("memory: relay needs 9 MiB of scratch, 0 MiB free", None),  # rank 0 only
+        (None, "error: OutOfMemoryError"),  # rank 1 only
+        ("error: KeyError", "memory: relay needs 1 MiB of scratch, 0 MiB free"),  # both
+    ]
+    results[rank] = [tp.worst_failure(case[rank], "prepare") for case in mine]
+    dist.destroy_process_group()
+
+
+def test_a_step_that_failed_on_one_rank_is_a_failure_on_every_rank():
+    """Relay's steps before its first collective (its memory bound, the splice) may fail
+    on one rank alone: every rank learns it in one exchange and falls back, each naming
+    its own failure, or the kind of another rank's."""
+    got = _two_ranks(_failure_worker)
+    assert got[0] == [
+        None,
+        "memory: relay needs 9 MiB of scratch, 0 MiB free",
+        "tp_mismatch: error on another TP rank",
+        "error: KeyError",
+    ]
+    assert got[1] == [
+        None,
+        "tp_mismatch: memory on another TP rank",
+        "error: OutOfMemoryError",
+        "memory: relay needs 1 MiB of scratch, 0 MiB free",
+    ]

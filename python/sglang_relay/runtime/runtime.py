@@ -18,7 +18,6 @@ Data path of one relayed request: docs/architecture.md.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,14 +27,20 @@ from sglang_relay.runtime.cache.span_store import SpanStore
 from sglang_relay.runtime.config.settings import RelaySettings
 from sglang_relay.runtime.forward import attention as extend_attention
 from sglang_relay.runtime.forward.decode import DecodeCapture, InfluenceHook, new_ledger
-from sglang_relay.runtime.forward.extend import NO_PLAN, BatchPlan, plan_fingerprint, relay_extend
+from sglang_relay.runtime.forward.extend import (
+    NO_PLAN,
+    BatchPlan,
+    plan_fingerprint,
+    relay_extend,
+    relay_prepare,
+)
 from sglang_relay.runtime.forward.layer_driver import LayerDriver, span_context
+from sglang_relay.runtime.forward.scratch import free_bytes, scratch_refusal
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync
 from sglang_relay.runtime.import_gc import collector_state
 from sglang_relay.runtime.metrics import RelayCounters
 from sglang_relay.runtime.models.anatomy import radix_of
-from sglang_relay.runtime.scale.dp_fingerprints import ENDPOINT_ENV as DP_ENDPOINT_ENV
-from sglang_relay.runtime.scale.dp_fingerprints import FingerprintPublisher
+from sglang_relay.runtime.scale.dp_fingerprints import dp_publisher
 from sglang_relay.runtime.sched.gate import RequestGate
 from sglang_relay.runtime.sched.planner import Planner, PlanningFailed
 from sglang_relay.runtime.sglang.model import (
@@ -62,23 +67,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # forwards that store the hidden states of the slots they write (when the profile needs
-# them): every output token, whichever batch produced it, keeps its hidden state. (SGLang
+# them): every output token, whichever batch produced it, keeps its hidden state (SGLang
 # 0.5.23's eager runner turns a mixed batch into an EXTEND forward; NPU and context
-# parallelism keep MIXED.)
-# A speculative verify (TARGET_VERIFY) stores them too: the rows of accepted drafts are
-# what a plain decode of the same tokens stores (tree attention gives each its committed
-# prefix), and they follow the compaction that moves them to their final slots (kv_moved).
+# parallelism keep MIXED), a speculative verify's too: accepted drafts' rows are what a
+# plain decode stores, and they follow the compaction to their final slots (kv_moved).
 PLAIN_MODES = frozenset({"EXTEND", "DECODE", "MIXED", "TARGET_VERIFY"})
-
-
-def dp_publisher() -> FingerprintPublisher | None:
-    """This rank's fingerprint publisher when a DP controller routes by spans (its endpoint
-    is in the environment); TP rank 0 of each DP rank speaks for the rank."""
-    endpoint = os.environ.get(DP_ENDPOINT_ENV)
-    if not endpoint:
-        return None
-    dp, tp = dp_rank()
-    return FingerprintPublisher(endpoint, dp) if tp == 0 else None
 
 
 class RelayRuntime:
@@ -319,27 +312,36 @@ class RelayRuntime:
         for plan in self.planner.take_pending():  # plans run in eager extends only
             self._discard(plan.stats, f"{mode.lower()}_batch")
 
+    def scratch_free(self) -> int:  # memory for relay's own buffers (forward/scratch.py)
+        return free_bytes(self.ledger.stamps.device)
+
     def _tp_agreed(self, plan: BatchPlan | None) -> bool:
-        """Under TP, before any plan-shaped collective: whether every rank holds the same
-        plan for this extend batch. Every rank takes part, with or without a plan (a rank
-        whose planning found nothing or dropped its requests sends :data:`NO_PLAN`), so
-        no rank skips the collective the others wait in. On a mismatch the plan's
-        requests fall back (``tp_mismatch``). The same exchange carries whether relay is
-        off on a rank: then it goes off on every rank (one rank alone would leave the
-        others relaying batches it serves as standard, never agreeing again)."""
+        """Under TP, before any plan-shaped collective: every rank holds the same plan
+        (:meth:`.TPSync.agree_plan`), else its requests fall back; relay off on one rank
+        goes off on all (alone, it would never agree with the others again)."""
         fp = NO_PLAN if plan is None else plan_fingerprint(plan)
-        lo, hi = self.tp.bounds([int(self.disabled is not None), *fp], "plan")
-        if hi[0] and self.disabled is None:
+        agreed, reason, off = self.tp.agree_plan(fp, self.disabled is not None)
+        if off and self.disabled is None:
             self.disable("relay turned itself off on another TP rank")
-        if lo == hi:
-            return True
-        reason = "relay_disabled" if hi[0] else "tp_mismatch: plans differ across ranks"
-        for stats in plan.owners if plan is not None else ():
+        for stats in plan.owners if plan is not None and not agreed else ():
             self._discard(stats, reason)
-        return False
+        return agreed
 
     def _relay(self, original, model, input_ids, positions, fb: ForwardBatch, plan, args, kwargs):
         plan.lora = self.lora
+        call = (original, model, input_ids, positions, fb, args, kwargs)
+        failed = None  # before any collective: a failure falls back on every rank together
+        try:
+            failed = scratch_refusal(plan, self.driver, self.scratch_free())
+            if failed is None:
+                relay_prepare(self.driver, fb, plan, self.ledger, self.capture_layer)
+        except Exception as exc:  # noqa: BLE001 - counted as the plan's fallback
+            logger.exception("preparing a relay extend failed; standard prefill for this batch")
+            failed = f"error: {type(exc).__name__}"
+        if self.tp is not None:
+            failed = self.tp.worst_failure(failed, "prepare")
+        if failed is not None:
+            return self._fall_back(plan, failed, call)
         try:
             out = relay_extend(
                 self.driver, input_ids, positions, fb, plan, self.ledger, self.capture_layer
@@ -354,11 +356,8 @@ class RelayRuntime:
                 raise
             logger.exception("relay extend failed; standard prefill for this batch")
             reason = "tp_mismatch: selections" if isinstance(exc, TPMismatch) else "error"
-            for stats in plan.owners:
-                self._discard(stats, f"{reason}: {type(exc).__name__}")
-            return self._plain(
-                original, model, input_ids, positions, fb, args, kwargs, "EXTEND", True
-            )
+            reason = f"{reason}: {type(exc).__name__}"
+            return self._fall_back(plan, reason, call)
         for stats in plan.owners:
             if stats.chunk is not None:
                 self.counters["spans_matched"] += stats.chunk.spans
@@ -369,6 +368,12 @@ class RelayRuntime:
         self.counters["relay_extends"] += 1
         self.counters["relayed_tokens"] += int(plan.span_rows.numel())
         return out
+
+    def _fall_back(self, plan: BatchPlan, reason: str, call: tuple):
+        """The plan's requests fall back: SGLang's forward of the batch (``call``)."""
+        for stats in plan.owners:
+            self._discard(stats, reason)
+        return self._plain(*call, "EXTEND", True)
 
     def _discard(self, stats: RequestStats, reason: str) -> None:
         stats.discard(reason)

@@ -212,6 +212,19 @@ class ExtendPlan(LayerPlan):
         return self._rows
 
 
+def relay_prepare(
+    drv: LayerDriver, fb: ForwardBatch, plan: BatchPlan, ledger: SlotLedger, capture_layer=None
+) -> None:
+    """What a relay extend does before its first collective (it may fail on one TP rank
+    alone, and every rank can still fall back together): the batch's slots stamped (normal
+    rows as holding a hidden row when ``capture_layer`` stores them), every span's KV
+    spliced into the request's slots, the attention plans reset."""
+    ledger.stamp(fb.out_cache_loc[plan.span_rows], with_hidden=False)
+    ledger.stamp(fb.out_cache_loc[plan.normal_rows], with_hidden=capture_layer is not None)
+    splice(fb, drv, plan)
+    plan.attention.reset()
+
+
 def relay_extend(
     drv: LayerDriver, input_ids, positions, fb: ForwardBatch, plan: BatchPlan, ledger: SlotLedger,
     capture_layer=None,
@@ -219,12 +232,9 @@ def relay_extend(
     """The relay forward of an extend batch; returns final-norm hidden states ``[N, H]``.
     Per-run selected counts land in the plan's ``ChunkUse`` objects. Stamps the batch's
     slots: normal rows (computed exactly, e.g. the decode rows of a mixed batch) with their
-    hidden state at ``capture_layer`` stored, span rows without."""
-    ledger.stamp(fb.out_cache_loc[plan.span_rows], with_hidden=False)
-    ledger.stamp(fb.out_cache_loc[plan.normal_rows], with_hidden=capture_layer is not None)
-    splice(fb, drv, plan)
-    plan.attention.reset()
-    stream = Stream(drv.embed(input_ids))
+    hidden state at ``capture_layer`` stored, span rows without. :func:`relay_prepare`
+    ran before."""
+    stream = Stream(drv.embed(input_ids))  # (vocab-parallel: the first TP collective)
     normal_rows, pre_r = plan.normal_rows, None
     if plan.probes:  # the rows before the first spans are final after the probe
         pre_r = run_probe(drv, positions, fb, plan, stream.h, ledger, capture_layer)

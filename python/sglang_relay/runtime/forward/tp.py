@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from sglang_relay.runtime.sglang.views import GroupCoordinator
 
 MOD = (1 << 61) - 1
+# why a rank's step of a relay extend failed, as :meth:`TPSync.worst_failure` carries it
+FAILURES = {"memory": 1, "error": 2}
 
 
 def fingerprint(*tensors: torch.Tensor) -> list[int]:
@@ -78,6 +80,27 @@ class TPSync:
         if lo != hi:
             self.counters[f"tp_{what}_mismatches"] += 1
         return lo, hi
+
+    def agree_plan(self, fp: list[int], disabled: bool) -> tuple[bool, str, bool]:
+        """Whether every rank holds the plan of fingerprint ``fp`` (a rank without one
+        sends ``NO_PLAN``, so no rank skips this collective): ``(agreed, the fallback
+        reason when not, whether relay is off on some rank)``."""
+        lo, hi = self.bounds([int(disabled), *fp], "plan")
+        if lo == hi:
+            return True, "", bool(hi[0])
+        reason = "relay_disabled" if hi[0] else "tp_mismatch: plans differ across ranks"
+        return False, reason, bool(hi[0])
+
+    def worst_failure(self, failed: str | None, what: str) -> str | None:
+        """The fallback reason of a step every rank ran (collective): this rank's own
+        ``failed`` (``memory: ...``, ``error: ...``), else, when another rank's step
+        failed, which kind, else None."""
+        code = 0 if failed is None else FAILURES.get(failed.split(":")[0], len(FAILURES) + 1)
+        worst = self.bounds([code], what)[1][0]
+        if failed is not None or worst == 0:
+            return failed
+        kind = {v: k for k, v in FAILURES.items()}.get(worst, "an error")
+        return f"tp_mismatch: {kind} on another TP rank"
 
     def _min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
         """Element-wise MIN and MAX over the ranks in one all-reduce (MIN of the values and

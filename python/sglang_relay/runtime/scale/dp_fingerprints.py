@@ -212,3 +212,17 @@ class FingerprintPublisher:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def dp_publisher() -> FingerprintPublisher | None:
+    """This rank's fingerprint publisher when a DP controller routes by spans (its endpoint
+    is in the environment); TP rank 0 of each DP rank speaks for the rank."""
+    import os
+
+    from sglang_relay.runtime.sglang.scheduling import dp_rank
+
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    if not endpoint:
+        return None
+    dp, tp = dp_rank()
+    return FingerprintPublisher(endpoint, dp) if tp == 0 else None
