@@ -544,6 +544,7 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
     (relay's memory bound, preparing the extend) falls back under TP too: the ranks learn
     it together (``worst_failure``, a real two-rank exchange in test_tp_sync.py)."""
     from sglang_relay.runtime import runtime as rt_mod
+    from sglang_relay.runtime.metrics import PhaseClock
     from sglang_relay.runtime.runtime import RelayRuntime
 
     def broken(*args, **kwargs):
@@ -564,6 +565,7 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
         me.driver = SimpleNamespace(num_layers=2, heads=lambda lid: SimpleNamespace(
             q=4, kv=2, d=8, dv=8))  # fmt: skip
         me.scratch_free = lambda: 1 << 40
+        me.phases = PhaseClock(enabled=True)  # timing on: the phases are timed too
         me._plain = lambda *a, me=me: RelayRuntime._plain(me, *a)
         me._fall_back = lambda *a, me=me: RelayRuntime._fall_back(me, *a)
         me.discarded = []
@@ -596,4 +598,5 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
         monkeypatch.setattr(rt_mod, "relay_prepare", broken)
         assert RelayRuntime._relay(me, *call) == "out" and ran == ["standard"]
         assert me.discarded == ["error: RuntimeError"] and me.disabled is None
+        assert me.phases.n["prepare"] == 1 and me.phases.stats()["phase_prepare_ms"] >= 0
         monkeypatch.setattr(rt_mod, "relay_prepare", lambda *a: None)

@@ -84,12 +84,24 @@ def _relay_option(method: str) -> str | dict[str, Any]:
     return method
 
 
-def _measure(url: str, prompt: str, method: str) -> dict[str, Any]:
+def _phases(url: str) -> dict[str, float]:
+    """The server's relay phase times (``SGLANG_RELAY_PHASE_TIMES=1``), ms by phase."""
+    import requests
+
+    info = requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    relay = info.get("relay", {})
+    return {k[6:-3]: v for k, v in relay.items() if k.startswith("phase_") and k.endswith("_ms")}
+
+
+def _measure(url: str, prompt: str, method: str, phases: bool = False) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0}
     params["custom_params"] = {"relay": _relay_option(method)}
+    before = _phases(url) if phases else {}
     gen = generate(url, prompt, params)
     relay = gen.relay or {}
+    spent = {k: v - before.get(k, 0.0) for k, v in _phases(url).items()} if phases else {}
     return {
+        "phases_ms": {k: round(v, 3) for k, v in spent.items() if v > 0},
         "ttft": gen.ttft_s,
         "reuse_rate": float(relay.get("reuse_rate", 0.0)),
         "reused_tokens": int(relay.get("reused_tokens", 0)),
@@ -114,6 +126,7 @@ def run(
     reps: int,
     methods: list[str],
     progress: bool = True,
+    phases: bool = False,
 ) -> list[dict[str, Any]]:
     need: dict[str, int] = {}
     for case in cases:
@@ -170,7 +183,7 @@ def run(
                 order.append("standard")
             for method in order:
                 samples.setdefault((method, span_tokens, agents), []).append(
-                    _measure(url, prompt, method)
+                    _measure(url, prompt, method, phases)
                 )
             if "standard" in methods:
                 # standard inserted the whole prompt: its prefix is now an exact radix hit
@@ -194,6 +207,10 @@ def summarize(samples: dict[tuple[str, int, int], list[dict[str, Any]]]) -> list
         std = med.get(("standard", span_tokens, agents))
         limit = med.get(("naive", span_tokens, agents))
         m = med[(method, span_tokens, agents)]
+        reuse = statistics.median(s["reuse_rate"] for s in vals)
+        # the compute-proportional ideal: nothing but the (1 - reuse) share of the prefill
+        ideal = limit + (1 - reuse) * (std - limit) if std and limit else None
+        names = sorted({k for s in vals for k in s.get("phases_ms", {})})
         rows.append(
             {
                 "method": method,
@@ -206,6 +223,12 @@ def summarize(samples: dict[tuple[str, int, int], list[dict[str, Any]]]) -> list
                 "reuse_rate": round(statistics.median(s["reuse_rate"] for s in vals), 4),
                 "speedup_vs_standard": round(std / m, 2) if std else None,
                 "ratio_to_prefix_hit_limit": round(m / limit, 2) if limit else None,
+                "ideal_s": round(ideal, 4) if ideal is not None and reuse > 0 else None,
+                "over_ideal": round(m / ideal, 3) if ideal and reuse > 0 else None,
+                "phases_ms": {
+                    k: round(statistics.median(s.get("phases_ms", {}).get(k, 0.0) for s in vals), 2)
+                    for k in names
+                },
                 "n": len(vals),
             }
         )
@@ -242,6 +265,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model-path", help="model directory (default: the embedded model)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time relay's phases per request (SGLANG_RELAY_PHASE_TIMES=1 on the server it "
+        "starts; a --url server must run with it)",
+    )
     args, server_flags = parser.parse_known_args(argv)
 
     from transformers import AutoTokenizer
@@ -271,9 +300,13 @@ def main(argv: list[str]) -> int:
     reps = args.reps or (3 if args.quick else 7)
     model_path = args.model_path or str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model_path)
+    if args.phases:
+        import os
+
+        os.environ["SGLANG_RELAY_PHASE_TIMES"] = "1"  # the server started below inherits it
     with server_at(args.url, ["--model-path", model_path, *server_flags]) as url:
         started = time.time()
-        rows = run(url, tok, cases, reps, methods)
+        rows = run(url, tok, cases, reps, methods, phases=args.phases)
         elapsed = time.time() - started
     print(markdown(rows))
     if args.json:

@@ -8,7 +8,9 @@ so a Counter created in the scheduler appears on the server's ``/metrics`` as
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections import Counter
 
 # Event names are code-made (fallback reasons, forward modes, routing decisions); these
@@ -57,3 +59,55 @@ class RelayCounters(Counter):
         counted overall and under its kind."""
         self["fallbacks"] += 1
         self[f"fallback_{reason.split(':')[0]}"] += 1
+
+
+class PhaseClock:
+    """Wall time relay's own work takes, per phase, summed over the server's life (a
+    benchmark's breakdown: ``bench ttft`` reads it around each request). Off unless
+    ``SGLANG_RELAY_PHASE_TIMES=1``; on CUDA a timed phase synchronizes the device at both
+    ends, so its time is its work's and timing costs a sync per phase: a measuring
+    setting, not a serving one. Phases: ``match`` (a request's spans found and planned),
+    ``plan_batch`` (a batch's plan, host copies back included), ``prepare`` (memory bound,
+    stamps, splice), ``probe``, ``layers`` (the layer loop), ``context`` (a finished
+    output's context masses, after its answer)."""
+
+    ENV = "SGLANG_RELAY_PHASE_TIMES"
+
+    def __init__(self, enabled: bool, device: str = "cpu") -> None:
+        self.enabled = enabled
+        self.cuda = str(device).startswith("cuda")
+        self.ms: Counter[str] = Counter()
+        self.n: Counter[str] = Counter()
+
+    @classmethod
+    def from_env(cls, device: str = "cpu") -> PhaseClock:
+        import os
+
+        return cls(os.environ.get(cls.ENV) == "1", device)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.ms[phase] += 1000 * (time.perf_counter() - t0)
+            self.n[phase] += 1
+
+    def _sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def stats(self) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        return {f"phase_{k}_ms": round(v, 3) for k, v in self.ms.items()} | {
+            f"phase_{k}_n": v for k, v in self.n.items()
+        }

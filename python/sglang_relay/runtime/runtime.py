@@ -38,7 +38,7 @@ from sglang_relay.runtime.forward.layer_driver import LayerDriver, span_context
 from sglang_relay.runtime.forward.scratch import free_bytes, scratch_refusal
 from sglang_relay.runtime.forward.tp import TPMismatch, TPSync
 from sglang_relay.runtime.import_gc import collector_state
-from sglang_relay.runtime.metrics import RelayCounters
+from sglang_relay.runtime.metrics import PhaseClock, RelayCounters
 from sglang_relay.runtime.models.anatomy import radix_of
 from sglang_relay.runtime.scale.dp_fingerprints import dp_publisher
 from sglang_relay.runtime.sched.gate import RequestGate
@@ -164,6 +164,7 @@ class RelayRuntime:
         )
         self.requests: dict[str, RequestStats] = {}  # planned requests, until released
         self.counters = RelayCounters(prometheus=prometheus)
+        self.phases = PhaseClock.from_env(str(self.device))  # bench ttft's breakdown
         self._moved_slots: torch.Tensor | None = None  # kv_moved's device-side count
         # the scheduler's side: admission, options, per-request plans and fallbacks
         self.gate = RequestGate(self, admit_window=chunk_size(model_runner))
@@ -185,16 +186,10 @@ class RelayRuntime:
     ) -> torch.Tensor:
         """Context masses of a finished output's tokens at ``context_layer``
         (:func:`.layer_driver.span_context`)."""
-        return span_context(
-            self.driver,
-            self.ledger.hidden,
-            self.context_layer,
-            self.lora,
-            row,
-            prompt_len,
-            tokens,
-            answer_start,
-        )
+        rt = self
+        with self.phases("context"):
+            return span_context(rt.driver, rt.ledger.hidden, rt.context_layer, rt.lora, row,
+                                prompt_len, tokens, answer_start)  # fmt: skip
 
     # ---- model side ----------------------------------------------------------------------
     def forward(self, original, model, input_ids, positions, fb: ForwardBatch, *args, **kwargs):
@@ -273,7 +268,8 @@ class RelayRuntime:
         if self.disabled is not None:
             return None, [(p.stats, "relay_disabled") for p in self.planner.take_pending()]
         try:
-            return self.planner.plan_batch(fb)
+            with self.phases("plan_batch"):
+                return self.planner.plan_batch(fb)
         except Exception as exc:  # noqa: BLE001 - the scheduler must keep serving
             logger.exception("relay planning of an extend batch failed; standard prefill")
             failed = isinstance(exc, PlanningFailed)
@@ -328,13 +324,14 @@ class RelayRuntime:
         return agreed
 
     def _relay(self, original, model, input_ids, positions, fb: ForwardBatch, plan, args, kwargs):
-        plan.lora = self.lora
+        plan.lora, plan.clock = self.lora, self.phases
         call = (original, model, input_ids, positions, fb, args, kwargs)
         failed = None  # before any collective: a failure falls back on every rank together
         try:
-            failed = scratch_refusal(plan, self.driver, self.scratch_free())
-            if failed is None:
-                relay_prepare(self.driver, fb, plan, self.ledger, self.capture_layer)
+            with self.phases("prepare"):
+                failed = scratch_refusal(plan, self.driver, self.scratch_free())
+                if failed is None:
+                    relay_prepare(self.driver, fb, plan, self.ledger, self.capture_layer)
         except Exception as exc:  # noqa: BLE001 - counted as the plan's fallback
             logger.exception("preparing a relay extend failed; standard prefill for this batch")
             failed = f"error: {type(exc).__name__}"
@@ -428,6 +425,7 @@ class RelayRuntime:
             "linear_rows": self.linear_rows,
             "kernels": kernel_family(self.device),
             "side_bytes": self.side_bytes(),
+            **self.phases.stats(),
             "kv_budget": self.kv_budget,
             **(self.tp.stats() if self.tp is not None else {"tp_size": 1}),
             "dp_rank": dp_rank()[0],

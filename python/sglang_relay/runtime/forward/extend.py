@@ -13,6 +13,7 @@ back into it.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -66,6 +67,7 @@ class BatchPlan:
     probes: list[ProbeTarget] = field(default_factory=list)  # requests whose rule probes
     probe_pre: torch.Tensor | None = None  # [P] int64 rows the probe computes for good
     lora: object | None = None  # SGLang's LoRA backend on a LoRA server (lora_rows.py)
+    clock: object | None = None  # the runtime's PhaseClock (bench ttft's breakdown)
 
 
 def splice(fb: ForwardBatch, drv: LayerDriver, plan: BatchPlan) -> None:
@@ -236,12 +238,15 @@ def relay_extend(
     ran before."""
     stream = Stream(drv.embed(input_ids))  # (vocab-parallel: the first TP collective)
     normal_rows, pre_r = plan.normal_rows, None
+    clock = plan.clock or contextlib.nullcontext
     if plan.probes:  # the rows before the first spans are final after the probe
-        pre_r = run_probe(drv, positions, fb, plan, stream.h, ledger, capture_layer)
+        with clock("probe"):
+            pre_r = run_probe(drv, positions, fb, plan, stream.h, ledger, capture_layer)
         if plan.probe_pre is not None and plan.probe_pre.numel():
             normal_rows = normal_rows[~torch.isin(normal_rows, plan.probe_pre)]
     layers = ExtendPlan(fb, plan, ledger, normal_rows, positions, capture_layer, drv)
-    r = drv.run(layers, stream, fb).residual()  # zeros if no row was active anywhere
+    with clock("layers"):
+        r = drv.run(layers, stream, fb).residual()  # zeros if no row was active anywhere
     if pre_r is not None:
         scatter_rows(r, plan.probe_pre, pre_r)
     return drv.final_norm(stream.h, r)

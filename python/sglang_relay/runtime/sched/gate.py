@@ -152,6 +152,10 @@ class RequestGate:
     def plan(self, req: Req, written: Any = None) -> None:
         """After ``prepare_for_extend``: find spans in this extend chunk of ``req``
         (``written``: the slots the batch writes, ``out_cache_loc``)."""
+        with self.rt.phases("match"):
+            self._plan(req, written)
+
+    def _plan(self, req: Req, written: Any) -> None:
         rt = self.rt
         if not self._req_checked:  # the first request is the first Req there is to check
             self._req_checked = True
