@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sglang_relay.core.span_index import SpanIndex, SpanMatch
+from sglang_relay.runtime.cache.evicted import EvictedSpans
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class SpanStore:
         self.tier: Any = None  # the host tier (HiCache servers; host_tier.HostTier)
         self.demoted_spans = 0  # owned spans whose slots went back, kept indexed (tier)
         self.demoted_tokens = 0
+        self.evicted = EvictedSpans()  # what was dropped for room: pasting it is told so
 
     # ---- recording ------------------------------------------------------------------
     def add(
@@ -170,7 +172,7 @@ class SpanStore:
         while (self.num_tokens > indexed or self.owned_tokens > self.max_tokens) and len(
             self.spans
         ) > 1:
-            self.drop(next(iter(self.spans)))
+            self.drop(next(iter(self.spans)), evicted=True)
 
     def _give_back(self, span: Span) -> int:
         """An owned span's slots go back to the allocator; returns how many."""
@@ -203,12 +205,15 @@ class SpanStore:
         self.spans.move_to_end(span_id)
         self._within_budget(keep=span_id)
 
-    def drop(self, span_id: int, *, release: bool = True) -> int:
-        """Forget a span; an owned span's slots go back to the allocator (``release``).
-        Returns the number of slots released."""
+    def drop(self, span_id: int, *, release: bool = True, evicted: bool = False) -> int:
+        """Forget a span; an owned span's slots go back to the allocator (``release``);
+        ``evicted``: dropped for room (remembered, :mod:`.evicted`). Returns the number of
+        slots released."""
         span = self.spans.pop(span_id, None)
         if span is None:
             return 0
+        if evicted:
+            self.evicted.add(self.index.tokens(span_id).tolist(), span.namespace)
         self.index.remove(span_id)
         self.num_tokens -= span.num_tokens
         if self.listener is not None:
@@ -233,7 +238,7 @@ class SpanStore:
             if self.tier is not None:
                 released += self._demote(self.spans[span_id])
             else:
-                released += self.drop(span_id)
+                released += self.drop(span_id, evicted=True)
             self.pressure_spans += 1
         self.pressure_tokens += released
         return released
@@ -241,6 +246,7 @@ class SpanStore:
     def clear(self, *, release: bool = True) -> None:
         for span_id in list(self.spans):
             self.drop(span_id, release=release)
+        self.evicted.clear()
 
     # ---- lookup ---------------------------------------------------------------------
     def matches(self, tokens: list[int], namespace: Hashable) -> list[SpanMatch]:
@@ -293,6 +299,8 @@ class SpanStore:
             "owned_spans_released_for_room": self.pressure_spans,
             "owned_tokens_released_for_room": self.pressure_tokens,
             "reasoning_spans": self.reasoning_spans,
+            "evicted_spans_remembered": self.evicted.spans,
+            "evicted_windows": len(self.evicted.windows),
         }
         if self.tier is not None:
             out.update(demoted_spans=self.demoted_spans, demoted_tokens=self.demoted_tokens)

@@ -31,6 +31,7 @@ from sglang_relay.runtime.sglang.scheduling import (
     IsolationError,
     dp_route,
     extend_chunk,
+    prompt_ids,
     remaining_input,
     request_isolation,
     request_refusal,
@@ -43,6 +44,11 @@ if TYPE_CHECKING:
     from sglang_relay.runtime.sglang.views import Req
 
 MEMO_ENTRIES = 4096  # per-request memos keep at most this many requests
+# a prompt that pastes an output whose span was dropped for room (cache/evicted.py)
+EVICTED = (
+    "span_evicted: the pasted output's span was dropped for room (raise "
+    "--relay-span-tokens, or --relay-host-tokens / --relay-host-ttl with a host tier)"
+)
 
 
 def _remember(memo: OrderedDict, key: Any, value: Any) -> None:
@@ -214,6 +220,12 @@ class RequestGate:
             rt.requests[req.rid] = stats
         elif unrelated:  # every match was to an unrelated span
             return self.publish(req, stats, fallback="unrelated_match")
+        elif (
+            last_chunk
+            and req.rid not in rt.requests
+            and rt.store.evicted.pasted(prompt_ids(req), ns)
+        ):  # it relayed nothing and pastes a span that was dropped for room
+            return self.publish(req, stats, fallback=EVICTED)
         self.publish(req, stats)
 
     def plan_failed(self, req: Req) -> None:

@@ -187,6 +187,11 @@ def extend_chunk(req: Req) -> tuple[list[int], int, bool]:
     return tokens, start, end >= total
 
 
+def prompt_ids(req: Req) -> list[int]:
+    """The request's whole prompt (every chunk of it)."""
+    return list(req.origin_input_ids)
+
+
 def remaining_input(req: Req, limit: int | None = None) -> list[int]:
     """The input tokens a waiting request still has to prefill (after its prefix match),
     at most ``limit`` of them."""

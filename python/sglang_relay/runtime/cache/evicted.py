@@ -1,0 +1,49 @@
+"""What the span store dropped for room, remembered as fingerprints, so a prompt that
+pastes an output whose span is gone (evicted from the device and, with a host tier, from
+host too) is told so (fallback ``span_evicted``, counted) instead of looking like a prompt
+that pastes nothing. An operator sizes ``--relay-span-tokens``, ``--relay-host-tokens``
+and ``--relay-host-ttl`` from that count (``/get_server_info``: ``fallback_span_evicted``).
+
+Each dropped span leaves the 32-token window hashes it would publish for routing
+(:func:`~sglang_relay.core.fingerprints.span_fingerprints`: every 16th window and the last,
+salted with its namespace, so one tenant's prompt never hits another's), up to
+:data:`MAX_WINDOWS` in all, oldest forgotten first: ~16 bytes of host memory per 16
+evicted tokens. A prompt hits when any of its windows is one of them. Not thread-safe:
+the scheduler thread owns it (like the store).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+from sglang_relay.core.fingerprints import WINDOW, namespace_salt, span_fingerprints, window_hashes
+
+MAX_WINDOWS = 1 << 18  # ~4M evicted tokens remembered
+
+
+class EvictedSpans:
+    def __init__(self, max_windows: int = MAX_WINDOWS) -> None:
+        self.max_windows = max_windows
+        self.windows: OrderedDict[int, None] = OrderedDict()
+        self.spans = 0  # spans remembered (over the server's life)
+
+    def add(self, tokens: Sequence[int], namespace: Hashable) -> None:
+        """Span ``tokens`` of ``namespace`` was dropped for room."""
+        salt = int(namespace_salt(namespace))
+        for h in span_fingerprints(tokens, salt).tolist():
+            self.windows[h] = None
+            self.windows.move_to_end(h)
+        while len(self.windows) > self.max_windows:
+            self.windows.popitem(last=False)
+        self.spans += 1
+
+    def pasted(self, tokens: Sequence[int], namespace: Hashable) -> bool:
+        """Whether ``tokens`` (a prompt's, of ``namespace``) hold a window of a dropped span."""
+        if not self.windows or len(tokens) < WINDOW:
+            return False
+        hashes = window_hashes(tokens, 1, int(namespace_salt(namespace)))
+        return any(h in self.windows for h in hashes.tolist())
+
+    def clear(self) -> None:
+        self.windows.clear()
