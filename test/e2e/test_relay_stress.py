@@ -167,3 +167,19 @@ def test_soak_ci_variant(small_server, tok):
     side = {m["side_mb"] for m in out["memory_samples"]}
     assert len(side) == 1, side  # the side ledger is sized once, never grows
     assert max(m["span_tokens"] for m in out["memory_samples"]) <= 1200  # --relay-span-tokens
+
+
+def test_a_prompt_pasting_an_evicted_span_is_told_so(small_server, tok):
+    """An output whose span the budget dropped for room relays nothing; its prompt says
+    why (``span_evicted``, counted), unlike a prompt that pastes nothing."""
+    url, k = small_server.url, next(_unique)
+    a = generate(url, chat(tok, f"Writer {k}.", "Describe a lighthouse in detail."), n=150)
+    fillers = [chat(tok, f"Writer {k}-{i}.", f"Describe harbour number {i}.") for i in range(10)]
+    with cf.ThreadPoolExecutor(10) as pool:  # 1,500 more tokens recorded, decoded as a batch:
+        list(pool.map(lambda p: generate(url, p, n=150), fillers))  # the first span is dropped
+    prompt = chat(tok, f"Editor {k}.", f"Draft:\n\n{a['text']}\n\nEdit it.")
+    info = generate(url, prompt)["meta_info"]["relay"]
+    assert info["reused_tokens"] == 0 and info["fallback"].startswith("span_evicted"), info
+    assert relay_info(url)["fallback_span_evicted"] >= 1
+    plain = generate(url, chat(tok, f"Poet {k}.", "Write a haiku about rain."))
+    assert plain["meta_info"]["relay"]["fallback"] is None  # pastes nothing: nothing to say
