@@ -207,3 +207,19 @@ def test_readme_fidelity_and_ttft_cells_equal_the_raw_data():
     assert f"{run[('naive', 1024)]['speedup_vs_standard']:.2f}x" in ttft[2]
     lo, hi = (float(x) for x in re.search(r"give (\d\.\d\d)-(\d\.\d\d)x", ttft[3]).groups())
     assert lo <= want[0] <= hi
+
+
+def test_growth_cells_are_each_points_ttft_over_its_compute_proportional_ideal():
+    """Recomputed from the raw run: ideal = naive + (1 - reuse)(standard - naive)."""
+    rows = _raw("docs/bench/growth_2026-12-06.json")
+    med = {(r["method"], r["span_tokens"]): r for r in rows}
+    cells = {row[0].replace(",", ""): row for row in _cells("growth-ttft", "docs/results.md")}
+    for span in (256, 1024, 4096, 8192):
+        std, naive = med[("standard", span)]["ttft_median_s"], med[("naive", span)]["ttft_median_s"]
+        for col, point in ((5, "relay@0.80"), (6, "relay@0.90"), (7, "relay@0.95")):
+            r = med[(point, span)]
+            ideal = naive + (1 - r["reuse_rate"]) * (std - naive)
+            ttft, ratio = cells[str(span)][col].rstrip(")").split(" (")
+            assert ttft == f"{r['ttft_median_s']:.2f}", (span, point)
+            # the run's medians are stored to 4 digits: the ratio from them agrees to 0.01
+            assert abs(float(ratio) - r["ttft_median_s"] / ideal) <= 0.006, (span, point, ratio)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from sglang_relay.bench import docs_fidelity, docs_readme, docs_serve, docs_ttft
+from sglang_relay.bench import docs_fidelity, docs_growth, docs_readme, docs_serve, docs_ttft
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,6 +58,8 @@ TABLES: tuple[Table, ...] = (
     Table(R, "ttft-low-points", ("docs/bench/ttft_low_points.json",), docs_ttft.low_points_table),
     Table(R, "ttft-target", TTFT_RUNS, docs_ttft.target_line),
     Table(R, "decode-pairs", (docs_readme.DECODE,), docs_serve.decode_table),
+    Table(R, "growth-ttft", docs_growth.GROWTH_RUNS, docs_growth.ttft_table),
+    Table(R, "growth-phases", docs_growth.GROWTH_RUNS, docs_growth.phases_table),
     *(
         Table(R, name, (rel,), partial(docs_serve.serve_table, name=name))
         for name, (rel, _) in docs_serve.SERVE_TABLES.items()

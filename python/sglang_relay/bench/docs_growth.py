@@ -1,0 +1,67 @@
+"""The growth tables of docs/results.md ("Cost as the context grows"), from the committed
+``bench ttft --phases`` runs over relayed contexts of 256 tokens to 16K
+(``benchmark/growth_workload*.jsonl``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sglang_relay.bench.docs_data import load, md_table, reps
+
+GROWTH_RUNS = ("docs/bench/growth_2026-12-06.json", "docs/bench/growth_16k_2026-12-06.json")
+POINTS = ("relay@0.80", "relay@0.90", "relay@0.95")
+PHASES = ("match", "plan_batch", "prepare", "probe", "layers")
+
+
+def _rows(root: Path) -> list[dict[str, Any]]:
+    out = []
+    for rel in GROWTH_RUNS:
+        if (root / rel).exists():
+            out += load(root, rel)
+    return out
+
+
+def _by(rows: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    table: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        table.setdefault(r["span_tokens"], {})[r["method"]] = r
+    return dict(sorted(table.items()))
+
+
+def ttft_table(root: Path) -> str:
+    """TTFT per relayed length: standard, the limit, CacheBlend, relay's three points with
+    TTFT / compute-proportional ideal."""
+    head = ["relayed tokens", "prompt", "standard s", "naive (limit) s", "CacheBlend s (reuse)"]
+    head += [f"{p.split('@')[1]} s (/ ideal)" for p in POINTS] + ["reps"]
+    body = []
+    for span, m in _by(_rows(root)).items():
+        std, naive, cb = m.get("standard"), m.get("naive"), m.get("cacheblend")
+        if std is None or naive is None:
+            continue
+        cells = [f"{span:,}", f"{std['prompt_tokens']:,}", f"{std['ttft_median_s']:.2f}",
+                 f"{naive['ttft_median_s']:.2f}",
+                 "-" if cb is None else f"{cb['ttft_median_s']:.2f} ({cb['reuse_rate']:.2f})"]  # fmt: skip
+        for p in POINTS:
+            r = m.get(p)
+            cells.append("-" if r is None else f"{r['ttft_median_s']:.2f} ({r['over_ideal']:.2f})")
+        body.append(cells + [reps([std, naive, cb, *(m.get(p) for p in POINTS)])])
+    return md_table(head, body)
+
+
+def phases_table(root: Path) -> str:
+    """Relay's own time per phase (ms, medians) at each length, the default point 0.80 and
+    the probing 0.95, against the whole TTFT."""
+    head = ["relayed tokens", "point", "TTFT ms", *(f"{p} ms" for p in PHASES), "rest ms"]
+    body = []
+    for span, m in _by(_rows(root)).items():
+        for p in ("relay@0.80", "relay@0.95"):
+            r = m.get(p)
+            if r is None:
+                continue
+            ph = r.get("phases_ms", {})
+            ttft = 1000 * r["ttft_median_s"]
+            rest = ttft - sum(ph.get(k, 0.0) for k in PHASES)
+            body.append([f"{span:,}", p.split("@")[1], f"{ttft:.0f}",
+                         *(f"{ph.get(k, 0.0):.0f}" for k in PHASES), f"{rest:.0f}"])  # fmt: skip
+    return md_table(head, body)
