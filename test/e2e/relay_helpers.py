@@ -122,6 +122,17 @@ def generate(url, text, n=16, relay=None, logprobs=False, **extra):
     return resp.json()
 
 
+def review_prompt(tok, span: list[int]) -> tuple[list[int], int]:
+    """A reviewer's chat prompt (token ids) that pastes ``span`` as the answer to review,
+    and where the span starts in it."""
+    head = tok(
+        "<|im_start|>system\nYou are a strict reviewer.<|im_end|>\n<|im_start|>user\n"
+        "Review this answer:\n\n"
+    ).input_ids
+    tail = tok("\n\nList its mistakes.<|im_end|>\n<|im_start|>assistant\n").input_ids
+    return head + span + tail, len(head)
+
+
 def generate_ids(url: str, ids: list[int], n: int, relay=None, headers=None, **extra) -> dict:
     """Greedy ``n`` tokens after token ids ``ids`` (EOS ignored), ``relay`` as the
     request's relay option, ``headers`` as extra HTTP headers."""

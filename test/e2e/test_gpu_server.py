@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
-from relay_helpers import generate_ids, relay_info, server_fixture
+from relay_helpers import generate_ids, relay_info, review_prompt, server_fixture
 
 from sglang_relay.core import reference as R
 from sglang_relay.runtime.config.settings import settings_from_env
@@ -114,12 +114,7 @@ def test_relay_of_a_graph_decoded_span_equals_the_reference(run, model_dir, tok,
     url, ref, record = run["url"], run["ref"], run["record"]
     cfg = settings_from_env(str(model_dir), {}).config  # the shipped profile, as the server
     span = record.span_tokens
-    head = tok(
-        "<|im_start|>system\nYou are a strict reviewer.<|im_end|>\n<|im_start|>user\n"
-        "Review this answer:\n\n"
-    ).input_ids
-    tail = tok("\n\nList its mistakes.<|im_end|>\n<|im_start|>assistant\n").input_ids
-    prompt = head + span + tail
+    prompt, start = review_prompt(tok, span)
     top = {"return_logprob": True, "top_logprobs_num": 5}
 
     relayed = generate_ids(url, prompt, 4, **top)
@@ -129,7 +124,7 @@ def test_relay_of_a_graph_decoded_span_equals_the_reference(run, model_dir, tok,
     cold = generate_ids(url, prompt, 4, "standard", cache_salt="gpu-check-cold", **top)
     assert cold["meta_info"].get("cached_tokens", 0) == 0
 
-    occ = R.SpanOccurrence(prompt_start=len(head), record=record, span_start=0, length=len(span))
+    occ = R.SpanOccurrence(prompt_start=start, record=record, span_start=0, length=len(span))
     result = R.relay_prefill(ref, prompt, [occ], cfg)
     assert sum(result.selected) == pytest.approx(info["selected_tokens"], abs=1)
     assert result.reuse_rate == pytest.approx(info["reuse_rate"], abs=0.01)

@@ -10,6 +10,7 @@ from relay_helpers import (
     decoded_upstream,
     generate_ids,
     relay_one_upstream,
+    review_prompt,
 )
 
 from sglang_relay.core import reference as R
@@ -45,18 +46,13 @@ def test_relay_through_the_server_equals_the_reference(server, model_dir):
     assert record.output == out_ids  # greedy decode agrees, so the spans are the same
 
     span = record.span_tokens
-    head = tok(
-        "<|im_start|>system\nYou are a strict reviewer.<|im_end|>\n<|im_start|>user\n"
-        "Review this answer:\n\n"
-    ).input_ids
-    tail = tok("\n\nList its mistakes.<|im_end|>\n<|im_start|>assistant\n").input_ids
-    prompt = head + span + tail
+    prompt, start = review_prompt(tok, span)
 
     served = generate_ids(server.url, prompt, 8, return_logprob=True, top_logprobs_num=5)
     relay = served["meta_info"]["relay"]
     assert relay["spans_matched"] == 1 and relay["reused_tokens"] == len(span)
 
-    occ = R.SpanOccurrence(prompt_start=len(head), record=record, span_start=0, length=len(span))
+    occ = R.SpanOccurrence(prompt_start=start, record=record, span_start=0, length=len(span))
     result = R.relay_prefill(ref, prompt, [occ], cfg)
     assert sum(result.selected) == pytest.approx(relay["selected_tokens"], abs=1)
     assert result.reuse_rate == pytest.approx(relay["reuse_rate"], abs=0.01)
