@@ -50,7 +50,8 @@ def test_the_memory_is_bounded_oldest_first_and_flushed_with_the_store():
     evicted = EvictedSpans(max_windows=8)
     old, new = list(range(100, 196)), list(range(500, 596))  # 96 tokens: 5 windows each
     evicted.add(old, None)
-    evicted.add(new, None)
+    assert not evicted.pasted(new, None)  # checked before `new` is added...
+    evicted.add(new, None)  # ...and again after: the sorted copy is made anew
     assert len(evicted.windows) == 8 and evicted.pasted(new, None)
     assert not evicted.pasted(old[:48], None)  # its first windows were forgotten first
     store = SpanStore(min_match=W, max_tokens=100, release_slots=lambda s: None)

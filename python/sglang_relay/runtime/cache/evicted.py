@@ -8,14 +8,18 @@ Each dropped span leaves the 32-token window hashes it would publish for routing
 (:func:`~sglang_relay.core.fingerprints.span_fingerprints`: every 16th window and the last,
 salted with its namespace, so one tenant's prompt never hits another's), up to
 :data:`MAX_WINDOWS` in all, oldest forgotten first: ~16 bytes of host memory per 16
-evicted tokens. A prompt hits when any of its windows is one of them. Not thread-safe:
-the scheduler thread owns it (like the store).
+evicted tokens. A prompt hits when any of its windows is one of them: one
+``searchsorted`` of its window hashes against a sorted copy of the remembered ones, made
+again on the first check after a change. Not thread-safe: the scheduler thread owns it
+(like the store).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+
+import numpy as np
 
 from sglang_relay.core.fingerprints import WINDOW, namespace_salt, span_fingerprints, window_hashes
 
@@ -25,7 +29,8 @@ MAX_WINDOWS = 1 << 18  # ~4M evicted tokens remembered
 class EvictedSpans:
     def __init__(self, max_windows: int = MAX_WINDOWS) -> None:
         self.max_windows = max_windows
-        self.windows: OrderedDict[int, None] = OrderedDict()
+        self.windows: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._sorted: np.ndarray | None = None  # [len(windows)] uint64, ascending; None: stale
         self.spans = 0  # spans remembered (over the server's life)
 
     def add(self, tokens: Sequence[int], namespace: Hashable) -> None:
@@ -36,6 +41,7 @@ class EvictedSpans:
             self.windows.move_to_end(h)
         while len(self.windows) > self.max_windows:
             self.windows.popitem(last=False)
+        self._sorted = None
         self.spans += 1
 
     def pasted(self, tokens: Sequence[int], namespace: Hashable) -> bool:
@@ -43,7 +49,11 @@ class EvictedSpans:
         if not self.windows or len(tokens) < WINDOW:
             return False
         hashes = window_hashes(tokens, 1, int(namespace_salt(namespace)))
-        return any(h in self.windows for h in hashes.tolist())
+        if self._sorted is None:
+            self._sorted = np.sort(np.fromiter(self.windows, np.uint64, len(self.windows)))
+        at = np.searchsorted(self._sorted, hashes).clip(max=len(self._sorted) - 1)
+        return bool((self._sorted[at] == hashes).any())
 
     def clear(self) -> None:
         self.windows.clear()
+        self._sorted = None
