@@ -16,6 +16,7 @@ from sglang_relay.runtime.cache.side_data import SlotLedger
 from sglang_relay.runtime.cache.span_store import SpanStore
 from sglang_relay.runtime.forward.attention import build
 from sglang_relay.runtime.forward.extend import detect_and_select
+from sglang_relay.runtime.forward.scratch import head_maxima, scratch_bytes
 from sglang_relay.runtime.sched.planner import Planner, PlanningFailed, valid_runs
 from sglang_relay.runtime.stats import RequestStats
 
@@ -562,8 +563,8 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
                                probes=[], groups=[])  # fmt: skip
         me = SimpleNamespace(tp=tp, lora=None, ledger=ledger, capture_layer=None, disabled=None)
         me.influence_hook, me.decode_capture = None, SimpleNamespace(stores=0)
-        me.driver = SimpleNamespace(num_layers=2, heads=lambda lid: SimpleNamespace(
-            q=4, kv=2, d=8, dv=8))  # fmt: skip
+        heads = [SimpleNamespace(q=4, kv=2, d=8, dv=8), SimpleNamespace(q=2, kv=1, d=8, dv=8)]
+        me.driver = SimpleNamespace(head_max=head_maxima(heads))
         me.scratch_free = lambda: 1 << 40
         me.phases = PhaseClock(enabled=True)  # timing on: the phases are timed too
         me._plain = lambda *a, me=me: RelayRuntime._plain(me, *a)
@@ -589,6 +590,9 @@ def test_a_relay_extend_error_falls_back_on_one_rank_and_fails_loudly_under_tp(m
     # before the first collective: no memory for relay's buffers (a plan of 3 span rows
     # of 2 KV heads x 8 needs 2 * 2 * 3 * 16 * 4 bytes at its splice), or the splice raises
     monkeypatch.setattr(rt_mod, "relay_extend", lambda *a: pytest.fail("not to run"))
+    me, _, call = runtime(None)
+    assert me.driver.head_max == (4, 4 * 8, 2 * 8)  # the widest layer's, made once
+    assert scratch_bytes(call[5], me.driver) == 2 * (2 * 3 * 16 * 4)  # SLACK x the splice
     for tp in (None, agreed):
         me, ran, call = runtime(tp)
         me.scratch_free = lambda: 10

@@ -41,6 +41,7 @@ import torch
 from sglang_relay.core.rope import delta_cos_sin
 from sglang_relay.core.selection import context_mass
 from sglang_relay.runtime.forward.lora_rows import base_only, installed
+from sglang_relay.runtime.forward.scratch import head_maxima
 from sglang_relay.runtime.models.anatomy import (
     Anatomy,
     gemma3_qkv,
@@ -224,6 +225,7 @@ class LayerDriver:
             Heads.of(radix, sinks_of(layer.self_attn, anatomy))
             for radix, layer in zip(self._radix, self.layers, strict=True)
         )
+        self.head_max = head_maxima(self._heads)  # what relay's scratch is sized by
         native = anatomy.prepare == "native"
         self._prepare = tuple(
             native_prepare(layer.self_attn) if native else None for layer in self.layers

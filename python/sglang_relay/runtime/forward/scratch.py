@@ -15,7 +15,8 @@ final and drops the span on any error: ``span_record_errors``.)
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,16 +25,33 @@ FLOAT = 4  # bytes of a float32
 SLACK = 2
 
 
+class HeadMaxima(NamedTuple):
+    """The widest layer's attention sizes over the stack (a buffer sized by them holds any
+    layer's rows); made once, with the driver (``LayerDriver.head_max``)."""
+
+    q: int  # query heads
+    qd: int  # query heads x head dim (the larger of the qk and v dims)
+    kvd: int  # key heads x head dim (likewise)
+
+
+def head_maxima(heads: Iterable[Any]) -> HeadMaxima:
+    """:class:`HeadMaxima` of every layer's ``Heads`` (``q``, ``kv``, ``d``, ``dv``)."""
+    heads = list(heads)
+    return HeadMaxima(
+        max(h.q for h in heads),
+        max(h.q * max(h.d, h.dv) for h in heads),
+        max(h.kv * max(h.d, h.dv) for h in heads),
+    )
+
+
 def scratch_bytes(plan: Any, drv: Any) -> int:
     """An upper bound of relay's own peak transient memory for ``plan`` (bytes)."""
-    heads = [drv.heads(lid) for lid in range(drv.num_layers)]
-    kvd = max(h.kv * max(h.d, h.dv) for h in heads)
-    qd = max(h.q * max(h.d, h.dv) for h in heads)
+    q, qd, kvd = drv.head_max
     splice = 2 * int(plan.span_rows.numel()) * kvd * FLOAT
     probe = 0
     for t in plan.probes or ():
         visible = int(t.first) + int(t.hi - t.lo) + 1
-        probe = max(probe, 2 * visible * kvd * FLOAT + visible * max(h.q for h in heads) * FLOAT)
+        probe = max(probe, 2 * visible * kvd * FLOAT + visible * q * FLOAT)
     detect = max((int(g.rows.numel()) for g in plan.groups), default=0) * (qd + 2 * kvd) * FLOAT
     return SLACK * max(splice, probe, detect)
 
