@@ -320,9 +320,14 @@ def test_a_publisher_of_other_pools_or_without_the_secret_is_refused():
         # a wrong secret, none where the receiver has one, another publisher's key
         with pytest.raises(wire.BadMessage, match="not signed with publisher decode-0's key"):
             hello(**change)
-    for name in ("", "a b", "x" * 65, "../etc"):
+    from sglang_relay.runtime.config.settings import settings_from_env
+
+    for name in ("", "a b", "x" * 65, "../etc", "d\u0661", "decode-0\nx"):
         with pytest.raises(wire.BadMessage, match="publisher name"):
             hello(name=name)
+        named = {"SGLANG_RELAY_SHIP_TO": "a:1", "SGLANG_RELAY_SHIP_NAME": name}
+        with pytest.raises(ValueError, match="--relay-ship-name"):  # the settings' one rule
+            settings_from_env("", named)
     with pytest.raises(wire.BadMessage, match="clock"):  # outside the replay window
         hello(sent=now - 2 * wire.HELLO_WINDOW_S)
     hello(nonce="a" * 32)

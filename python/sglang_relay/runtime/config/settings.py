@@ -99,6 +99,13 @@ METAS = ("full", "counts", "off")
 # the fields meta_info["relay"] keeps under SGLANG_RELAY_META=counts
 META_COUNTS = ("method", "reused_tokens", "selected_tokens", "reuse_rate", "fallback")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+_SHIP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def ship_name_ok(name: object) -> bool:
+    """Whether ``name`` is a ship publisher's name: 1-64 letters, digits, ``.``, ``_``,
+    ``-`` (the one rule: the settings here, the wire's hello and ``ship-key``)."""
+    return isinstance(name, str) and _SHIP_NAME.fullmatch(name) is not None
 
 
 def scope_header(scope: str) -> str | None:
@@ -325,7 +332,7 @@ def _ship_identity(env, ship_to, ship_listen, secret: str, scope: str) -> dict:
     out: dict = {"ship_staging": staging or DEFAULT_SHIP_STAGING}
     name, key = (env.get(ENV_SHIP_NAME) or "").strip(), (env.get(ENV_SHIP_KEY) or "").strip()
     if ship_to:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+        if not ship_name_ok(name):
             raise ValueError(
                 f"a publisher (--relay-ship-to) names itself: --relay-ship-name NAME (1-64 "
                 f"letters, digits, '.', '_', '-'; receivers map it to a namespace); got {name!r}"
@@ -345,7 +352,7 @@ def _ship_identity(env, ship_to, ship_listen, secret: str, scope: str) -> dict:
     pairs = [item.strip().partition("=") for item in raw.split(",") if item.strip()]
     publishers = tuple((n.strip(), rule.strip()) for n, _, rule in pairs)
     bad = [f"{n}={r}" for n, r in publishers
-           if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", n) or not r]  # fmt: skip
+           if not ship_name_ok(n) or not r]  # fmt: skip
     if not publishers or bad or len({n for n, _ in publishers}) != len(publishers):
         raise ValueError(
             "a receiver (--relay-ship-listen) names the publishers it takes spans from and "

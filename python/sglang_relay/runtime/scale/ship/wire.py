@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from sglang_relay.runtime.config.settings import ship_name_ok
+
 VERSION = 2
 HELLO_WINDOW_S = 300  # a hello's clock may differ from the receiver's by this much
 MAX_HEADER_BYTES = 4 << 20
@@ -126,12 +128,10 @@ def session_key(key: bytes, nonce: str) -> bytes:
                     hashlib.sha256).digest()  # fmt: skip
 
 
-NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
 def check_name(name: str) -> str:
-    """A publisher name: 1-64 of letters, digits, ``.``, ``_``, ``-`` (ValueError)."""
-    if not (isinstance(name, str) and 0 < len(name) <= 64 and set(name) <= NAME_CHARS):
+    """A publisher name (:func:`~sglang_relay.runtime.config.settings.ship_name_ok`: 1-64
+    letters, digits, ``.``, ``_``, ``-``); ValueError otherwise."""
+    if not ship_name_ok(name):
         raise ValueError(f"a ship publisher name is 1-64 letters, digits, dots, _ or -: {name!r}")
     return name
 
