@@ -223,3 +223,20 @@ def test_growth_cells_are_each_points_ttft_over_its_compute_proportional_ideal()
             assert ttft == f"{r['ttft_median_s']:.2f}", (span, point)
             # the run's medians are stored to 4 digits: the ratio from them agrees to 0.01
             assert abs(float(ratio) - r["ttft_median_s"] / ideal) <= 0.006, (span, point, ratio)
+
+
+def test_growth_shares_cells_equal_the_raw_medians():
+    raw = _raw("docs/bench/growth_2026-12-06.json") + _raw("docs/bench/growth_16k_2026-12-06.json")
+    by = {(r["method"], r["span_tokens"]): r for r in raw}
+    rows = _cells("growth-shares", "docs/results.md")
+    assert [int(r[0].replace(",", "")) for r in rows] == [256, 1024, 4096, 8192, 16384]
+    for row in rows:
+        span = int(row[0].replace(",", ""))
+        cb = by[("cacheblend", span)]["ttft_median_s"]
+        ratios = [by[(f"relay@{p}", span)]["ttft_median_s"] / cb for p in ("0.80", "0.90", "0.95")]
+        assert [float(x) for x in row[2].split(" / ")] == [round(x, 2) for x in ratios]
+        naive, std = by[("naive", span)], by[("standard", span)]
+        loop = naive["phases_ms"]["layers"]
+        rows_run = naive["prompt_tokens"] - naive["reused_tokens"]
+        assert row[6] == f"{loop:.0f}, {rows_run:,.0f}, {loop / std['ttft_median_s'] / 10:.0f} %"
+        assert row[7] == f"{by[('stock_prefix_hit', span)]['ttft_median_s']:.2f}"

@@ -65,3 +65,43 @@ def phases_table(root: Path) -> str:
             body.append([f"{span:,}", p.split("@")[1], f"{ttft:.0f}",
                          *(f"{ph.get(k, 0.0):.0f}" for k in PHASES), f"{rest:.0f}"])  # fmt: skip
     return md_table(head, body)
+
+
+def _span(vals: list[float], fmt: str = "{:.0f}") -> str:
+    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def shares_table(root: Path) -> str:
+    """What the bullets below the growth tables read, per relayed length: each method's
+    reuse, relay's TTFT over CacheBlend's at each point, relay's bookkeeping and splice as a
+    share of its TTFT (range over the three points), the probe's cost, the limit's own loop
+    (rows it runs: the prompt's not reused), and the stock prefix hit's TTFT."""
+    head = ["relayed tokens", "reuse: naive / CacheBlend / 0.80",
+            "relay / CacheBlend TTFT: 0.80 / 0.90 / 0.95", "match + plan_batch % of TTFT",
+            "prepare % of TTFT", "probe ms (% of TTFT): 0.90 / 0.95",
+            "naive: loop ms, rows run, % of standard TTFT", "stock prefix hit s"]  # fmt: skip
+    body = []
+    for span, m in _by(_rows(root)).items():
+        need = ("standard", "naive", "cacheblend", "stock_prefix_hit", *POINTS)
+        if any(k not in m for k in need):
+            continue
+        std, naive, cb = m["standard"], m["naive"], m["cacheblend"]
+        ttft = {p: 1000 * m[p]["ttft_median_s"] for p in POINTS}
+        ph = {p: m[p].get("phases_ms", {}) for p in POINTS}
+        probes = [f"{ph[p]['probe']:.0f} ({100 * ph[p]['probe'] / ttft[p]:.0f} %)"
+                  if "probe" in ph[p] else "-" for p in POINTS[1:]]  # fmt: skip
+        loop = naive.get("phases_ms", {}).get("layers", 0.0)
+        body.append([
+            f"{span:,}",
+            " / ".join(f"{r['reuse_rate']:.2f}" for r in (naive, cb, m[POINTS[0]])),
+            " / ".join(f"{m[p]['ttft_median_s'] / cb['ttft_median_s']:.2f}" for p in POINTS),
+            _span([100 * (ph[p].get("match", 0.0) + ph[p].get("plan_batch", 0.0)) / ttft[p]
+                   for p in POINTS], "{:.1f}"),
+            _span([100 * ph[p].get("prepare", 0.0) / ttft[p] for p in POINTS]),
+            " / ".join(probes),
+            f"{loop:.0f}, {naive['prompt_tokens'] - int(naive['reused_tokens']):,}, "
+            f"{100 * loop / (1000 * std['ttft_median_s']):.0f} %",
+            f"{m['stock_prefix_hit']['ttft_median_s']:.2f}",
+        ])  # fmt: skip
+    return md_table(head, body)
