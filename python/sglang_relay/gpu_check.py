@@ -97,19 +97,38 @@ class Step:
 _COMPILED = ("TRITON_INTERPRET", "SGLANG_RELAY_KERNELS")  # removed: compiled kernels, auto pick
 _INTERPRETED = (("TRITON_INTERPRET", "1"),)
 
+
+def _pair(tests, gpu: str, gpu_s: float, gpu_proves: str, cpu: str, cpu_s: float,
+          cpu_proves: str, cpu_select: str = "") -> tuple[Step, Step]:  # fmt: skip
+    """A GPU step over ``tests`` (compiled kernels: :data:`_COMPILED` removed) and its CPU
+    twin over the same tests under Triton's interpreter (``cpu_select``: its ``-k``)."""
+    return (
+        Step(gpu, "gpu", tests, gpu_s, gpu_proves, unset=_COMPILED),
+        Step(cpu, "cpu", tests, cpu_s, cpu_proves, select=cpu_select, env=_INTERPRETED),
+    )
+
+
+_KERNELS = _pair(
+    KERNEL_TESTS,
+    "kernels-compiled", 120,
+    "Triton splice + re-rotate, row gather/scatter and relay-extend attention compiled "
+    "on the GPU (bf16 with 16-bit tl.dot operands) == their torch references",
+    "kernels-interpreted", 150,
+    "the same kernel tests under Triton's interpreter (fp32 tl.dot operands), and the "
+    "kernels lowered to Triton IR for a CUDA target",
+)  # fmt: skip
+_FLASHINFER = _pair(
+    FLASHINFER_TESTS,
+    "flashinfer", 150,
+    "the FlashInfer extend plan == positional causal attention; the real FlashInfer "
+    "paged prefill with relay's mask == the plan's oracle; one plan per row set",
+    "flashinfer-plan-cpu", 90,
+    "the FlashInfer plan and glue against the CPU oracle (no FlashInfer call)",
+    cpu_select="not on_a_gpu",
+)  # fmt: skip
 STEPS: tuple[Step, ...] = (
-    Step(
-        "kernels-compiled", "gpu", KERNEL_TESTS, 120,
-        "Triton splice + re-rotate, row gather/scatter and relay-extend attention compiled "
-        "on the GPU (bf16 with 16-bit tl.dot operands) == their torch references",
-        unset=_COMPILED,
-    ),
-    Step(
-        "flashinfer", "gpu", FLASHINFER_TESTS, 150,
-        "the FlashInfer extend plan == positional causal attention; the real FlashInfer "
-        "paged prefill with relay's mask == the plan's oracle; one plan per row set",
-        unset=_COMPILED,
-    ),
+    _KERNELS[0],
+    _FLASHINFER[0],
     Step(
         "server-bf16-graphs", "gpu", ("test/e2e/test_gpu_server.py",), 300,
         "a bf16 relay server with FlashInfer and decode CUDA graphs: the capture inside the "
@@ -118,17 +137,8 @@ STEPS: tuple[Step, ...] = (
         env=(("SGLANG_RELAY_TEST_SERVER_ARGS", GPU_SERVER_ARGS), ("SGLANG_RELAY_TEST_ZYGOTE", "0")),
         unset=_COMPILED,
     ),
-    Step(
-        "kernels-interpreted", "cpu", KERNEL_TESTS, 150,
-        "the same kernel tests under Triton's interpreter (fp32 tl.dot operands), and the "
-        "kernels lowered to Triton IR for a CUDA target",
-        env=_INTERPRETED,
-    ),
-    Step(
-        "flashinfer-plan-cpu", "cpu", FLASHINFER_TESTS, 90,
-        "the FlashInfer plan and glue against the CPU oracle (no FlashInfer call)",
-        select="not on_a_gpu", env=_INTERPRETED,
-    ),
+    _KERNELS[1],
+    _FLASHINFER[1],
 )  # fmt: skip
 
 
