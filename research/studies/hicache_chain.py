@@ -35,7 +35,7 @@ import numpy as np
 import requests
 from transformers import AutoTokenizer
 
-from sglang_relay.bench.serve import _chain_prompts
+from sglang_relay.bench.chain_kinds import chain_prompts as _chain_prompts
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
 from sglang_relay.process import ServerProcess

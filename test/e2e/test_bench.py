@@ -50,3 +50,41 @@ def test_bench_run_writes_results_report_and_plots(server, tmp_path, capsys):
     report = (out / "report.md").read_text()
     for png in ("ttft_vs_span.png", "ttft_vs_agents.png", "fidelity_vs_reuse.png"):
         assert (out / png).stat().st_size > 1000 and png in report
+
+
+@pytest.mark.full  # 90 s; the arithmetic of censoring and goodput: test_capacity.py
+def test_bench_serve_censors_what_a_run_did_not_finish(server, tmp_path, capsys):
+    """Two workloads in one file (the second appended by ``--resume``): deep chains that
+    finish, and tool loops whose 30 s tool outlives the run, so their later turns are never
+    sent: censored, a miss of any SLO, and the server serves on."""
+    from sglang_relay.bench import serve
+
+    out = tmp_path / "capacity.json"
+    common = ["--url", server.url, "--chains", "2", "--rates", "120", "--methods",
+              "standard,relay", "--out-tokens", "40", "--answer-tokens", "4", "--slos", "2,600",
+              "--json", str(out), "--resume"]  # fmt: skip
+    assert serve.main([*common, "--workloads", "deep", "--drain", "300"]) == 0
+    assert serve.main([*common, "--workloads", "deep,toolloop", "--drain", "3",
+                       "--tool-pause", "30,30"]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["workload"], r["method"]) for r in rows) == [
+        ("deep", "relay"),
+        ("deep", "standard"),
+        ("toolloop", "relay"),
+        ("toolloop", "standard"),
+    ]
+    for r in rows:
+        assert r["arrived"] == 2 and r["errors"] == 0 and r["wall_s"] > 0, r
+        if r["workload"] == "deep":  # every agent answered; relay reused the quoted outputs
+            assert r["censored"] == 0 and [len(c) for c in r["chain_ttfts_all"]] == [5, 5]
+            assert r["ttft_all_p90"] == pytest.approx(r["ttft_p90"])
+        else:  # the first turn answered, the two after the tool never sent
+            assert r["completed"] == 0 and r["censored"] == 4 and r["requests"] == 2
+            assert [c[1:] for c in r["chain_ttfts_all"]] == [[None, None]] * 2
+            assert r["ttft_all_p90"] is None and r["ttft_p90"] is not None
+    relay_deep = next(r for r in rows if r["workload"] == "deep" and r["method"] == "relay")
+    assert relay_deep["relayed_prompt_share"] > 0.1
+    report = capsys.readouterr().out
+    assert "| toolloop | relay | 120 /" in report and "miss" in report
+    gen = serve.generate(server.url, "Hello", {"max_new_tokens": 4})  # serves on
+    assert gen.meta["completion_tokens"] >= 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_relay.bench import serve, serve_report
+from sglang_relay.bench import chain_kinds, serve, serve_report
+from sglang_relay.bench.serve_report import ChainRun
 
 
 def test_arrivals_are_a_poisson_process_at_the_rate():
@@ -20,11 +21,11 @@ def test_arrivals_are_a_poisson_process_at_the_rate():
 
 
 def test_mix_is_normalized_and_checked():
-    assert serve.parse_mix("pipeline:3,plain:1") == {"pipeline": 0.75, "plain": 0.25}
+    assert chain_kinds.parse_mix("pipeline:3,plain:1") == {"pipeline": 0.75, "plain": 0.25}
     with pytest.raises(ValueError, match="unknown chain kind"):
-        serve.parse_mix("pipeline:1,swarm:1")
+        chain_kinds.parse_mix("pipeline:1,swarm:1")
     with pytest.raises(ValueError):
-        serve.parse_mix("plain:0")
+        chain_kinds.parse_mix("plain:0")
 
 
 def test_percentile_matches_numpy():
@@ -54,31 +55,31 @@ def test_goodput_is_the_highest_rate_before_the_slo_is_first_missed():
 def test_downstream_prompts_quote_earlier_outputs_verbatim():
     outs = ["first output text", "second output text", "third output text"]
     for kind, n in (("pipeline", 2), ("fanin", 3), ("groupchat", 3)):
-        system, user, quotes = serve._chain_prompts(kind, 7, "B-trees", outs[:n])
+        system, user, quotes = chain_kinds.chain_prompts(kind, 7, "B-trees", outs[:n])
         assert quotes and all(o in user for o in outs[:n]), (kind, user)
-    _, user, quotes = serve._chain_prompts("plain", 7, "B-trees", [])
+    _, user, quotes = chain_kinds.chain_prompts("plain", 7, "B-trees", [])
     assert not quotes and "B-trees" in user
-    _, _, quotes = serve._chain_prompts("fanin", 7, "B-trees", outs[:1])  # an expert
+    _, _, quotes = chain_kinds.chain_prompts("fanin", 7, "B-trees", outs[:1])  # an expert
     assert not quotes
-    _, _, quotes = serve._chain_prompts("fanout", 7, "B-trees", [])  # the lead
+    _, _, quotes = chain_kinds.chain_prompts("fanout", 7, "B-trees", [])  # the lead
     assert not quotes
     systems = set()
-    for i in range(1, serve.AGENTS["fanout"]):  # every worker quotes the lead's brief
-        system, user, quotes = serve._chain_prompts("fanout", 7, "B-trees", outs[:1], i)
+    for i in range(1, chain_kinds.AGENTS["fanout"]):  # every worker quotes the lead's brief
+        system, user, quotes = chain_kinds.chain_prompts("fanout", 7, "B-trees", outs[:1], i)
         assert quotes and outs[0] in user and outs[1] not in user
         systems.add(system)
     # each worker its own role ahead of the brief: the prefix cache cannot serve the brief
-    assert len(systems) == serve.AGENTS["fanout"] - 1
+    assert len(systems) == chain_kinds.AGENTS["fanout"] - 1
 
 
 def test_summary_counts_relayed_tokens_and_fallbacks():
     rec = serve_report.Record
     chains = [
-        (0.0, 2.0, [rec(0, "pipeline", 0, False, 0.3, 1.0, 100),
-                    rec(0, "pipeline", 1, True, 0.1, 1.0, 300,
-                        {"reused_tokens": 150, "spans_matched": 1, "reuse_rate": 0.8})]),
-        (1.0, 4.0, [rec(1, "plain", 0, False, 0.5, 1.0, 100,
-                        {"fallback": "span_evicted: x"})]),
+        ChainRun(0.0, "pipeline", 2, [rec(0, "pipeline", 0, False, 0.3, 1.0, 100),
+                 rec(0, "pipeline", 1, True, 0.1, 1.0, 300,
+                     {"reused_tokens": 150, "spans_matched": 1, "reuse_rate": 0.8})], 2.0),
+        ChainRun(1.0, "plain", 1, [rec(1, "plain", 0, False, 0.5, 1.0, 100,
+                                       {"fallback": "span_evicted: x"})], 4.0),
     ]  # fmt: skip
     row = serve_report.summarize("relay", 4.0, chains, [], arrived=3, incomplete=1, elapsed_s=60.0)
     assert row["completed"] == 2 and row["chains_per_min"] == 2.0 and row["incomplete"] == 1
@@ -90,11 +91,11 @@ def test_summary_counts_relayed_tokens_and_fallbacks():
 
 
 def test_only_the_last_agent_of_a_chain_answers_short():
-    assert serve.output_lengths("pipeline", 256, 32) == [256, 256, 32]
-    assert serve.output_lengths("fanin", 256, 32) == [256, 256, 256, 32]
-    assert serve.output_lengths("groupchat", 96, None) == [96] * 4
-    assert serve.output_lengths("plain", 256, 32) == [256]  # reads nothing: not an answer
-    assert serve.output_lengths("fanout", 256, 16) == [256] + [16] * 4  # every worker answers
+    assert chain_kinds.output_lengths("pipeline", 256, 32) == [256, 256, 32]
+    assert chain_kinds.output_lengths("fanin", 256, 32) == [256, 256, 256, 32]
+    assert chain_kinds.output_lengths("groupchat", 96, None) == [96] * 4
+    assert chain_kinds.output_lengths("plain", 256, 32) == [256]  # reads nothing: not an answer
+    assert chain_kinds.output_lengths("fanout", 256, 16) == [256] + [16] * 4  # every worker answers
 
 
 def test_tpot_and_per_kind_latency_are_reported():
@@ -104,7 +105,8 @@ def test_tpot_and_per_kind_latency_are_reported():
     b = rec(0, "fanin", 1, True, 0.2, 0.2, 300, output_tokens=1)  # one token: no TPOT
     c = rec(1, "plain", 0, False, 0.5, 2.5, 100, output_tokens=11)  # 200 ms per token
     assert a.tpot_s == pytest.approx(0.1) and b.tpot_s is None
-    chains = [(0.0, 4.0, [a, b]), (1.0, 2.5, [c]), (2.0, 6.0, [a])]
+    chains = [ChainRun(0.0, "fanin", 2, [a, b], 4.0), ChainRun(1.0, "plain", 1, [c], 2.5),
+              ChainRun(2.0, "fanin", 1, [a], 6.0)]  # fmt: skip
     row = serve_report.summarize("relay", 4.0, chains, [], arrived=3, incomplete=0, elapsed_s=60.0)
     assert row["tpot_p50"] == pytest.approx(0.1) and row["tpot_p99"] == pytest.approx(0.198)
     assert row["chain_ttfts"] == [[0.3, 0.2], [0.5], [0.3]]  # in arrival order
@@ -164,3 +166,50 @@ def test_seeds_pool_into_a_ttft_ratio_whose_interval_resamples_chains():
     # neither
     assert summary["goodput_per_seed"]["0"] == {"standard": [0, 4], "relay": [0, 4]}
     assert "2.00 [" in serve_report.seeded_markdown(summary)
+
+
+def test_a_request_that_never_finished_is_a_miss_of_every_slo():
+    rec = serve_report.Record
+    done = [ChainRun(float(k), "deep", 2, [rec(k, "deep", 1, True, 0.2, 1.0, 100),
+                                           rec(k, "deep", 0, False, 0.4, 1.0, 100)], 5.0)
+            for k in range(4)]  # fmt: skip
+    stuck = ChainRun(9.0, "deep", 2, [rec(9, "deep", 0, False, 0.3, 1.0, 100)])  # one of two
+    row = serve_report.summarize("relay", 6.0, [stuck, *done], [], 5, 1, 60.0)
+    assert row["completed"] == 4 and row["censored"] == 1 and row["requests"] == 9
+    # agent order within a chain, arrival order across chains, the censored one as None
+    assert row["chain_ttfts_all"] == [[0.4, 0.2]] * 4 + [[0.3, None]]
+    assert row["ttft_p90"] == pytest.approx(np.percentile([0.4, 0.2] * 4 + [0.3], 90))
+    assert row["ttft_all_max"] is None  # beyond the run
+    every = [0.4, 0.2] * 4 + [0.3, 1e9]  # numpy's p50 with a huge stand-in for the miss
+    assert row["ttft_all_p50"] == pytest.approx(np.percentile(every, 50))
+    assert row["ttft_all_p90"] is None  # one in ten censored: the p90 is a miss
+    assert serve_report.percentile([1.0, float("inf")], 0) == 1.0
+    assert serve_report.percentile([1.0, 2.0, float("inf")], 50) == 2.0
+
+
+def test_deep_chains_and_tool_loops_quote_earlier_outputs_past_a_changed_head():
+    outs = [f"output number {j}" for j in range(5)]
+    for i in range(1, chain_kinds.AGENTS["deep"]):
+        system, user, quotes = chain_kinds.chain_prompts("deep", 3, "B-trees", outs[:i])
+        assert quotes and all(o in user for o in outs[:i]) and outs[i] not in user
+    turns = [chain_kinds.chain_prompts("toolloop", 3, "B-trees", outs[:i])
+             for i in range(chain_kinds.TOOL_TURNS)]  # fmt: skip
+    assert [q for _, _, q in turns] == [False, True, True]
+    assert len({system for system, _, _ in turns}) == 1  # the same agent every turn
+    first, second, third = (user for _, user, _ in turns)
+    assert first[:5] == second[:5] and first[:6] != second[:6]  # "Turn 1" / "Turn 2": no prefix
+    assert outs[0] in second and outs[0] in third and outs[1] in third
+    tool = chain_kinds.tool_output(3, 0)
+    assert tool in second and tool == chain_kinds.tool_output(3, 0) != chain_kinds.tool_output(4, 0)
+    assert chain_kinds.output_lengths("deep", 96, 16) == [96] * 4 + [16]
+    assert chain_kinds.output_lengths("toolloop", 96, 16) == [96, 96, 16]
+    rng = __import__("random").Random(0)
+    pauses = serve.tool_pauses("toolloop", rng, (30.0, 120.0))
+    assert len(pauses) == 2 and all(30 <= p <= 120 for p in pauses)
+    assert serve.tool_pauses("deep", rng, (30.0, 120.0)) == []
+
+
+def test_a_fixed_count_of_arrivals_takes_as_long_as_it_takes():
+    times = serve.arrivals(6.0, 0.0, seed=5, count=30)
+    assert len(times) == 30 and times == sorted(times)
+    assert times == serve.arrivals(6.0, 1e9, seed=5)[:30]  # the same process, cut by count

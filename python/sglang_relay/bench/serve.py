@@ -1,25 +1,30 @@
 """``sglang-relay bench serve``: what relay buys a loaded server (open-loop agent chains).
 
 Agent chains arrive as a Poisson process at each ``--rates`` (chains per minute) for
-``--duration`` seconds against one server; one method per run (``--methods``: per-request
-``custom_params.relay``, so every method runs on the same server), the cache flushed
-between runs. Chain kinds (``--mix``): a ``pipeline`` (3 agents, each reads all earlier
-outputs), a ``fanin`` (3 independent agents, then one that reads the three outputs), a
-``groupchat`` (4 turns, each reads all earlier turns), a ``fanout`` (a lead writes a brief,
-then four workers with their own roles read it at once: an orchestrator sending subtasks)
-and ``plain`` requests that relay nothing (the control). Outputs end where the model ends
-them (early stops and the early-stop guard's redo count, as in production);
-``--fixed-length`` makes every method do the same decode work instead.
+``--duration`` seconds (or ``--chains`` of them, however long they take) against one
+server; one method per run (``--methods``: per-request ``custom_params.relay``, so every
+method runs on the same server), the cache flushed between runs. Chain kinds (``--mix``,
+or ``--workloads``: several kinds one after another, each its own rows) are in
+:mod:`sglang_relay.bench.chain_kinds`: pipeline, fan-in, group chat, fan-out, deep chain,
+tool loop (``--tool-pause``) and plain requests that relay nothing (the control). Outputs
+end where the model ends them (early stops and the early-stop guard's redo count, as in
+production); ``--fixed-length`` makes every method do the same decode work instead. A run
+ends ``--drain`` s after its last arrival: requests not finished by then, or never sent,
+are censored (SLO misses of the all-arrivals TTFT) and the server's stragglers aborted.
 
 Reported per method, rate and seed: the arrival rate achieved, chains completed per
-minute, TTFT p50/p90 (p99 from 100 requests) of every request and of the requests that
-could relay, chain latency, time per output token, the share of prompt tokens relayed,
-fallbacks by reason, and the server's relay counters over the run (spans recorded /
-evicted, pool use). **Goodput** at an SLO is the highest rate whose TTFT tail meets it
-(``serve_report.goodput``). ``--seeds`` runs each rate several times with fresh arrivals;
-the summary pools the seeds and gives each method's TTFT ratio to standard with a 95 %
-interval. ``--plot`` draws goodput against the SLO, the TTFT tail and chain latency per
-rate; ``--replot`` redraws saved runs.
+minute, TTFT p50/p90 (p99 from 100 requests) of the requests that finished, of every
+arrival (censored ones as misses) and of the requests that could relay, chain latency,
+time per output token, the share of prompt tokens relayed, fallbacks by reason, and the
+server's relay counters over the run (spans recorded / evicted, pool use). **Goodput** at
+an SLO is the highest rate whose TTFT tail meets it (``serve_report.goodput``); over rates
+and seeds with censored arrivals, the capacity tables (:mod:`sglang_relay.bench.capacity`)
+read it at the achieved rate with bootstrap intervals. ``--seeds`` runs each rate several
+times with fresh arrivals; the summary pools the seeds and gives each method's TTFT ratio
+to standard with a 95 % interval. ``--resume`` keeps a ``--json`` file's rows and runs only
+what it lacks (a long matrix over several sittings). ``--plot`` draws goodput against the
+SLO, the TTFT tail and chain latency per rate (and the capacity curves); ``--replot``
+redraws saved runs.
 """
 
 from __future__ import annotations
@@ -30,10 +35,22 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_relay.bench.serve_report import Record, markdown, plot, summarize
+import requests
+
+from sglang_relay.bench import capacity
+from sglang_relay.bench.chain_kinds import (
+    AGENTS,
+    DEFAULT_MIX,
+    TOPICS,
+    chain_prompts,
+    output_lengths,
+    parse_mix,
+)
+from sglang_relay.bench.serve_report import ChainRun, Record, markdown, plot, summarize
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.prompts import chat_prompt
@@ -42,12 +59,6 @@ from sglang_relay.prompts import chat_prompt
 SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_tokens",
                    "fallbacks", "owned_spans_released_for_room",
                    "owned_tokens_released_for_room", "batches_split")  # fmt: skip
-
-
-KINDS = ("pipeline", "fanin", "groupchat", "fanout", "plain")
-
-
-DEFAULT_MIX = "pipeline:0.4,fanin:0.2,groupchat:0.2,plain:0.2"
 
 
 METHOD_OPTIONS: dict[str, Any] = {
@@ -60,100 +71,42 @@ METHOD_OPTIONS: dict[str, Any] = {
 }
 
 
-TOPICS = ["rate limiting", "B-trees", "TCP congestion control", "garbage collection",
-          "consistent hashing", "ray tracing", "vector clocks", "bloom filters"]  # fmt: skip
-
-
-def arrivals(rate_per_min: float, duration_s: float, seed: int) -> list[float]:
+def arrivals(
+    rate_per_min: float, duration_s: float, seed: int, count: int | None = None
+) -> list[float]:
     """Arrival times (seconds from the start) of a Poisson process of ``rate_per_min``
-    events per minute over ``duration_s``: exponential gaps, fixed seed."""
-    if rate_per_min <= 0 or duration_s <= 0:
+    events per minute over ``duration_s`` (or its first ``count`` events, however long
+    they take): exponential gaps, fixed seed."""
+    if rate_per_min <= 0 or (duration_s <= 0 and not count):
         return []
     rng = random.Random(seed)
     out, t = [], 0.0
     while True:
         t += rng.expovariate(rate_per_min / 60.0)
-        if t >= duration_s:
+        if (count and len(out) >= count) or (not count and t >= duration_s):
             return out
         out.append(t)
-
-
-def parse_mix(text: str) -> dict[str, float]:
-    """``kind:weight,...`` -> normalized weights over :data:`KINDS`."""
-    mix: dict[str, float] = {}
-    for part in text.split(","):
-        kind, _, weight = part.strip().partition(":")
-        if kind not in KINDS:
-            raise ValueError(f"unknown chain kind {kind!r}; choose from {', '.join(KINDS)}")
-        mix[kind] = float(weight or 1.0)
-    total = sum(mix.values())
-    if total <= 0 or any(w < 0 for w in mix.values()):
-        raise ValueError(f"mix weights must be >= 0 and not all 0: {text!r}")
-    return {k: w / total for k, w in mix.items()}
-
-
-FANOUT_ROLES = ("Writer", "Critic", "Tester", "Translator")
-
-
-def _chain_prompts(
-    kind: str, k: int, topic: str, outs: list[str], i: int | None = None
-) -> tuple[str, str, bool]:
-    """(system, user message, whether it quotes earlier outputs) of agent ``i`` (default
-    ``len(outs)``: the agent after the earlier ones)."""
-    i = len(outs) if i is None else i
-    if kind == "plain":
-        return f"Assistant {k}.", f"Explain {topic} in a few paragraphs.", False
-    if kind == "pipeline":
-        roles = ["Planner", "Engineer", "Reviewer"]
-        quoted = "".join(f"\n\n{roles[j]} wrote:\n{o}" for j, o in enumerate(outs))
-        task = ["Plan how to teach", "Write a worked example of", "Review the material on"][i]
-        return f"You are the {roles[i]} ({k}).", f"{task} {topic}.{quoted}", i > 0
-    if kind == "fanin":
-        if i < 3:
-            angle = ["its history", "how it works", "its pitfalls"][i]
-            return f"Expert {i} ({k}).", f"Write about {topic}: {angle}.", False
-        notes = "".join(f"\n\nNote {j + 1}:\n{o}" for j, o in enumerate(outs))
-        return f"Editor ({k}).", f"Merge these notes on {topic} into one text.{notes}", True
-    if kind == "fanout":
-        if i == 0:
-            return f"Lead ({k}).", f"Write a brief on {topic} for four specialists.", False
-        role = FANOUT_ROLES[i - 1]
-        task = f"Brief from the lead:\n{outs[0]}\n\nDo your part as the {role} on {topic}."
-        return f"You are the {role} ({k}).", task, True
-    turns = "".join(f"\n\nSpeaker {j % 2 + 1}: {o}" for j, o in enumerate(outs))
-    return (
-        f"Speaker {i % 2 + 1} of a debate ({k}).",
-        f"Debate: is {topic} worth it?{turns}\n\nYour turn.",
-        i > 0,
-    )
-
-
-AGENTS = {"pipeline": 3, "fanin": 4, "groupchat": 4, "fanout": 1 + len(FANOUT_ROLES), "plain": 1}
-
-
-def output_lengths(kind: str, out_tokens: int, answer_tokens: int | None) -> list[int]:
-    """Output tokens of each agent of a ``kind`` chain: ``out_tokens``, except the last
-    agent of a chain that reads earlier outputs (a fan-out's workers: every agent after the
-    lead), which answers in ``answer_tokens`` (None: ``out_tokens`` too)."""
-    n = AGENTS[kind]
-    last = out_tokens if answer_tokens is None or kind == "plain" else answer_tokens
-    if kind == "fanout":
-        return [out_tokens] + [last] * (n - 1)
-    return [out_tokens] * (n - 1) + [last]
 
 
 def run_chain(
     url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int,
     answer_tokens: int | None = None, fixed_length: bool = False,
+    on_record: Callable[[Record], None] | None = None, pauses: list[float] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[Record]:  # fmt: skip
     """One chain, agent after agent (a fan-in's first three agents are independent but run
     in order too: the client of a fan-in waits for all of them); a fan-out's workers are
-    sent at once after the lead's brief. Outputs stop at the model's end of text (and the
-    early-stop guard's redo counts) unless ``fixed_length`` (``ignore_eos``)."""
+    sent at once after the lead's brief; a tool loop waits ``pauses[i]`` seconds after
+    turn ``i`` (its tool). Outputs stop at the model's end of text (and the early-stop
+    guard's redo counts) unless ``fixed_length`` (``ignore_eos``). Each finished request
+    goes to ``on_record``; once ``stop`` is set no further request is sent."""
     lengths = output_lengths(kind, out_tokens, answer_tokens)
+    stop = stop or threading.Event()
 
     def agent(i: int, outs: list[str]) -> tuple[str, Record]:
-        system, user, quotes = _chain_prompts(kind, k, topic, outs, i)
+        if stop.is_set():
+            raise TimeoutError("the run ended before this request was sent")
+        system, user, quotes = chain_prompts(kind, k, topic, outs, i)
         params: dict[str, Any] = {"max_new_tokens": lengths[i], "temperature": 0.0,
                                   "ignore_eos": fixed_length}  # fmt: skip
         if relay is not None:
@@ -162,6 +115,8 @@ def run_chain(
         rec = Record(k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens,
                      gen.relay or {},
                      output_tokens=int(gen.meta.get("completion_tokens", lengths[i])))  # fmt: skip
+        if on_record is not None:
+            on_record(rec)
         return gen.text.strip(), rec
 
     outs: list[str] = []
@@ -172,35 +127,62 @@ def run_chain(
             done = list(workers.map(lambda i: agent(i, [text]), range(1, len(lengths))))
         return [rec] + [r for _, r in done]
     for i in range(len(lengths)):
+        if i and pauses:
+            stop.wait(pauses[i - 1])
         text, rec = agent(i, outs)
         outs.append(text)
         records.append(rec)
     return records
 
 
+def tool_pauses(kind: str, rng: random.Random, bounds: tuple[float, float]) -> list[float]:
+    """A tool loop's pauses between turns, uniform in ``bounds`` (s); none for other kinds."""
+    if kind != "toolloop":
+        return []
+    return [rng.uniform(*bounds) for _ in range(AGENTS[kind] - 1)]
+
+
+def _abort_all(url: str) -> None:
+    """End every request still running on the server (a run's censored stragglers), so the
+    next run starts on an idle server."""
+    try:
+        requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+    except requests.RequestException:
+        pass  # the flush that starts the next run waits for idle anyway
+
+
 def run_rate(
     url: str, tok: Any, method: str, rate: float, args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
     """One open-loop run: chains submitted at their arrival times, whether or not earlier
-    ones finished; waits for stragglers up to ``args.drain`` seconds."""
+    ones finished. After ``args.duration`` s of arrivals it waits up to ``args.drain`` s,
+    then ends: requests not finished by then (and those never sent) are censored, SLO
+    misses in the all-arrivals TTFT; the server's stragglers are aborted."""
     rng = random.Random(seed)
     mix = parse_mix(args.mix)
     kinds, weights = list(mix), list(mix.values())
-    times = arrivals(rate, args.duration, seed)
-    chains: list[tuple[float, float | None, list[Record]]] = []
+    times = arrivals(rate, args.duration, seed, args.chains)
+    window = times[-1] if args.chains and times else args.duration  # arrivals' span (s)
+    chains: list[ChainRun] = []
     errors: list[str] = []
     lock = threading.Lock()
+    stop = threading.Event()
+    bounds = tuple(float(x) for x in args.tool_pause.split(","))
 
-    def one(k: int, kind: str, topic: str) -> None:
-        start = time.monotonic()
+    def one(k: int, run: ChainRun, topic: str, pauses: list[float]) -> None:
+        def record(rec: Record) -> None:
+            with lock:
+                run.records.append(rec)
+
         try:
-            recs = run_chain(url, tok, kind, k, topic, METHOD_OPTIONS[method], args.out_tokens,
-                             args.answer_tokens, args.fixed_length)  # fmt: skip
+            run_chain(url, tok, run.kind, k, topic, METHOD_OPTIONS[method], args.out_tokens,
+                      args.answer_tokens, args.fixed_length, record, pauses, stop)  # fmt: skip
             with lock:
-                chains.append((start, time.monotonic() - start, recs))
+                run.latency = time.monotonic() - began - run.start
         except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}")
+            if not stop.is_set():
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
 
     flush_cache(url)
     before = server_state(url)
@@ -225,14 +207,21 @@ def run_rate(
     for k, t in enumerate(times):
         time.sleep(max(0.0, began + t - time.monotonic()))
         kind = rng.choices(kinds, weights)[0]
-        futures.append(pool.submit(one, k, kind, rng.choice(TOPICS)))
-    _, pending = cf.wait(futures, timeout=args.drain)
-    # stragglers past the drain keep running; the next run's flush waits for them
-    pool.shutdown(wait=False, cancel_futures=True)
+        topic, pauses = rng.choice(TOPICS), tool_pauses(kind, rng, bounds)
+        run = ChainRun(time.monotonic() - began, kind, AGENTS[kind])
+        chains.append(run)
+        futures.append(pool.submit(one, k, run, topic, pauses))
+    _, pending = cf.wait(futures, timeout=max(0.0, began + window + args.drain
+                                                  - time.monotonic()))  # fmt: skip
+    stop.set()
     elapsed = time.monotonic() - began
+    if pending:
+        _abort_all(url)
+    pool.shutdown(wait=True, cancel_futures=True)
     done.set()
-    row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
-    row["arrived_per_min"] = 60.0 * len(times) / args.duration
+    with lock:
+        row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
+    row["arrived_per_min"] = 60.0 * len(times) / window if window > 0 else 0.0
     after = server_state(url)
     row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
     total = int(after.get("pool", {}).get("total", 0))
@@ -279,6 +268,30 @@ def main(argv: list[str]) -> int:
         help="every output exactly its length (ignore_eos): equal decode work per method; "
         "by default outputs end where the model ends them, as in production",
     )
+    p.add_argument(
+        "--chains",
+        type=int,
+        default=None,
+        help="per run, this many chains (Poisson arrivals at the rate, however "
+        "long they take) instead of --duration seconds of arrivals",
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="several workloads in one invocation, comma list of chain kinds (each "
+        "its own rows, 'workload' in each row); default: one workload, --mix",
+    )
+    p.add_argument(
+        "--tool-pause",
+        default="30,120",
+        help="a tool loop's pause between turns: uniform in LO,HI seconds",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --json: keep its rows, run only the (workload, method, rate, "
+        "seed) it lacks; the file is rewritten after every run",
+    )
     p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write goodput vs SLO, TTFT and chain latency vs rate (PNG)")
@@ -294,9 +307,14 @@ def main(argv: list[str]) -> int:
         for f in files:  # several files: a method's rows keep their file apart (name@stem)
             for r in json.loads(f.read_text())["rows"]:
                 rows.append({**r, "method": f"{r['method']}@{f.stem}"} if len(files) > 1 else r)
-        print(markdown(rows, [float(x) for x in args.slos.split(",")]))
+        slos = [float(x) for x in args.slos.split(",")]
+        print(markdown(rows, slos))
+        if any("chain_ttfts_all" in r for r in rows):
+            print("\n" + capacity.markdown(rows, slos))
         if args.plot:
             plot(rows, args.plot, title=", ".join(f.name for f in files))
+            if any("chain_ttfts_all" in r for r in rows):
+                capacity.plot(rows, str(Path(args.plot).with_suffix("")) + "_capacity.png", slos)
         return 0
     if args.quick:
         args.rates, args.duration, args.methods = "2,6", 45.0, "standard,relay"
@@ -315,23 +333,45 @@ def main(argv: list[str]) -> int:
 
     model = str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model)
-    rows = []
+    workloads = (args.workloads or "").split(",") if args.workloads else [args.mix]
+    for w in workloads:
+        parse_mix(w)
+    out = Path(args.json) if args.json else None
+    rows = json.loads(out.read_text())["rows"] if args.resume and out and out.exists() else []
+    have = {(r.get("workload"), r["method"], r["rate"], r.get("seed", 0)) for r in rows}
     with server_at(args.url, ["--model-path", model, *server_flags]) as url:
         generate(url, chat_prompt(tok, "Warm up.", "Hello"), {"max_new_tokens": 8})
-        for rate in rates:
-            for s in range(args.seeds):
-                seed = args.seed + int(rate * 1000) + 7919 * s
-                for method in methods:  # same arrivals (seed) for every method at a rate
-                    row = run_rate(url, tok, method, rate, args, seed=seed)
-                    row["seed"] = s
-                    rows.append(row)
-                    print(json.dumps({k: row[k] for k in ("method", "rate", "seed", "completed",
-                          "requests", "ttft_p90", "chain_latency_p50", "errors")}),
-                          flush=True)  # fmt: skip
+        for workload in workloads:
+            args.mix = workload
+            for rate in rates:
+                for s in range(args.seeds):
+                    seed = args.seed + int(rate * 1000) + 7919 * s
+                    for method in methods:  # same arrivals (seed) for every method at a rate
+                        if (workload, method, rate, s) in have:
+                            continue
+                        began = time.monotonic()
+                        row = run_rate(url, tok, method, rate, args, seed=seed)
+                        row.update(seed=s, workload=workload, wall_s=time.monotonic() - began)
+                        rows.append(row)
+                        print(json.dumps({k: row[k] for k in ("workload", "method", "rate",
+                              "seed", "arrived_per_min", "completed", "censored", "ttft_p90",
+                              "ttft_all_p90", "wall_s")}), flush=True)  # fmt: skip
+                        if out:
+                            _write(out, args, rows)
     print(markdown(rows, slos))
     if args.plot:
         plot(rows, args.plot)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if any("chain_ttfts_all" in r for r in rows):
+        print("\n" + capacity.markdown(rows, slos))
+        if args.plot:
+            capacity.plot(rows, str(Path(args.plot).with_suffix("")) + "_capacity.png", slos)
+    if out:
+        _write(out, args, rows)
     return 0
+
+
+def _write(path: Path, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    tmp.replace(path)

@@ -12,6 +12,7 @@ interval excludes 1.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ def percentile(values: list[float], q: float) -> float | None:
     pos = (len(xs) - 1) * q / 100.0
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
+    if pos == lo or xs[hi] == xs[lo]:  # no interpolation (and none toward an infinite miss)
+        return xs[lo]
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
@@ -96,26 +99,49 @@ class Record:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+@dataclass
+class ChainRun:
+    """One arrived chain of a run: when it arrived (s from the run's start), its kind, how
+    many requests it makes, those that finished (as they finished), its latency if it
+    finished."""
+
+    start: float
+    kind: str
+    planned: int
+    records: list[Record] = field(default_factory=list)
+    latency: float | None = None
+
+
+def _finite(x: float | None) -> float | None:
+    """None for a tail beyond the run (an infinite, censored value): JSON has no inf."""
+    return None if x is None or math.isinf(x) else x
+
+
 def summarize(
     method: str,
     rate: float,
-    chains: list[tuple[float, float | None, list[Record]]],
+    chains: list[ChainRun],
     errors: list[str],
     arrived: int,
     incomplete: int,
     elapsed_s: float,
 ) -> dict[str, Any]:
-    """One row of the report from the chains a run completed."""
-    chains = sorted(chains, key=lambda c: c[0])
-    records = [r for _, _, recs in chains for r in recs]
+    """One row of the report. TTFT over the requests that finished (``ttft_*``) and over
+    every request of every arrived chain (``ttft_all_*``), where a request that never
+    finished inside the run (or was never sent: its chain was stuck) is censored, counted
+    as a miss of any SLO (``censored``; ``None`` where the tail is such a miss)."""
+    chains = sorted(chains, key=lambda c: c.start)
+    finished = [c for c in chains if c.latency is not None]
+    records = [r for c in chains for r in sorted(c.records, key=lambda r: r.agent)]
     ttft = [r.ttft_s for r in records]
     down = [r.ttft_s for r in records if r.could_relay]
-    latency = [lat for _, lat, _ in chains if lat is not None]
+    latency = [c.latency for c in finished if c.latency is not None]
     tpot = [t for r in records if (t := r.tpot_s) is not None]
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
-    for _, lat, recs in chains:
-        if lat is not None and recs:
-            by_kind[recs[0].kind].append(lat)
+    for c in finished:
+        by_kind[c.kind].append(c.latency or 0.0)
+    every = [[r.ttft_s for r in sorted(c.records, key=lambda r: r.agent)]
+             + [math.inf] * max(0, c.planned - len(c.records)) for c in chains]  # fmt: skip
     prompt = sum(r.prompt_tokens for r in records)
     relayed = sum(int(r.relay.get("reused_tokens", 0)) for r in records)
     fallbacks = collections.Counter(
@@ -125,19 +151,22 @@ def summarize(
         "method": method,
         "rate": rate,
         "arrived": arrived,
-        "completed": len(chains),
+        "completed": len(finished),
         "incomplete": incomplete,
+        "censored": sum(t == math.inf for c in every for t in c),
         "errors": len(errors),
         "error_samples": errors[:3],
-        "chains_per_min": 60.0 * len(chains) / elapsed_s if elapsed_s > 0 else 0.0,
+        "chains_per_min": 60.0 * len(finished) / elapsed_s if elapsed_s > 0 else 0.0,
         **{f"ttft_{k}": v for k, v in tail(ttft).items()},
+        **{f"ttft_all_{k}": _finite(v) for k, v in tail([t for c in every for t in c]).items()},
         **{f"ttft_relayable_{k}": v for k, v in tail(down).items()},
         **{f"chain_latency_{k}": v for k, v in tail(latency).items()},
         "chain_latency_p50_by_kind": {k: percentile(v, 50) for k, v in sorted(by_kind.items())},
         "tpot_p50": percentile(tpot, 50),
         "tpot_p99": percentile(tpot, 99),
         "requests": len(records),
-        "chain_ttfts": [[round(r.ttft_s, 4) for r in recs] for _, _, recs in chains],
+        "chain_ttfts": [[round(r.ttft_s, 4) for r in c.records] for c in finished],
+        "chain_ttfts_all": [[None if t == math.inf else round(t, 4) for t in c] for c in every],
         "relayed_prompt_share": relayed / prompt if prompt else 0.0,
         "fallbacks": dict(fallbacks),
         "reuse_rate_mean": statistics.fmean(
