@@ -288,10 +288,30 @@ class SpanStore:
             )
         return out
 
+    def meta_bytes(self) -> int:
+        """Bytes of the arrays the recorded spans keep, one entry per token: each span's
+        ``slots``, ``positions`` and ``stamps`` (int64, on the pool's device), its
+        ``context`` (float32, when recorded) and ``held_slots`` (a view of ``slots``, or a
+        re-homed span's whole pages, which ``slots`` then views), each storage counted once,
+        and the index's copy of its tokens (int64, host). Not counted: the index's anchor
+        entries (one Python dict entry per ``anchor`` tokens) and the Python objects around
+        the arrays."""
+        total = 0
+        for span_id, span in self.spans.items():
+            arrays = (span.slots, span.positions, span.stamps, span.context, span.held_slots)
+            storages = {t.untyped_storage() for t in arrays if t is not None}
+            total += sum({s.data_ptr(): s.nbytes() for s in storages}.values())
+            total += self.index.tokens(span_id).nbytes
+        return total
+
     def stats(self) -> dict[str, Any]:
+        meta = self.meta_bytes()
         out: dict[str, Any] = {
             "spans": len(self.spans),
             "span_tokens": self.num_tokens,
+            # what the recorded spans keep beside their KV (:meth:`meta_bytes`)
+            "span_meta_bytes": meta,
+            "span_meta_bytes_per_token": round(meta / self.num_tokens, 2) if self.num_tokens else 0,
             "owned_span_tokens": self.owned_tokens,
             "span_token_budget": self.max_tokens,
             "match_scans": self.scans,
