@@ -7,11 +7,12 @@ and ``--relay-host-ttl`` from that count (``/get_server_info``: ``fallback_span_
 Each dropped span leaves the 32-token window hashes it would publish for routing
 (:func:`~sglang_relay.core.fingerprints.span_fingerprints`: every 16th window and the last,
 salted with its namespace, so one tenant's prompt never hits another's), up to
-:data:`MAX_WINDOWS` in all, oldest forgotten first: ~16 bytes of host memory per 16
-evicted tokens. A prompt hits when any of its windows is one of them: one
-``searchsorted`` of its window hashes against a sorted copy of the remembered ones, made
-again on the first check after a change. Not thread-safe: the scheduler thread owns it
-(like the store).
+:data:`MAX_WINDOWS` in all, oldest forgotten first: ~150 bytes of host memory per 16
+evicted tokens (an ordered-dict entry and its Python int, ~140 bytes under tracemalloc,
+and 8 in the sorted copy), ~40 MB at the bound. A prompt hits when any of its windows is
+one of them: one ``searchsorted`` of its window hashes against a sorted copy of the
+remembered ones, made again on the first check after a change. Not thread-safe: the
+scheduler thread owns it (like the store).
 """
 
 from __future__ import annotations
