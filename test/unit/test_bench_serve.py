@@ -213,3 +213,20 @@ def test_a_fixed_count_of_arrivals_takes_as_long_as_it_takes():
     times = serve.arrivals(6.0, 0.0, seed=5, count=30)
     assert len(times) == 30 and times == sorted(times)
     assert times == serve.arrivals(6.0, 1e9, seed=5)[:30]  # the same process, cut by count
+
+
+def test_a_request_the_server_aborted_is_not_a_finished_request(monkeypatch):
+    """The run's end aborts the server's stragglers; SGLang streams their abort as a normal
+    final chunk, whose arrival is no first token: such a request stays censored."""
+    from sglang_relay.client import Generation
+
+    def fake(url, text, params):
+        meta = {"finish_reason": {"type": "abort", "message": "Abort all requests."}}
+        return Generation(text="", ttft_s=0.01, latency_s=0.01, meta=meta)
+
+    monkeypatch.setattr(serve, "generate", fake)
+    monkeypatch.setattr(serve, "chat_prompt", lambda tok, system, user: user)
+    seen = []
+    with pytest.raises(RuntimeError, match="aborted"):
+        serve.run_chain("http://x", None, "deep", 0, "B-trees", None, 40, on_record=seen.append)
+    assert seen == []

@@ -112,6 +112,9 @@ def run_chain(
         if relay is not None:
             params["custom_params"] = {"relay": relay}
         gen = generate(url, chat_prompt(tok, system, user), params)
+        finish = gen.meta.get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":  # no TTFT to count
+            raise RuntimeError(f"aborted by the server: {finish.get('message', '')}")
         rec = Record(k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens,
                      gen.relay or {},
                      output_tokens=int(gen.meta.get("completion_tokens", lengths[i])))  # fmt: skip
