@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from sglang_relay.bench import run
@@ -52,39 +53,43 @@ def test_bench_run_writes_results_report_and_plots(server, tmp_path, capsys):
         assert (out / png).stat().st_size > 1000 and png in report
 
 
-@pytest.mark.full  # 90 s; the arithmetic of censoring and goodput: test_capacity.py
+@pytest.mark.full  # ~2 min; the arithmetic of censoring and goodput: test_capacity.py
 def test_bench_serve_censors_what_a_run_did_not_finish(server, tmp_path, capsys):
-    """Two workloads in one file (the second appended by ``--resume``): deep chains that
-    finish, and tool loops whose 30 s tool outlives the run, so their later turns are never
-    sent: censored, a miss of any SLO, and the server serves on."""
+    """Deep chains that finish; a file resumed only with the same settings; tool loops whose
+    run ends during their tool's pause (later turns not arrivals); deep chains cut by the
+    run's end (in-flight requests aborted on the server and censored); the server serves
+    on."""
     from sglang_relay.bench import serve
 
-    out = tmp_path / "capacity.json"
+    out, tools, cut = (tmp_path / f"{n}.json" for n in ("deep", "tools", "cut"))
     common = ["--url", server.url, "--chains", "2", "--rates", "120", "--methods",
               "standard,relay", "--out-tokens", "40", "--answer-tokens", "4", "--slos", "2,600",
-              "--json", str(out), "--resume"]  # fmt: skip
-    assert serve.main([*common, "--workloads", "deep", "--drain", "300"]) == 0
-    assert serve.main([*common, "--workloads", "deep,toolloop", "--drain", "3",
-                       "--tool-pause", "30,30"]) == 0  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
-    assert sorted((r["workload"], r["method"]) for r in rows) == [
-        ("deep", "relay"),
-        ("deep", "standard"),
-        ("toolloop", "relay"),
-        ("toolloop", "standard"),
+              "--resume"]  # fmt: skip
+    assert serve.main([*common, "--workloads", "deep", "--drain", "300", "--json", str(out)]) == 0
+    with pytest.raises(SystemExit):  # other settings: not the same runs, refused
+        serve.main([*common, "--workloads", "deep", "--drain", "30", "--json", str(out)])
+    assert serve.main([*common, "--workloads", "toolloop", "--drain", "40", "--tool-pause",
+                       "90,90", "--json", str(tools)]) == 0  # fmt: skip
+    assert serve.main([*common, "--workloads", "deep", "--drain", "0", "--json", str(cut)]) == 0
+    rows = [r for f in (out, tools, cut) for r in json.loads(f.read_text())["rows"]]
+    assert [(r["workload"], r["method"]) for r in rows] == [
+        (w, m) for w in ("deep", "toolloop", "deep") for m in ("standard", "relay")
     ]
     for r in rows:
         assert r["arrived"] == 2 and r["errors"] == 0 and r["wall_s"] > 0, r
-        if r["workload"] == "deep":  # every agent answered; relay reused the quoted outputs
-            assert r["censored"] == 0 and [len(c) for c in r["chain_ttfts_all"]] == [5, 5]
-            assert r["ttft_all_p90"] == pytest.approx(r["ttft_p90"])
-        else:  # the first turn answered, the two after the tool never sent
-            assert r["completed"] == 0 and r["censored"] == 4 and r["requests"] == 2
-            assert [c[1:] for c in r["chain_ttfts_all"]] == [[None, None]] * 2
-            assert r["ttft_all_p90"] is None and r["ttft_p90"] is not None
-    relay_deep = next(r for r in rows if r["workload"] == "deep" and r["method"] == "relay")
-    assert relay_deep["relayed_prompt_share"] > 0.1
+    full, tool, short = rows[:2], rows[2:4], rows[4:]
+    for r in full:  # every agent answered; relay reused the quoted outputs
+        assert r["censored"] == 0 and [len(c) for c in r["chain_ttfts_all"]] == [5, 5]
+        assert r["ttft_all_p90"] == pytest.approx(np.percentile(
+            [t for c in r["chain_ttfts_all"] for t in c], 90))  # fmt: skip
+    assert full[1]["relayed_prompt_share"] > 0.1
+    for r in tool:  # the first turn answered; the run ended in the tool's pause
+        assert r["completed"] == 0 and r["censored"] == 0 and r["pending_tool"] == 4
+        assert [len(c) for c in r["chain_ttfts_all"]] == [1, 1] and r["requests"] == 2
+    for r in short:  # the run ended at the last arrival: what had not answered is censored
+        assert r["completed"] == 0 and r["censored"] >= 8 and r["ttft_all_p90"] is None
+        assert all(c[-1] is None for c in r["chain_ttfts_all"])
     report = capsys.readouterr().out
     assert "| toolloop | relay | 120 /" in report and "miss" in report
-    gen = serve.generate(server.url, "Hello", {"max_new_tokens": 4})  # serves on
+    gen = serve.generate(server.url, "Hello", {"max_new_tokens": 4})  # the aborts left it well
     assert gen.meta["completion_tokens"] >= 1

@@ -213,20 +213,44 @@ def test_a_fixed_count_of_arrivals_takes_as_long_as_it_takes():
     times = serve.arrivals(6.0, 0.0, seed=5, count=30)
     assert len(times) == 30 and times == sorted(times)
     assert times == serve.arrivals(6.0, 1e9, seed=5)[:30]  # the same process, cut by count
+    # common random numbers: one seed's sequence at twice the rate is the same, twice as dense
+    assert serve.arrivals(12.0, 0.0, seed=5, count=30) == pytest.approx([t / 2 for t in times])
 
 
-def test_a_request_the_server_aborted_is_not_a_finished_request(monkeypatch):
+def test_a_request_the_server_aborted_counts_only_if_a_token_came_first(monkeypatch):
     """The run's end aborts the server's stragglers; SGLang streams their abort as a normal
-    final chunk, whose arrival is no first token: such a request stays censored."""
+    final chunk, whose arrival is no first token unless a token came before it."""
     from sglang_relay.client import Generation
 
+    tokens = {"n": 0}
+
     def fake(url, text, params):
-        meta = {"finish_reason": {"type": "abort", "message": "Abort all requests."}}
-        return Generation(text="", ttft_s=0.01, latency_s=0.01, meta=meta)
+        meta = {"finish_reason": {"type": "abort", "message": "Abort all requests."},
+                "completion_tokens": tokens["n"]}  # fmt: skip
+        return Generation(text="", ttft_s=0.01, latency_s=0.5, meta=meta)
 
     monkeypatch.setattr(serve, "generate", fake)
     monkeypatch.setattr(serve, "chat_prompt", lambda tok, system, user: user)
     seen = []
+    record = lambda rec, at: seen.append((rec.agent, rec.ttft_s))  # noqa: E731
     with pytest.raises(RuntimeError, match="aborted"):
-        serve.run_chain("http://x", None, "deep", 0, "B-trees", None, 40, on_record=seen.append)
-    assert seen == []
+        serve.run_chain("http://x", None, "deep", 0, "B-trees", None, 40, on_record=record)
+    assert seen == []  # no token: censored
+    tokens["n"] = 3  # the first token came, then the abort: its TTFT is real, the chain ends
+    with pytest.raises(RuntimeError, match="aborted"):
+        serve.run_chain("http://x", None, "deep", 0, "B-trees", None, 40, on_record=record)
+    assert seen == [(0, 0.01)]
+
+
+def test_a_turn_still_waiting_for_its_tool_has_not_arrived():
+    rec = serve_report.Record
+    first = rec(0, "toolloop", 0, False, 0.2, 1.0, 100)
+    pausing = ChainRun(0.0, "toolloop", 3, [first], pausing=True)  # the run ended in a pause
+    stuck = ChainRun(1.0, "toolloop", 3, [first])  # its second turn never finished
+    assert pausing.slots() == [0.2] and stuck.slots() == [0.2, float("inf"), float("inf")]
+    fan = ChainRun(2.0, "fanout", 3, [rec(2, "fanout", 2, True, 0.5, 1.0, 9),
+                                      rec(2, "fanout", 0, False, 0.1, 1.0, 9)])  # fmt: skip
+    assert fan.slots() == [0.1, float("inf"), 0.5]  # each at its agent's place
+    row = serve_report.summarize("relay", 6.0, [pausing, stuck, fan], [], 3, 2, 60.0)
+    assert row["pending_tool"] == 2 and row["censored"] == 3
+    assert row["chain_ttfts_all"] == [[0.2], [0.2, None, None], [0.1, None, 0.5]]

@@ -1,14 +1,26 @@
 """Capacity an operator can plan on, from ``bench serve`` runs over several rates and seeds.
 
 Every TTFT here is over *all* arrivals: a request that did not finish inside its run, or
-was never sent because its chain was stuck, is censored and counts as a miss of any SLO
-(``chain_ttfts_all``, ``None`` for a censored request). A rate is labelled by the rate its
-arrivals achieved (mean over seeds), not the one offered. **Goodput** at an SLO is the
-highest achieved rate whose p90 TTFT over all arrivals, pooled over the seeds, meets the
-SLO, counting only rates below the first that misses it. Its 95 % interval is a
-percentile bootstrap that resamples chains within each (rate, seed); methods are
-resampled with the same chain indices (a seed gives every method the same arrivals and
-chains), so the ratio method / baseline has a paired interval too.
+was never sent because its chain was stuck behind one that did not, is censored and
+misses any SLO (``chain_ttfts_all``, ``None`` at the agent's place). (A tool loop's turn
+still waiting for its tool when the run ended has not arrived yet: it is not counted.)
+A rate is labelled by the rate its arrivals achieved (mean over seeds), not the one
+offered.
+
+A rate **meets** an SLO when at least 90 % of its arrivals, pooled over its seeds, have a
+TTFT within it (attainment; the p90 read as a nearest rank, so one censored request in ten
+does not fail a rate that 90 % of requests met). **Goodput** at an SLO is the highest
+achieved rate that meets it, counting only rates below the first offered rate that does
+not. Its 95 % interval is a percentile bootstrap that resamples, within each (rate, seed),
+blocks of :data:`BLOCK` consecutive chains in arrival order (chains that arrive together
+share the server's load, so single chains are not independent), circularly; every
+method is resampled with the same blocks (a seed gives every method the same arrivals and
+chains), so the ratio method / baseline has a paired interval. Goodput only takes the
+tested rates' values: its interval says which tested rates keep meeting the SLO when the
+chains are resampled, not a continuous band; where the highest rate tested meets the SLO,
+goodput is only known to be at least that (">=", and a ratio of two such is no ratio); a
+ratio 0 / 0 has no value and is left out of its interval (the tables count such
+resamples).
 """
 
 from __future__ import annotations
@@ -21,6 +33,9 @@ import numpy as np
 
 from sglang_relay.bench.intervals import LEVEL, RESAMPLES, SEED
 from sglang_relay.bench.serve_report import percentile
+
+ATTAINMENT = 0.9  # the share of arrivals within the SLO a rate must reach
+BLOCK = 5  # chains per resampled block, in arrival order
 
 Runs = dict[float, list[dict[str, Any]]]  # rate -> the rows of its seeds
 
@@ -36,15 +51,14 @@ def by_workload(rows: list[dict[str, Any]]) -> dict[str, dict[str, Runs]]:
     return out
 
 
-def _values(runs: list[dict[str, Any]], picks: list[np.ndarray] | None) -> list[float]:
-    """The TTFTs of ``runs``' chains (resampled by ``picks``, one index array per seed),
-    censored requests as ``inf``."""
-    out: list[float] = []
-    for s, run in enumerate(runs):
-        chains = run["chain_ttfts_all"]
-        for i in range(len(chains)) if picks is None else picks[s]:
-            out.extend(math.inf if t is None else t for t in chains[i])
-    return out
+def _chains(run: dict[str, Any]) -> list[np.ndarray]:
+    return [np.array([math.inf if t is None else t for t in c], dtype=float)
+            for c in run["chain_ttfts_all"]]  # fmt: skip
+
+
+def _values(runs: list[dict[str, Any]]) -> np.ndarray:
+    parts = [v for run in runs for v in _chains(run)]
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def achieved(runs: list[dict[str, Any]]) -> float:
@@ -52,76 +66,121 @@ def achieved(runs: list[dict[str, Any]]) -> float:
     return float(np.mean([r["arrived_per_min"] for r in runs]))
 
 
-def tails(
-    per_rate: Runs, q: float = 90, picks: dict[float, list[np.ndarray]] | None = None
-) -> list[tuple[float, float | None]]:
-    """Per rate, ascending: (achieved rate, pooled ``q`` TTFT over all arrivals)."""
-    return [(achieved(per_rate[rate]),
-             percentile(_values(per_rate[rate], None if picks is None else picks[rate]), q))
-            for rate in sorted(per_rate)]  # fmt: skip
+def block_picks(n: int, rng: np.random.Generator, block: int = BLOCK) -> np.ndarray:
+    """``n`` chain indices: circular blocks of ``block`` consecutive chains from random
+    starts (a moving-block bootstrap in arrival order)."""
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    b = max(1, min(block, n))
+    starts = rng.integers(0, n, (n + b - 1) // b)
+    return ((starts[:, None] + np.arange(b)[None, :]) % n).reshape(-1)[:n]
 
 
-def goodput(curve: list[tuple[float, float | None]], slo_s: float) -> float:
-    """The highest achieved rate of ``curve`` (:func:`tails`) whose tail meets ``slo_s``,
-    before the first rate that misses it; 0 if the lowest misses."""
-    best = 0.0
-    for rate, value in curve:
-        if value is None or value > slo_s:
-            break
-        best = rate
-    return best
+class Curve:
+    """One method's runs of one workload as per-chain counts: for each (rate, seed), each
+    chain's requests and how many of them met each SLO, so a resample's attainment is two
+    sums."""
 
+    def __init__(self, per_rate: Runs, slos: list[float]) -> None:
+        self.rates = sorted(per_rate)
+        self.achieved = [achieved(per_rate[r]) for r in self.rates]
+        self.keys: list[list[tuple[float, int]]] = []
+        self.n: dict[tuple[float, int], np.ndarray] = {}
+        self.met: dict[tuple[float, int], np.ndarray] = {}
+        for rate in self.rates:
+            keys = []
+            for run in per_rate[rate]:
+                key = (rate, int(run.get("seed", 0)))
+                chains = _chains(run)
+                self.n[key] = np.array([len(c) for c in chains], dtype=float)
+                self.met[key] = np.array([[float((c <= s).sum()) for s in slos] for c in chains],
+                                         dtype=float).reshape(len(chains), len(slos))  # fmt: skip
+                keys.append(key)
+            self.keys.append(keys)
 
-def _interval(values: list[float]) -> tuple[float, float]:
-    xs = np.sort(np.asarray(values, dtype=float))
-    lo = xs[int(np.floor((1 - LEVEL) / 2 * (len(xs) - 1)))]
-    hi = xs[int(np.ceil((1 + LEVEL) / 2 * (len(xs) - 1)))]
-    return float(lo), float(hi)
+    def chains(self) -> dict[tuple[float, int], int]:
+        return {k: len(v) for k, v in self.n.items()}
+
+    def attainment(self, picks: dict[tuple[float, int], np.ndarray] | None = None) -> np.ndarray:
+        """``[rates, slos]`` share of arrivals within each SLO (chains resampled by
+        ``picks``, keyed by (rate, seed))."""
+        out = []
+        for keys in self.keys:
+            n = sum(float(self.n[k][picks[k]].sum() if picks else self.n[k].sum()) for k in keys)
+            met = sum((self.met[k][picks[k]] if picks else self.met[k]).sum(axis=0) for k in keys)
+            out.append(met / n if n else np.zeros_like(met))
+        return np.array(out)
+
+    def goodput(self, share: np.ndarray) -> np.ndarray:
+        """Per SLO, the highest achieved rate meeting it before the first rate that does
+        not (``share``: :meth:`attainment`)."""
+        best = np.zeros(share.shape[1])
+        alive = np.ones(share.shape[1], dtype=bool)
+        for i, rate in enumerate(self.achieved):
+            alive &= share[i] >= ATTAINMENT
+            best = np.where(alive, np.maximum(best, rate), best)
+        return best
 
 
 def goodput_table(
     rows: list[dict[str, Any]],
     slos: list[float],
     baseline: str = "standard",
-    q: float = 90,
     resamples: int = RESAMPLES,
     seed: int = SEED,
 ) -> list[dict[str, Any]]:
     """Per workload, SLO and method: goodput with its interval, and goodput / the
-    baseline's with a paired interval (``inf`` where the baseline's is 0)."""
+    baseline's with a paired interval (``inf`` where only the baseline's is 0)."""
     out = []
     rng = np.random.default_rng(seed)
     for workload, methods in by_workload(rows).items():
-        rates = sorted({rate for per_rate in methods.values() for rate in per_rate})
-        shape = {
-            rate: [
-                len(r["chain_ttfts_all"])
-                for r in next(per_rate[rate] for per_rate in methods.values() if rate in per_rate)
-            ]
-            for rate in rates
-        }
-        draws = [{rate: [rng.integers(0, n, n) for n in shape[rate]] for rate in rates}
-                 for _ in range(resamples)]  # fmt: skip
-        point = {m: tails(pr, q) for m, pr in methods.items()}
-        boot = {m: [tails(pr, q, d) for d in draws] for m, pr in methods.items()}
-        for slo in slos:
-            for m in methods:
-                row = {"workload": workload, "slo_s": slo, "method": m,
-                       "goodput": goodput(point[m], slo),
-                       "interval": _interval([goodput(c, slo) for c in boot[m]])}  # fmt: skip
-                if baseline in methods and m != baseline:
-                    ratios = [_ratio(goodput(a, slo), goodput(b, slo))
-                              for a, b in zip(boot[m], boot[baseline], strict=True)]  # fmt: skip
-                    base = goodput(point[baseline], slo)
-                    row["ratio"] = (_ratio(row["goodput"], base), *_interval(ratios))
-                out.append(row)
+        curves = {m: Curve(pr, slos) for m, pr in methods.items()}
+        shape: dict[tuple[float, int], int] = {}
+        for m, c in curves.items():
+            for key, n in c.chains().items():
+                if shape.setdefault(key, n) != n:
+                    raise ValueError(
+                        f"{workload}: rate {key[0]:g}, seed {key[1]}: {m} has {n} "
+                        f"chains, another method {shape[key]}: not the same runs"
+                    )
+        point = {m: c.goodput(c.attainment()) for m, c in curves.items()}
+        boot = {m: np.empty((resamples, len(slos))) for m in curves}
+        for b in range(resamples):
+            picks = {key: block_picks(n, rng) for key, n in shape.items()}
+            for m, c in curves.items():
+                boot[m][b] = c.goodput(c.attainment(picks))
+        for j, slo in enumerate(slos):
+            for m in curves:
+                row = {
+                    "workload": workload,
+                    "slo_s": slo,
+                    "method": m,
+                    "goodput": float(point[m][j]),
+                    "interval": _interval(boot[m][:, j]),
+                    "at_top": bool(point[m][j] >= curves[m].achieved[-1] > 0),
+                }
+                if baseline in curves and m != baseline:
+                    ratios = _ratios(boot[m][:, j], boot[baseline][:, j])
+                    defined = ratios[~np.isnan(ratios)]
+                    row["ratio"] = (
+                        float(_ratios(point[m][j : j + 1], point[baseline][j : j + 1])[0]),
+                        *(_interval(defined) if defined.size else (math.nan,) * 2),
+                    )
+                    row["ratio_undefined"] = int(resamples - defined.size)
+                out.append(row)  # fmt: skip
     return out
 
 
-def _ratio(a: float, b: float) -> float:
-    if b > 0:
-        return a / b
-    return math.inf if a > 0 else 1.0
+def _ratios(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.where(a > 0, np.inf, np.nan))
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(
+        np.asarray(values, dtype=float), [(1 - LEVEL) / 2, (1 + LEVEL) / 2], method="inverted_cdf"
+    )  # an element, never a blend with inf
+    return float(lo), float(hi)
 
 
 def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
@@ -131,7 +190,7 @@ def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
     for workload, methods in by_workload(rows).items():
         for method, per_rate in methods.items():
             for rate, runs in sorted(per_rate.items()):
-                values = _values(runs, None)
+                values = _values(runs).tolist()
                 out.append({
                     "workload": workload, "method": method, "offered": rate,
                     "achieved": achieved(runs), "seeds": len(runs),
@@ -145,8 +204,14 @@ def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
 
 def _s(x: float | None) -> str:
     if x is None or math.isinf(x):
-        return "miss"
+        return "miss" if x is None or x > 0 else "-"
+    if math.isnan(x):
+        return "-"
     return f"{x:.2f}"
+
+
+def _r(x: float) -> str:
+    return "inf" if math.isinf(x) else _s(x)
 
 
 def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "standard") -> str:
@@ -160,17 +225,27 @@ def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "sta
             f"{p['seeds']} | {p['chains']} | {p['requests']} | {p['censored']} | "
             f"{_s(p['p50'])} / {_s(p['p90'])} |"
         )
-    lines += ["", "| workload | method | " + " | ".join(f"goodput at p90 <= {s:g} s [95 % CI]"
-              for s in slos) + f" | / {baseline} at {slos[-1]:g} s [95 % CI] |",
-              "|---|---|" + "---|" * (len(slos) + 1)]  # fmt: skip
+    head = " | ".join(f"TTFT <= {s:g} s: goodput [95 % CI]; / {baseline} [95 % CI]" for s in slos)
+    lines += ["", f"| workload | method | {head} |", "|---|---|" + "---|" * len(slos)]
     table = goodput_table(rows, slos, baseline)
     for workload, method in dict.fromkeys((t["workload"], t["method"]) for t in table):
-        mine = [t for t in table if (t["workload"], t["method"]) == (workload, method)]
-        cells = [f"{t['goodput']:.1f} [{t['interval'][0]:.1f}, {t['interval'][1]:.1f}]"
-                 for t in mine]  # fmt: skip
-        r = mine[-1].get("ratio")
-        ratio = "-" if r is None else f"{_s(r[0])} [{_s(r[1])}, {_s(r[2])}]"
-        lines.append(f"| {workload} | {method} | " + " | ".join(cells) + f" | {ratio} |")
+        cells = []
+        for t in (t for t in table if (t["workload"], t["method"]) == (workload, method)):
+            top = ">= " if t["at_top"] else ""  # the highest rate tested met it
+            cell = f"{top}{t['goodput']:.1f} [{t['interval'][0]:.1f}, {t['interval'][1]:.1f}]"
+            base = next((b for b in table if (b["workload"], b["method"], b["slo_s"])
+                         == (workload, baseline, t["slo_s"])), None)  # fmt: skip
+            if "ratio" in t and t["at_top"] and base is not None and base["at_top"]:
+                cell += "; both >= the highest rate tested, no ratio"
+            elif "ratio" in t and math.isinf(t["ratio"][0]):
+                cell += f"; {baseline} none at the lowest rate tested"
+            elif "ratio" in t:
+                r = t["ratio"]
+                cell += f"; {_r(r[0])} [{_r(r[1])}, {_r(r[2])}]"
+                if t["ratio_undefined"]:
+                    cell += f" ({t['ratio_undefined']} resamples 0 / 0)"
+            cells.append(cell)
+        lines.append(f"| {workload} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

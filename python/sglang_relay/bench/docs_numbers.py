@@ -49,7 +49,14 @@ TABLES: tuple[Table, ...] = (
     Table(
         "README.md",
         "results",
-        (*FRONTIERS, *TTFT_RUNS, docs_readme.FANOUT, docs_readme.DECODE, docs_readme.CHAOS),
+        (
+            *FRONTIERS,
+            *TTFT_RUNS,
+            docs_readme.FANOUT,
+            docs_readme.CAPACITY,
+            docs_readme.DECODE,
+            docs_readme.CHAOS,
+        ),
         docs_readme.results_table,
     ),
     Table(R, "ttft-quick", ("docs/ttft_quick.json",), docs_ttft.quick_table),
@@ -66,6 +73,7 @@ TABLES: tuple[Table, ...] = (
         for name, (rel, _) in docs_serve.SERVE_TABLES.items()
     ),
     Table(R, "serve-fanout-goodput", (docs_serve.FANOUT_RUN,), docs_serve.fanout_goodput),
+    Table(R, "capacity", (docs_serve.CAPACITY_RUN,), docs_serve.capacity_tables),
     Table(R, "serve-fanout-seeds", (docs_readme.FANOUT,), docs_serve.fanout_seeds_table),
     Table(R, "serve-fanout-seeds-goodput", (docs_readme.FANOUT,), docs_serve.fanout_seeds_goodput),
     Table(F, "fidelity-quick", ("docs/bench/fidelity_quick.json",), docs_fidelity.quick_table),

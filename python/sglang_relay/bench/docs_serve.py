@@ -191,3 +191,17 @@ def decode_table(root: Path, rel: str = "docs/bench/decode_pairs.json") -> str:
             f"{r['server_pairs']} x {r['rounds']}",
         ])  # fmt: skip
     return md_table(head, body)
+
+
+CAPACITY_RUN = "docs/bench/capacity_2026-12-06.json"
+
+
+def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
+    """The capacity run (``bench serve --chains ... --seeds ...``): p50 / p90 TTFT over all
+    arrivals (censored ones as misses) per workload, method and achieved rate, then goodput
+    at each SLO with bootstrap intervals and the ratio to standard."""
+    from sglang_relay.bench import capacity
+
+    data = load(root, rel)
+    slos = [float(s) for s in data["args"]["slos"].split(",")]
+    return capacity.markdown(data["rows"], slos)

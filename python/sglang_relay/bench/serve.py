@@ -4,13 +4,14 @@ Agent chains arrive as a Poisson process at each ``--rates`` (chains per minute)
 ``--duration`` seconds (or ``--chains`` of them, however long they take) against one
 server; one method per run (``--methods``: per-request ``custom_params.relay``, so every
 method runs on the same server), the cache flushed between runs. Chain kinds (``--mix``,
-or ``--workloads``: several kinds one after another, each its own rows) are in
+or ``--workloads``: several mixes one after another, each its own rows) are in
 :mod:`sglang_relay.bench.chain_kinds`: pipeline, fan-in, group chat, fan-out, deep chain,
 tool loop (``--tool-pause``) and plain requests that relay nothing (the control). Outputs
 end where the model ends them (early stops and the early-stop guard's redo count, as in
 production); ``--fixed-length`` makes every method do the same decode work instead. A run
 ends ``--drain`` s after its last arrival: requests not finished by then, or never sent,
-are censored (SLO misses of the all-arrivals TTFT) and the server's stragglers aborted.
+are censored (SLO misses of the all-arrivals TTFT) and the server's stragglers aborted; a
+tool loop's turn whose tool was still running has not arrived and is not counted.
 
 Reported per method, rate and seed: the arrival rate achieved, chains completed per
 minute, TTFT p50/p90 (p99 from 100 requests) of the requests that finished, of every
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import json
 import random
 import threading
@@ -91,15 +93,19 @@ def arrivals(
 def run_chain(
     url: str, tok: Any, kind: str, k: int, topic: str, relay: Any, out_tokens: int,
     answer_tokens: int | None = None, fixed_length: bool = False,
-    on_record: Callable[[Record], None] | None = None, pauses: list[float] | None = None,
-    stop: threading.Event | None = None,
+    on_record: Callable[[Record, float], None] | None = None,
+    pauses: list[float] | None = None, stop: threading.Event | None = None,
+    on_pause: Callable[[bool], None] | None = None,
 ) -> list[Record]:  # fmt: skip
     """One chain, agent after agent (a fan-in's first three agents are independent but run
     in order too: the client of a fan-in waits for all of them); a fan-out's workers are
     sent at once after the lead's brief; a tool loop waits ``pauses[i]`` seconds after
     turn ``i`` (its tool). Outputs stop at the model's end of text (and the early-stop
     guard's redo counts) unless ``fixed_length`` (``ignore_eos``). Each finished request
-    goes to ``on_record``; once ``stop`` is set no further request is sent."""
+    goes to ``on_record`` with the ``time.monotonic()`` of its first token; a request the
+    server aborted goes there only if a token came first (its TTFT is real), and ends the
+    chain. Once ``stop`` is set no further request is sent; ``on_pause`` is told when a
+    tool pause begins and ends (a pause the stop cuts ends the chain)."""
     lengths = output_lengths(kind, out_tokens, answer_tokens)
     stop = stop or threading.Event()
 
@@ -111,15 +117,17 @@ def run_chain(
                                   "ignore_eos": fixed_length}  # fmt: skip
         if relay is not None:
             params["custom_params"] = {"relay": relay}
+        sent = time.monotonic()
         gen = generate(url, chat_prompt(tok, system, user), params)
-        finish = gen.meta.get("finish_reason")
-        if isinstance(finish, dict) and finish.get("type") == "abort":  # no TTFT to count
-            raise RuntimeError(f"aborted by the server: {finish.get('message', '')}")
+        tokens = int(gen.meta.get("completion_tokens", lengths[i]))
         rec = Record(k, kind, i, quotes, gen.ttft_s, gen.latency_s, gen.prompt_tokens,
-                     gen.relay or {},
-                     output_tokens=int(gen.meta.get("completion_tokens", lengths[i])))  # fmt: skip
-        if on_record is not None:
-            on_record(rec)
+                     gen.relay or {}, output_tokens=tokens)  # fmt: skip
+        finish = gen.meta.get("finish_reason")
+        aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+        if on_record is not None and not (aborted and tokens < 1):
+            on_record(rec, sent + gen.ttft_s)  # an abort chunk before any token is no TTFT
+        if aborted:
+            raise RuntimeError(f"aborted by the server: {finish.get('message', '')}")
         return gen.text.strip(), rec
 
     outs: list[str] = []
@@ -131,7 +139,12 @@ def run_chain(
         return [rec] + [r for _, r in done]
     for i in range(len(lengths)):
         if i and pauses:
-            stop.wait(pauses[i - 1])
+            if on_pause is not None:
+                on_pause(True)
+            if stop.wait(pauses[i - 1]):
+                raise TimeoutError("the run ended during a tool's pause")
+            if on_pause is not None:
+                on_pause(False)
         text, rec = agent(i, outs)
         outs.append(text)
         records.append(rec)
@@ -173,15 +186,22 @@ def run_rate(
     bounds = tuple(float(x) for x in args.tool_pause.split(","))
 
     def one(k: int, run: ChainRun, topic: str, pauses: list[float]) -> None:
-        def record(rec: Record) -> None:
+        def record(rec: Record, first_token_at: float) -> None:
+            with lock:  # a first token after the run's end is no arrival that finished
+                if first_token_at <= deadline:
+                    run.records.append(rec)
+
+        def pause(on: bool) -> None:
             with lock:
-                run.records.append(rec)
+                run.pausing = on
 
         try:
             run_chain(url, tok, run.kind, k, topic, METHOD_OPTIONS[method], args.out_tokens,
-                      args.answer_tokens, args.fixed_length, record, pauses, stop)  # fmt: skip
+                      args.answer_tokens, args.fixed_length, record, pauses, stop,
+                      pause)  # fmt: skip
             with lock:
-                run.latency = time.monotonic() - began - run.start
+                if time.monotonic() <= deadline:
+                    run.latency = time.monotonic() - began - run.start
         except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
             if not stop.is_set():
                 with lock:
@@ -205,23 +225,25 @@ def run_rate(
 
     threading.Thread(target=sample, daemon=True).start()
     began = time.monotonic()
+    deadline = began + window + args.drain
     pool = cf.ThreadPoolExecutor(max_workers=max(4, len(times)))
     futures = []
-    for k, t in enumerate(times):
-        time.sleep(max(0.0, began + t - time.monotonic()))
-        kind = rng.choices(kinds, weights)[0]
-        topic, pauses = rng.choice(TOPICS), tool_pauses(kind, rng, bounds)
-        run = ChainRun(time.monotonic() - began, kind, AGENTS[kind])
-        chains.append(run)
-        futures.append(pool.submit(one, k, run, topic, pauses))
-    _, pending = cf.wait(futures, timeout=max(0.0, began + window + args.drain
-                                                  - time.monotonic()))  # fmt: skip
-    stop.set()
+    try:
+        for k, t in enumerate(times):
+            time.sleep(max(0.0, began + t - time.monotonic()))
+            kind = rng.choices(kinds, weights)[0]
+            topic, pauses = rng.choice(TOPICS), tool_pauses(kind, rng, bounds)
+            run = ChainRun(time.monotonic() - began, kind, AGENTS[kind])
+            chains.append(run)
+            futures.append(pool.submit(one, k, run, topic, pauses))
+        _, pending = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+    finally:  # whatever happened, no chain sends anything more and the sampler ends
+        stop.set()
+        done.set()
     elapsed = time.monotonic() - began
     if pending:
         _abort_all(url)
     pool.shutdown(wait=True, cancel_futures=True)
-    done.set()
     with lock:
         row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
     row["arrived_per_min"] = 60.0 * len(times) / window if window > 0 else 0.0
@@ -281,8 +303,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--workloads",
         default=None,
-        help="several workloads in one invocation, comma list of chain kinds (each "
-        "its own rows, 'workload' in each row); default: one workload, --mix",
+        help="several workloads in one invocation, separated by ';', each a mix like --mix "
+        "(e.g. 'fanout;deep;toolloop:0.5,deep:0.5'), each its own rows ('workload' in "
+        "each row); default: one workload, --mix",
     )
     p.add_argument(
         "--tool-pause",
@@ -292,8 +315,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="with --json: keep its rows, run only the (workload, method, rate, "
-        "seed) it lacks; the file is rewritten after every run",
+        help="with --json: keep its rows, run only the (workload, method, rate, seed) it "
+        "lacks; refused if its runs had other settings (chains, duration, drain, lengths, "
+        "tool pause, seed, server flags); the file is rewritten after every run",
     )
     p.add_argument("--quick", action="store_true", help="rates 2,6, 45 s, relay and standard")
     p.add_argument("--json", help="write the rows here")
@@ -336,11 +360,16 @@ def main(argv: list[str]) -> int:
 
     model = str(ensure_model())
     tok = AutoTokenizer.from_pretrained(model)
-    workloads = (args.workloads or "").split(",") if args.workloads else [args.mix]
+    workloads = [w.strip() for w in args.workloads.split(";")] if args.workloads else [args.mix]
     for w in workloads:
         parse_mix(w)
     out = Path(args.json) if args.json else None
     rows = json.loads(out.read_text())["rows"] if args.resume and out and out.exists() else []
+    shape = run_settings(args, server_flags)
+    other = {r.get("settings") for r in rows} - {shape}
+    if other:
+        p.error(f"--resume: {out} holds runs with other settings ({sorted(map(str, other))}, "
+                f"these are {shape}): use another --json")  # fmt: skip
     have = {(r.get("workload"), r["method"], r["rate"], r.get("seed", 0)) for r in rows}
     with server_at(args.url, ["--model-path", model, *server_flags]) as url:
         generate(url, chat_prompt(tok, "Warm up.", "Hello"), {"max_new_tokens": 8})
@@ -348,20 +377,31 @@ def main(argv: list[str]) -> int:
             args.mix = workload
             for rate in rates:
                 for s in range(args.seeds):
-                    seed = args.seed + int(rate * 1000) + 7919 * s
-                    for method in methods:  # same arrivals (seed) for every method at a rate
+                    # one sequence per seed, the same at every rate (its gaps scaled by the
+                    # rate: common random numbers), for every method
+                    seed = args.seed + 7919 * s
+                    for method in methods:
                         if (workload, method, rate, s) in have:
                             continue
                         began = time.monotonic()
                         row = run_rate(url, tok, method, rate, args, seed=seed)
-                        row.update(seed=s, workload=workload, wall_s=time.monotonic() - began)
+                        row.update(
+                            seed=s,
+                            workload=workload,
+                            settings=shape,
+                            wall_s=time.monotonic() - began,
+                        )
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in ("workload", "method", "rate",
                               "seed", "arrived_per_min", "completed", "censored", "ttft_p90",
                               "ttft_all_p90", "wall_s")}), flush=True)  # fmt: skip
                         if out:
                             _write(out, args, rows)
-    print(markdown(rows, slos))
+    for workload in dict.fromkeys(r.get("workload") for r in rows):  # one at a time
+        print(
+            f"\n{workload or ''}\n"
+            + markdown([r for r in rows if r.get("workload") == workload], slos)
+        )
     if args.plot:
         plot(rows, args.plot)
     if any("chain_ttfts_all" in r for r in rows):
@@ -371,6 +411,15 @@ def main(argv: list[str]) -> int:
     if out:
         _write(out, args, rows)
     return 0
+
+
+def run_settings(args: argparse.Namespace, server_flags: list[str]) -> str:
+    """What makes two runs of a (workload, method, rate, seed) the same run, as one short
+    string: rows of a ``--resume`` file must share it."""
+    keys = ("chains", "duration", "drain", "out_tokens", "answer_tokens", "fixed_length",
+            "tool_pause", "seed")  # fmt: skip
+    text = json.dumps([[k, getattr(args, k)] for k in keys] + [server_flags, "common arrivals"])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _write(path: Path, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

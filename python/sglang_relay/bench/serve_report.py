@@ -103,13 +103,23 @@ class Record:
 class ChainRun:
     """One arrived chain of a run: when it arrived (s from the run's start), its kind, how
     many requests it makes, those that finished (as they finished), its latency if it
-    finished."""
+    finished, and whether it was waiting for a tool when the run ended (its later turns
+    had not arrived yet)."""
 
     start: float
     kind: str
     planned: int
     records: list[Record] = field(default_factory=list)
     latency: float | None = None
+    pausing: bool = False
+
+    def slots(self) -> list[float]:
+        """TTFT per request that arrived, at its agent's place: ``inf`` for one that did
+        not finish in the run, or was not sent because the chain was stuck; the turns
+        after a tool pause the run's end cut are left out."""
+        done = {r.agent: r.ttft_s for r in self.records}
+        arrived = max(done, default=-1) + 1 if self.pausing else self.planned
+        return [done.get(i, math.inf) for i in range(arrived)]
 
 
 def _finite(x: float | None) -> float | None:
@@ -140,8 +150,7 @@ def summarize(
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
     for c in finished:
         by_kind[c.kind].append(c.latency or 0.0)
-    every = [[r.ttft_s for r in sorted(c.records, key=lambda r: r.agent)]
-             + [math.inf] * max(0, c.planned - len(c.records)) for c in chains]  # fmt: skip
+    every = [c.slots() for c in chains]
     prompt = sum(r.prompt_tokens for r in records)
     relayed = sum(int(r.relay.get("reused_tokens", 0)) for r in records)
     fallbacks = collections.Counter(
@@ -154,6 +163,7 @@ def summarize(
         "completed": len(finished),
         "incomplete": incomplete,
         "censored": sum(t == math.inf for c in every for t in c),
+        "pending_tool": sum(c.planned - len(e) for c, e in zip(chains, every, strict=True)),
         "errors": len(errors),
         "error_samples": errors[:3],
         "chains_per_min": 60.0 * len(finished) / elapsed_s if elapsed_s > 0 else 0.0,
