@@ -80,8 +80,8 @@ def test_bench_serve_censors_what_a_run_did_not_finish(server, tmp_path, capsys)
     full, tool, short = rows[:2], rows[2:4], rows[4:]
     for r in full:  # every agent answered; relay reused the quoted outputs
         assert r["censored"] == 0 and [len(c) for c in r["chain_ttfts_all"]] == [5, 5]
-        assert r["ttft_all_p90"] == pytest.approx(np.percentile(
-            [t for c in r["chain_ttfts_all"] for t in c], 90))  # fmt: skip
+        assert r["ttft_all_p90"] == pytest.approx(np.percentile(  # the file rounds to 0.1 ms
+            [t for c in r["chain_ttfts_all"] for t in c], 90), abs=1e-3)  # fmt: skip
     assert full[1]["relayed_prompt_share"] > 0.1
     for r in tool:  # the first turn answered; the run ended in the tool's pause
         assert r["completed"] == 0 and r["censored"] == 0 and r["pending_tool"] == 4
