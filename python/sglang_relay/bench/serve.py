@@ -171,9 +171,10 @@ def run_rate(
     url: str, tok: Any, method: str, rate: float, args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
     """One open-loop run: chains submitted at their arrival times, whether or not earlier
-    ones finished. After ``args.duration`` s of arrivals it waits up to ``args.drain`` s,
-    then ends: requests not finished by then (and those never sent) are censored, SLO
-    misses in the all-arrivals TTFT; the server's stragglers are aborted."""
+    ones finished. After its arrivals (``args.duration`` s, or ``args.chains`` of them) it
+    waits up to ``args.drain`` s, then ends: requests not finished by then (and those never
+    sent) are censored, SLO misses in the all-arrivals TTFT; the server's stragglers are
+    aborted."""
     rng = random.Random(seed)
     mix = parse_mix(args.mix)
     kinds, weights = list(mix), list(mix.values())
