@@ -69,3 +69,30 @@ def test_the_memory_is_bounded_oldest_first_and_flushed_with_the_store():
     assert store.stats()["evicted_spans_remembered"] == 1
     store.clear()  # flush_cache: forgotten too
     assert not store.evicted.pasted([1, *first, 2], None)
+
+
+def test_the_sorted_copy_follows_every_add_and_forgetting_between_checks():
+    """Spans added and forgotten in bursts of every size between checks (merged into the
+    sorted copy, or sorted anew after more churn than the bound): a prompt hits exactly
+    when it holds a window an LRU of window tuples, kept by hand, still holds."""
+    rng = random.Random(1)
+    evicted = EvictedSpans(max_windows=12)
+    lru: dict[tuple[int, ...], None] = {}  # insertion-ordered: oldest first
+    spans: list[list[int]] = []
+    for step in range(400):
+        for _ in range(rng.choice([0, 1, 1, 2, 5, 9])):
+            span = rng.choice(spans) if spans and rng.random() < 0.3 else None
+            span = span or [rng.randrange(50) for _ in range(rng.randrange(32, 90))]
+            spans.append(span)
+            evicted.add(span, None)
+            starts = [*range(0, len(span) - W + 1, STRIDE)]
+            starts += [len(span) - W] if (len(span) - W) % STRIDE else []
+            for s in starts:
+                lru.pop(tuple(span[s : s + W]), None)
+                lru[tuple(span[s : s + W])] = None
+            while len(lru) > 12:
+                del lru[next(iter(lru))]
+        span = rng.choice(spans) if spans else [0] * 40
+        a = rng.randrange(len(span))
+        prompt = [rng.randrange(50) for _ in range(3)] + span[a : a + rng.randrange(20, 90)]
+        assert evicted.pasted(prompt, None) == _holds(prompt, set(lru)), step

@@ -46,5 +46,9 @@ def test_span_meta_bytes_count_every_array_a_span_keeps_per_token():
     assert stats["span_meta_bytes"] == plain + with_context - 50 * INT64 + 64 * INT64
     assert stats["span_meta_bytes_per_token"] == round(stats["span_meta_bytes"] / 90, 2)
     assert _add(store, 3000, 20) is None  # too short to match: not recorded, not counted
+    assert store.release_owned(64) == 64  # the owned span dropped for room: back to plain
+    assert store.stats()["span_meta_bytes"] == plain
+    assert _add(store, 4000, 40) is not None and store.drop(1) == 0
+    assert store.stats()["span_meta_bytes"] == plain  # the first span's gone, the new one's kept
     store.clear()
     assert store.stats()["span_meta_bytes"] == 0 and store.stats()["span_tokens"] == 0

@@ -41,6 +41,7 @@ class Span:
     # the tree holds)
     held: int = 0
     held_slots: torch.Tensor | None = None
+    meta: int = 0  # bytes of the arrays above and the index's tokens (SpanStore.meta_bytes)
 
 
 class SpanSource(NamedTuple):
@@ -106,6 +107,7 @@ class SpanStore:
         self.demoted_spans = 0  # owned spans whose slots went back, kept indexed (tier)
         self.demoted_tokens = 0
         self.evicted = EvictedSpans()  # what was dropped for room: pasting it is told so
+        self._meta = 0  # running sum of the spans' ``meta`` (kept on add/rehome/drop)
 
     # ---- recording ------------------------------------------------------------------
     def add(
@@ -144,6 +146,7 @@ class SpanStore:
             span_id, namespace, slots, positions, stamps, len(tokens), owned, context,
             answer_start, held, held_slots,
         )  # fmt: skip
+        self._measure(self.spans[span_id])
         self.reasoning_spans += int(answer_start > 0)
         self.num_tokens += len(tokens)
         self.owned_tokens += held
@@ -186,6 +189,7 @@ class SpanStore:
         """Give an owned span's slots back, keeping it indexed (its host copy, if any,
         brings it back; until SGLang reuses the slots, their KV is still its own)."""
         released = self._give_back(span)
+        self._measure(span)  # without ``held_slots`` now
         self.demoted_spans += 1
         self.demoted_tokens += released
         return released
@@ -201,6 +205,7 @@ class SpanStore:
             self._give_back(span)
         span.slots, span.stamps = slots, stamps
         span.owned, span.held, span.held_slots = True, int(held_slots.numel()), held_slots
+        self._measure(span)
         self.owned_tokens += span.held
         self.spans.move_to_end(span_id)
         self._within_budget(keep=span_id)
@@ -214,6 +219,7 @@ class SpanStore:
             return 0
         if evicted:
             self.evicted.add(self.index.tokens(span_id).tolist(), span.namespace)
+        self._meta -= span.meta
         self.index.remove(span_id)
         self.num_tokens -= span.num_tokens
         if self.listener is not None:
@@ -288,21 +294,25 @@ class SpanStore:
             )
         return out
 
+    def _measure(self, span: Span) -> None:
+        """(Re)count what ``span`` keeps per token into the running total: its ``slots``,
+        ``positions`` and ``stamps`` (int64, on the pool's device), its ``context`` (float32,
+        when recorded) and ``held_slots`` (a view of ``slots``, or a re-homed span's whole
+        pages, which ``slots`` then views), each storage counted once, and the index's copy
+        of its tokens (int64, host)."""
+        arrays = (span.slots, span.positions, span.stamps, span.context, span.held_slots)
+        storages = {t.untyped_storage() for t in arrays if t is not None}
+        meta = sum({s.data_ptr(): s.nbytes() for s in storages}.values())
+        meta += self.index.tokens(span.span_id).nbytes
+        self._meta += meta - span.meta
+        span.meta = meta
+
     def meta_bytes(self) -> int:
-        """Bytes of the arrays the recorded spans keep, one entry per token: each span's
-        ``slots``, ``positions`` and ``stamps`` (int64, on the pool's device), its
-        ``context`` (float32, when recorded) and ``held_slots`` (a view of ``slots``, or a
-        re-homed span's whole pages, which ``slots`` then views), each storage counted once,
-        and the index's copy of its tokens (int64, host). Not counted: the index's anchor
-        entries (one Python dict entry per ``anchor`` tokens) and the Python objects around
-        the arrays."""
-        total = 0
-        for span_id, span in self.spans.items():
-            arrays = (span.slots, span.positions, span.stamps, span.context, span.held_slots)
-            storages = {t.untyped_storage() for t in arrays if t is not None}
-            total += sum({s.data_ptr(): s.nbytes() for s in storages}.values())
-            total += self.index.tokens(span_id).nbytes
-        return total
+        """Bytes of the arrays the recorded spans keep, one entry per token
+        (:meth:`_measure`), a running total: ``/get_server_info`` reads it without walking
+        the spans. Not counted: the index's anchor entries (one Python dict entry per
+        ``anchor`` tokens) and the Python objects around the arrays."""
+        return self._meta
 
     def stats(self) -> dict[str, Any]:
         meta = self.meta_bytes()
