@@ -105,3 +105,23 @@ def shares_table(root: Path) -> str:
             f"{m['stock_prefix_hit']['ttft_median_s']:.2f}",
         ])  # fmt: skip
     return md_table(head, body)
+
+
+SHORT_SPAN = "research/studies/data/short_span_2026-12-06/short_span_cost.json"
+
+
+def profile_table(root: Path) -> str:
+    """Where relay's layer loop spends its time at short spans (one py-spy profile of the
+    scheduler: share of the samples in the relay extend's loop and the probe's, by kind of
+    work) and what a layer's matrix products cost a row at each row count (the embedded
+    model's shapes), from ``research/studies/short_span_cost.py``'s data file."""
+    data = load(root, SHORT_SPAN)
+    extend, probe = data["pyspy"]["extend"], data["pyspy"]["probe"]
+    kinds = [k for k in extend if k != "samples"]
+    body = [[k, f"{100 * extend[k]:.0f}", f"{100 * probe.get(k, 0.0):.0f}"] for k in kinds]
+    body.append(["samples", f"{extend['samples']:,}", f"{probe['samples']:,}"])
+    shares = md_table(["work", "extend % of samples", "probe % of samples"], body)
+    head = ["rows", "one layer's products ms", "us a row", "30 layers ms"]
+    rows = [[f"{r['rows']:,}", f"{r['layer_ms']:.2f}", f"{r['us_per_row']:.0f}",
+             f"{r['stack_ms_30_layers']:.1f}"] for r in data["linear_rows"]]  # fmt: skip
+    return shares + "\n\n" + md_table(head, rows) + f"\n\n({data['threads']} threads)"

@@ -68,6 +68,7 @@ TABLES: tuple[Table, ...] = (
     Table(R, "growth-ttft", docs_growth.GROWTH_RUNS, docs_growth.ttft_table),
     Table(R, "growth-phases", docs_growth.GROWTH_RUNS, docs_growth.phases_table),
     Table(R, "growth-shares", docs_growth.GROWTH_RUNS, docs_growth.shares_table),
+    Table(R, "short-span-profile", (docs_growth.SHORT_SPAN,), docs_growth.profile_table),
     *(
         Table(R, name, (rel,), partial(docs_serve.serve_table, name=name))
         for name, (rel, _) in docs_serve.SERVE_TABLES.items()
