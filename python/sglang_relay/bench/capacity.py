@@ -241,7 +241,11 @@ def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "sta
                 cell += f"; {baseline} none at the lowest rate tested"
             elif "ratio" in t:
                 r = t["ratio"]
-                cell += f"; {_r(r[0])} [{_r(r[1])}, {_r(r[2])}]"
+                # one side at the highest rate tested: the ratio is a bound, not a value
+                bound = (
+                    ">= " if t["at_top"] else "<= " if base is not None and base["at_top"] else ""
+                )
+                cell += f"; {bound}{_r(r[0])} [{_r(r[1])}, {_r(r[2])}]"
                 if t["ratio_undefined"]:
                     cell += f" ({t['ratio_undefined']} resamples 0 / 0)"
             cells.append(cell)

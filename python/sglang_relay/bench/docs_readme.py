@@ -121,6 +121,9 @@ def _fanout_row(root: Path) -> list[str]:
     ]
 
 
+NAMES = {"standard": "standard", "cacheblend": "CacheBlend", "epic": "EPIC"}  # alternatives
+
+
 def _capacity_row(root: Path) -> list[str]:
     """Goodput per SLO over achieved rates (censored arrivals as misses), relay against
     standard with the paired interval; bold where the interval excludes 1."""
@@ -146,7 +149,9 @@ def _capacity_row(root: Path) -> list[str]:
         r = at[("relay", slo)]["ratio"]
         if r[0] == float("inf"):
             return "standard: none, even at the lowest rate"
-        text = f"{r[0]:.2f}x standard's"
+        # one side at the highest rate tested: the ratio is a bound, not a value
+        top = at[("relay", slo)]["at_top"], at[("standard", slo)]["at_top"]
+        text = f"{'>= ' if top[0] else '<= ' if top[1] else ''}{r[0]:.2f}x standard's"
         lo = "inf" if r[1] == float("inf") else f"{r[1]:.2f}"
         hi = "inf" if r[2] == float("inf") else f"{r[2]:.2f}"
         body = f"{text} [{lo}-{hi}]"
@@ -158,7 +163,11 @@ def _capacity_row(root: Path) -> list[str]:
         "chains/min achieved",
         "goodput, chains/min achieved, at p90 TTFT <= "
         + "; ".join(f"{s:g} s: {cell('relay', s)} ({ratio(s)})" for s in slos),
-        "standard: " + "; ".join(f"{cell('standard', s)}" for s in slos),
+        " · ".join(
+            f"{NAMES[m]}: " + "; ".join(cell(m, s) for s in slos)
+            for m in NAMES
+            if (m, slos[0]) in at
+        ),
         f"{chains} chains per rate and seed, {seeds} seed(s); requests not finished in a run "
         f"count as misses; intervals resample blocks of chains; `{Path(CAPACITY).name}`",
     ]
