@@ -26,6 +26,7 @@ TINY = [
 ]
 
 
+@pytest.mark.full  # ~80 s: `bench run` end to end in the full tier, to keep CI under 25 minutes
 def test_bench_run_writes_results_report_and_plots(server, tmp_path, capsys):
     workload = tmp_path / "tiny.jsonl"
     workload.write_text("\n".join(json.dumps(c) for c in TINY))
