@@ -98,3 +98,19 @@ def test_a_baseline_without_goodput_gives_an_unbounded_ratio_and_0_over_0_none()
     assert relay[1.0]["goodput"] == 4 and relay[1.0]["ratio"][0] == math.inf
     assert math.isnan(relay[0.1]["ratio"][0]) and relay[0.1]["ratio_undefined"] == 50
     assert "resamples 0 / 0" in capacity.markdown(rows, [1.0, 0.1])
+
+
+def test_a_ratio_with_one_side_at_the_highest_rate_tested_is_marked_a_bound():
+    fast, slow = [[0.5]] * 30, [[5.0]] * 30
+    rows = [_row("standard", 4, 0, fast), _row("standard", 8, 0, slow),
+            _row("relay", 4, 0, fast), _row("relay", 8, 0, fast),  # meets both rates: >= 8
+            _row("epic", 4, 0, slow), _row("epic", 8, 0, slow)]  # fmt: skip
+    table = capacity.goodput_table(rows, [1.0], resamples=20)
+    got = {t["method"]: t for t in table}
+    assert got["relay"]["at_top"] and not got["standard"]["at_top"]
+    assert capacity.bound(got["relay"], got["standard"]) == ">= "  # 8 / 4: at least 2
+    assert capacity.bound(got["standard"], got["relay"]) == "<= "
+    assert capacity.bound(got["epic"], got["standard"]) == ""
+    goodputs = capacity.markdown(rows, [1.0]).split("goodput [95 % CI]")[1]  # its second table
+    line = next(x for x in goodputs.splitlines() if "| relay |" in x)
+    assert "; >= 2.00 [" in line

@@ -214,6 +214,15 @@ def _r(x: float) -> str:
     return "inf" if math.isinf(x) else _s(x)
 
 
+def bound(row: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """How to read ``row``'s ratio to ``base`` (two :func:`goodput_table` rows of one SLO):
+    ``">= "`` when ``row``'s goodput is at the highest rate tested (only a lower bound),
+    ``"<= "`` when only the baseline's is, else ``""``."""
+    if row["at_top"]:
+        return ">= "
+    return "<= " if base is not None and base["at_top"] else ""
+
+
 def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "standard") -> str:
     """The TTFT-vs-achieved-rate table and the goodput table of ``rows``."""
     lines = ["| workload | method | offered / achieved (chains/min) | seeds | chains | requests "
@@ -241,11 +250,7 @@ def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "sta
                 cell += f"; {baseline} none at the lowest rate tested"
             elif "ratio" in t:
                 r = t["ratio"]
-                # one side at the highest rate tested: the ratio is a bound, not a value
-                bound = (
-                    ">= " if t["at_top"] else "<= " if base is not None and base["at_top"] else ""
-                )
-                cell += f"; {bound}{_r(r[0])} [{_r(r[1])}, {_r(r[2])}]"
+                cell += f"; {bound(t, base)}{_r(r[0])} [{_r(r[1])}, {_r(r[2])}]"
                 if t["ratio_undefined"]:
                     cell += f" ({t['ratio_undefined']} resamples 0 / 0)"
             cells.append(cell)

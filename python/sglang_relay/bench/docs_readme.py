@@ -127,7 +127,7 @@ NAMES = {"standard": "standard", "cacheblend": "CacheBlend", "epic": "EPIC"}  # 
 def _capacity_row(root: Path) -> list[str]:
     """Goodput per SLO over achieved rates (censored arrivals as misses), relay against
     standard with the paired interval; bold where the interval excludes 1."""
-    from sglang_relay.bench.capacity import goodput_table, points
+    from sglang_relay.bench.capacity import bound, goodput_table, points
 
     data = load(root, CAPACITY)
     slos = [float(s) for s in data["args"]["slos"].split(",")]
@@ -149,9 +149,7 @@ def _capacity_row(root: Path) -> list[str]:
         r = at[("relay", slo)]["ratio"]
         if r[0] == float("inf"):
             return "standard: none, even at the lowest rate"
-        # one side at the highest rate tested: the ratio is a bound, not a value
-        top = at[("relay", slo)]["at_top"], at[("standard", slo)]["at_top"]
-        text = f"{'>= ' if top[0] else '<= ' if top[1] else ''}{r[0]:.2f}x standard's"
+        text = f"{bound(at[('relay', slo)], at[('standard', slo)])}{r[0]:.2f}x standard's"
         lo = "inf" if r[1] == float("inf") else f"{r[1]:.2f}"
         hi = "inf" if r[2] == float("inf") else f"{r[2]:.2f}"
         body = f"{text} [{lo}-{hi}]"
