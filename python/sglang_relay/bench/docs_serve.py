@@ -204,4 +204,6 @@ def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
 
     data = load(root, rel)
     slos = [float(s) for s in data["args"]["slos"].split(",")]
-    return capacity.markdown(data["rows"], slos)
+    minutes = sum(r["wall_s"] for r in data["rows"]) / 60
+    took = f"{len(data['rows'])} runs, {minutes:.0f} minutes of runs (`wall_s`)."
+    return capacity.markdown(data["rows"], slos) + "\n\n" + took
