@@ -12,17 +12,19 @@ read; it loads no plug-in (relay's ``register`` reads the server's own environme
 launcher forked from it runs ``serve`` unchanged: the checks again, the plug-ins loaded under
 its own environment, SGLang's ``run_server``; its children start as a spawned launcher's do.
 
-A launcher whose environment differs from the parent's, before or after the checks, in a key
-the parent read or in any key outside ``SGLANG_*`` (a C library may read those without
-os.environ) replaces itself with a fresh ``sglang-relay serve`` (``os.execve``: the same pid,
-session and log, its own environment), as it does if the parent did not preload or was not
-single-threaded. Its log says which way it started. ``SGLANG_RELAY_TEST_ZYGOTE=0`` spawns
-every server as before."""
+A launcher whose environment differs from the parent's, before or after the checks, in a
+key the parent read or in any key outside ``SGLANG_*`` (a C library may read those without
+os.environ), but a ``PYTHONPATH`` that only adds folders to the parent's (taken onto
+``sys.path``; not if they hide a module the parent imported), replaces itself with a fresh
+``sglang-relay serve`` (``os.execve``: the same pid, session and log, its own
+environment), as it does if the parent did not preload or was not single-threaded. Its log
+says which way it started. ``SGLANG_RELAY_TEST_ZYGOTE=0`` spawns every server as before."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -48,6 +50,7 @@ class Preload:
     # every key its checks and imports read through os.environ: a launcher's value of one
     # of these may change what the parent's state would have been
     read_keys: set[str] = dataclasses.field(default_factory=set)
+    imported: set[str] = dataclasses.field(default_factory=set)  # its top-level modules
 
 
 PRELOAD = Preload()
@@ -133,6 +136,7 @@ def _preload() -> None:
     PRELOAD.call_env.update(call_env)
     PRELOAD.spawn_env.update(spawned_with)
     PRELOAD.threads = threading.active_count()
+    PRELOAD.imported.update(name.partition(".")[0] for name in sys.modules)
     PRELOAD.pid = os.getpid()
 
 
@@ -169,6 +173,11 @@ PARENT_ENV = "SGLANG_RELAY_TEST_ZYGOTE_PARENT_ENV"
 # os.environ). Any other key may be read by a library below Python (OpenMP, CUDA, the C
 # library itself) without read_keys knowing.
 MAY_DIFFER_PREFIX = "SGLANG_"
+# A launcher's PYTHONPATH may add folders to the parent's if they hide none of its imports:
+# the forked launcher puts them on sys.path, which is all the interpreter makes of it; its
+# readers in the preload are serve's checks (cpu_setup adds the stand-in's folder; the
+# settings checks copy the environment), which run again in the launcher.
+PATH_KEY = "PYTHONPATH"
 
 if __name__ != "__main__" and os.environ.get(PARENT_ENV):
     _preload()
@@ -182,11 +191,46 @@ def why_not_forked(environ: dict[str, str], parent: dict[str, str]) -> str | Non
     if PRELOAD.threads != 1:
         return f"the parent ran {PRELOAD.threads} threads when it forked"
     differ = sorted(_differ(parent, environ))
+    if PATH_KEY in differ:
+        dirs = added_dirs(environ, parent)
+        if dirs is not None:  # sys.path takes them (run_launcher); unless they hide an import
+            hidden = sorted(_shadowed(dirs))
+            if hidden:
+                return f"its {PATH_KEY} hides modules the parent imported: {', '.join(hidden)}"
+            differ.remove(PATH_KEY)
     foreign = [k for k in differ if k in PRELOAD.read_keys or not k.startswith(MAY_DIFFER_PREFIX)]
     if foreign:
         shown = ", ".join(f"{k} ({parent.get(k)!r} -> {environ.get(k)!r})" for k in foreign[:4])
         return f"its environment differs from the parent's: {shown}"
     return None
+
+
+def _path(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get(PATH_KEY, "").split(os.pathsep) if p]
+
+
+def added_dirs(environ: dict[str, str], parent: dict[str, str]) -> list[str] | None:
+    """The folders ``environ``'s ``PYTHONPATH`` adds to ``parent``'s (a test plug-in's
+    folder), or None where it is not ``parent``'s with folders added (an entry removed or
+    moved)."""
+    extra, theirs = [], iter(_path(parent))
+    want = next(theirs, None)
+    for entry in _path(environ):
+        if entry == want:
+            want = next(theirs, None)
+        else:
+            extra.append(entry)
+    return extra if want is None else None
+
+
+def _shadowed(dirs: list[str]) -> set[str]:
+    """Top-level modules the parent imported that a module or package in ``dirs`` would
+    hide, had the launcher started with them on its path."""
+    names: set[str] = set()
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            names.update(entry.partition(".")[0] for entry in os.listdir(d))
+    return names & PRELOAD.imported
 
 
 def run_launcher(command: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
@@ -226,6 +270,9 @@ def _serve_or_exec(command: list[str], env: dict[str, str]) -> int:
     why = why_not_forked(env, PRELOAD.spawn_env)
     if why is not None:
         _exec(command, env, why)
+    # a PYTHONPATH that adds folders: on the path, as a fresh interpreter would have them
+    sys.path[0:0] = added_dirs(env, PRELOAD.spawn_env) or []
+    importlib.invalidate_caches()
 
     def checked() -> None:  # serve's checks have set the environment; SGLang not imported yet
         why = why_not_forked(dict(os.environ), PRELOAD.call_env)

@@ -80,3 +80,37 @@ def test_a_launcher_gets_the_first_environment_and_its_own_keys(monkeypatch):
     monkeypatch.setenv("A", "changed since")  # e.g. set by this process's own imports
     env = lz.launcher_env({"SGLANG_RELAY_SCOPE": "key"})
     assert env == {"A": "1", "SGLANG_RELAY_SCOPE": "key"}
+
+
+def test_a_pythonpath_that_only_adds_folders_forks(preloaded, tmp_path):
+    (tmp_path / "a_test_plugin.py").write_text("")
+    parent = {**PARENT, "PYTHONPATH": "/p1"}
+    env = {**parent, "PYTHONPATH": os.pathsep.join([str(tmp_path), "/p1"])}
+    assert lz.added_dirs(env, parent) == [str(tmp_path)]
+    assert lz.why_not_forked(env, parent) is None
+    assert lz.why_not_forked({**PARENT, "PYTHONPATH": str(tmp_path)}, PARENT) is None
+    # the checks add the stand-in's folder before both (cpu_setup): still only one added
+    parent = {**PARENT, "PYTHONPATH": "/shim"}
+    env = {**parent, "PYTHONPATH": os.pathsep.join(["/shim", str(tmp_path)])}
+    assert lz.added_dirs(env, parent) == [str(tmp_path)]
+    assert lz.why_not_forked(env, parent) is None
+
+
+@pytest.mark.parametrize("path", ["/p2", "/p0:/p2:/p1", "", "/p2:/p0:/p1"])
+def test_a_pythonpath_that_drops_or_moves_the_parents_entries_does_not(preloaded, path):
+    parent = {**PARENT, "PYTHONPATH": "/p1:/p2"}
+    assert lz.added_dirs({**parent, "PYTHONPATH": path}, parent) is None
+    assert "PYTHONPATH" in lz.why_not_forked({**parent, "PYTHONPATH": path}, parent)
+
+
+def test_a_prepended_folder_that_hides_an_imported_module_does_not(preloaded, tmp_path):
+    lz.PRELOAD.imported.add("json")
+    (tmp_path / "json").mkdir()  # a package the parent's `json` would have been
+    why = lz.why_not_forked({**PARENT, "PYTHONPATH": str(tmp_path)}, PARENT)
+    assert why is not None and "hides modules the parent imported: json" in why
+
+
+def test_a_pythonpath_the_parent_read_still_forks(preloaded, tmp_path):
+    # serve's own checks read it in the preload and run again in the launcher
+    lz.PRELOAD.read_keys.add("PYTHONPATH")
+    assert lz.why_not_forked({**PARENT, "PYTHONPATH": str(tmp_path)}, PARENT) is None

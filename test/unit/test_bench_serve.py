@@ -254,3 +254,17 @@ def test_a_turn_still_waiting_for_its_tool_has_not_arrived():
     row = serve_report.summarize("relay", 6.0, [pausing, stuck, fan], [], 3, 2, 60.0)
     assert row["pending_tool"] == 2 and row["censored"] == 3
     assert row["chain_ttfts_all"] == [[0.2], [0.2, None, None], [0.1, None, 0.5]]
+
+
+def test_the_host_watch_reports_the_runs_shares_of_steal_and_idle(tmp_path):
+    from sglang_relay.bench.host import HostWatch
+
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    watch = HostWatch(stat)
+    # over the run: 300 user, 100 system, 400 idle, 0 iowait, 200 steal (1000 ticks)
+    stat.write_text("cpu  400 0 150 1200 10 0 0 240 0 0\ncpu0 1 2 3\n")
+    out = watch.summary()
+    assert out["steal_share"] == 0.2 and out["idle_share"] == 0.4
+    assert HostWatch(tmp_path / "absent").summary() == {}

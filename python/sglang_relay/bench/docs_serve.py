@@ -5,6 +5,7 @@ seeded fan-out with its intervals) and plain decode on a relay server."""
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -206,4 +207,12 @@ def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
     slos = [float(s) for s in data["args"]["slos"].split(",")]
     minutes = sum(r["wall_s"] for r in data["rows"]) / 60
     took = f"{len(data['rows'])} runs, {minutes:.0f} minutes of runs (`wall_s`)."
+    # rows before 2026-12-07 did not record the host
+    steal = [r.get("host", {}).get("steal_share") for r in data["rows"]]
+    steal = [x for x in steal if x is not None]
+    if steal:
+        took += (
+            f" CPU steal by the hypervisor, recorded in {len(steal)} of them: median "
+            f"{100 * statistics.median(steal):.1f} %, highest {100 * max(steal):.1f} %."
+        )
     return capacity.markdown(data["rows"], slos) + "\n\n" + took

@@ -52,6 +52,7 @@ from sglang_relay.bench.chain_kinds import (
     output_lengths,
     parse_mix,
 )
+from sglang_relay.bench.host import HostWatch
 from sglang_relay.bench.serve_report import ChainRun, Record, markdown, plot, summarize
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
@@ -225,6 +226,7 @@ def run_rate(
             peak["owned"] = max(peak["owned"], int(st.get("owned_span_tokens", 0)))
 
     threading.Thread(target=sample, daemon=True).start()
+    host = HostWatch()
     began = time.monotonic()
     deadline = began + window + args.drain
     pool = cf.ThreadPoolExecutor(max_workers=max(4, len(times)))
@@ -248,8 +250,14 @@ def run_rate(
     with lock:
         row = summarize(method, rate, chains, errors, len(times), len(pending), elapsed)
     row["arrived_per_min"] = 60.0 * len(times) / window if window > 0 else 0.0
+    row["host"] = host.summary()  # steal: CPU the hypervisor gave other guests meanwhile
     after = server_state(url)
     row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
+    # a server started with SGLANG_RELAY_PHASE_TIMES=1: relay's own time by phase over the run
+    phases = {k[6:]: round(float(v) - float(before.get(k, 0)), 3) for k, v in after.items()
+              if k.startswith("phase_") and float(v) != float(before.get(k, 0))}  # fmt: skip
+    if phases:
+        row["phases"] = phases
     total = int(after.get("pool", {}).get("total", 0))
     row["pool_peak_share"] = peak["used"] / total if total else None
     row["owned_span_tokens_peak"] = peak["owned"]
