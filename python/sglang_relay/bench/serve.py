@@ -403,7 +403,7 @@ def main(argv: list[str]) -> int:
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in ("workload", "method", "rate",
                               "seed", "arrived_per_min", "completed", "censored", "ttft_p90",
-                              "ttft_all_p90", "wall_s")}), flush=True)  # fmt: skip
+                              "ttft_all_p90", "wall_s", "host")}), flush=True)  # fmt: skip
                         if out:
                             _write(out, args, rows)
     for workload in dict.fromkeys(r.get("workload") for r in rows):  # one at a time

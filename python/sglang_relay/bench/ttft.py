@@ -35,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sglang_relay.bench.host import HostWatch
 from sglang_relay.client import generate
 from sglang_relay.core.config import METHODS
 from sglang_relay.prompts import chat_prompt
@@ -306,8 +307,10 @@ def main(argv: list[str]) -> int:
         os.environ["SGLANG_RELAY_PHASE_TIMES"] = "1"  # the server started below inherits it
     with server_at(args.url, ["--model-path", model_path, *server_flags]) as url:
         started = time.time()
+        host = HostWatch()  # the hypervisor's steal meanwhile (bench/host.py)
         rows = run(url, tok, cases, reps, methods, phases=args.phases)
         elapsed = time.time() - started
+        host_shares = host.summary()
     print(markdown(rows))
     if args.json:
         meta = {
@@ -316,6 +319,7 @@ def main(argv: list[str]) -> int:
             "python": sys.version.split()[0],
             "reps": reps,
             "elapsed_s": round(elapsed, 1),
+            "host": host_shares,
         }
         Path(args.json).write_text(json.dumps([{**r, "run": meta} for r in rows], indent=1))
     return 0
