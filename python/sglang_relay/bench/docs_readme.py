@@ -135,8 +135,9 @@ def _capacity_row(root: Path) -> list[str]:
     at = {(t["method"], t["slo_s"]): t for t in table}
     pts = [p for p in points(data["rows"]) if p["workload"] == "fanout"]
     rates = sorted({p["offered"] for p in pts})
-    seeds = max(p["seeds"] for p in pts)
-    chains = min(p["chains"] for p in pts) // seeds
+    counts = sorted({p["seeds"] for p in pts})  # rates may have different seed counts
+    seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    chains = min(p["chains"] // p["seeds"] for p in pts)
 
     def cell(method: str, slo: float) -> str:
         t = at[(method, slo)]
@@ -166,8 +167,8 @@ def _capacity_row(root: Path) -> list[str]:
             for m in NAMES
             if (m, slos[0]) in at
         ),
-        f"{chains} chains per rate and seed, {seeds} seed(s); requests not finished in a run "
-        f"count as misses; intervals resample blocks of chains; `{Path(CAPACITY).name}`",
+        f"{chains} chains per rate and seed, {seeds} seed(s) a rate; requests not finished in a "
+        f"run count as misses; intervals resample blocks of chains; `{Path(CAPACITY).name}`",
     ]
 
 
