@@ -268,3 +268,10 @@ def test_the_host_watch_reports_the_runs_shares_of_steal_and_idle(tmp_path):
     out = watch.summary()
     assert out["steal_share"] == 0.2 and out["idle_share"] == 0.4
     assert HostWatch(tmp_path / "absent").summary() == {}
+
+
+def test_phase_times_are_the_relay_states_phase_keys_only():
+    from sglang_relay.bench.traffic import phase_times
+
+    state = {"phase_match_ms": 3.5, "phase_match_n": 2, "fallbacks": 1, "pool": {"total": 8}}
+    assert phase_times(state) == {"match_ms": 3.5, "match_n": 2.0}

@@ -1,8 +1,8 @@
 """What the machine itself did during a timed run, so a run slowed by something outside it
 shows in its row: the share of CPU time the hypervisor gave to other guests (``steal``), the
-share left idle, and the load average, from ``/proc`` (Linux; elsewhere nothing). On this
-VM, steal over a few minutes has ranged from none to a sixth of the CPU (research/log.md):
-two runs of the same arrivals can differ by more than two methods do."""
+share left idle, and the load average, from ``/proc`` (Linux; elsewhere nothing). On a
+shared VM two runs of the same work minutes apart can differ by more than two methods do
+(research/log.md, 2026-12-07)."""
 
 from __future__ import annotations
 

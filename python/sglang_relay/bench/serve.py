@@ -54,6 +54,7 @@ from sglang_relay.bench.chain_kinds import (
 )
 from sglang_relay.bench.host import HostWatch
 from sglang_relay.bench.serve_report import ChainRun, Record, markdown, plot, summarize
+from sglang_relay.bench.traffic import phase_times
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.prompts import chat_prompt
@@ -254,8 +255,9 @@ def run_rate(
     after = server_state(url)
     row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
     # a server started with SGLANG_RELAY_PHASE_TIMES=1: relay's own time by phase over the run
-    phases = {k[6:]: round(float(v) - float(before.get(k, 0)), 3) for k, v in after.items()
-              if k.startswith("phase_") and float(v) != float(before.get(k, 0))}  # fmt: skip
+    was = phase_times(before)
+    phases = {k: round(v - was.get(k, 0.0), 3) for k, v in phase_times(after).items()
+              if v != was.get(k, 0.0)}  # fmt: skip
     if phases:
         row["phases"] = phases
     total = int(after.get("pool", {}).get("total", 0))

@@ -92,6 +92,12 @@ def relay_state(url: str) -> dict[str, Any]:
     return info["internal_states"][0]["relay"]
 
 
+def phase_times(state: dict[str, Any]) -> dict[str, float]:
+    """Relay's phase timers in a :func:`relay_state` (a server run with
+    ``SGLANG_RELAY_PHASE_TIMES=1``): ``{"<phase>_ms": total ms, "<phase>_n": count}``."""
+    return {k[6:]: float(v) for k, v in state.items() if k.startswith("phase_")}
+
+
 def leaked_slots(url: str, settle_s: float = 30.0) -> tuple[int, dict[str, int]]:
     """Slots neither free, evictable nor protected once the server is idle. Aborted
     requests are noticed by SGLang only every few seconds, so poll until the balance holds

@@ -87,11 +87,9 @@ def _relay_option(method: str) -> str | dict[str, Any]:
 
 def _phases(url: str) -> dict[str, float]:
     """The server's relay phase times (``SGLANG_RELAY_PHASE_TIMES=1``), ms by phase."""
-    import requests
+    from sglang_relay.bench.traffic import phase_times, relay_state
 
-    info = requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
-    relay = info.get("relay", {})
-    return {k[6:-3]: v for k, v in relay.items() if k.startswith("phase_") and k.endswith("_ms")}
+    return {k[:-3]: v for k, v in phase_times(relay_state(url)).items() if k.endswith("_ms")}
 
 
 def _measure(url: str, prompt: str, method: str, phases: bool = False) -> dict[str, Any]:
