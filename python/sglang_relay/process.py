@@ -106,6 +106,34 @@ START_TIMEOUT_S = 600.0
 BIND_FAILURE = "address already in use"
 
 
+def first_traceback(lines: list[str], limit: int = 60) -> list[str]:
+    """The first Python traceback in a log's ``lines`` (from the line that starts it, e.g.
+    SGLang's "Scheduler hit an exception: Traceback ...", through its chained tracebacks
+    to the exception's line), at most its last ``limit`` lines; [] if there is none."""
+    start = next((i for i, ln in enumerate(lines) if TRACEBACK in ln), None)
+    if start is None:
+        return []
+    end = start + 1
+    while end < len(lines):
+        line = lines[end]
+        if line.startswith((" ", "\t")) or not line.strip() or TRACEBACK in line:
+            end += 1
+        elif line.startswith(CHAINED):
+            end += 1
+        else:  # the exception's line; a chained traceback may follow it
+            end += 1
+            if end < len(lines) and not lines[end].strip() and end + 1 < len(lines):
+                if lines[end + 1].startswith(CHAINED):
+                    continue
+            break
+    block = lines[start:end]
+    return block if len(block) <= limit else [block[0], "...", *block[-(limit - 2) :]]
+
+
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct")
+
+
 @dataclass
 class _ChildProcess:
     """A child process serving HTTP on loopback, in its own process group, logging to a file.
@@ -183,7 +211,7 @@ class _ChildProcess:
                 self.stop()  # its children may outlive it
                 raise RelayError(
                     f"{self.name} exited with code {self.proc.returncode} during start-up; "
-                    f"log: {self.log_path}\n{self.log_tail()}"
+                    f"log: {self.log_path}\n{self.failure_excerpt()}"
                 )
             if self.ready():  # and not another process answering on the port
                 return self._listens()
@@ -231,6 +259,20 @@ class _ChildProcess:
             return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def failure_excerpt(self, n: int = 30) -> str:
+        """The log's last ``n`` lines, after its first traceback where that is not among
+        them: a child that failed shows the error that started it (e.g. a scheduler's
+        exception), not only its launcher's report of a rank that died."""
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = lines[-n:]
+        first = first_traceback(lines)
+        if not first or first[-1] in tail:
+            return "\n".join(tail)
+        return "\n".join(["first error in the log:", *first, "...", "last lines:", *tail])
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the whole process group (e.g. tokenizer, scheduler, detokenizer); wait for it."""

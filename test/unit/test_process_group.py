@@ -44,3 +44,49 @@ def test_a_stopped_group_has_no_live_member():
         if leader.poll() is None:
             os.killpg(leader.pid, signal.SIGKILL)
             leader.wait()
+
+
+# a child that dies at start-up as a TP server whose rank failed does: one process's
+# traceback (chained), then many lines of others' noise, then the launcher's own traceback
+_DIES = r"""
+import sys
+try:
+    try:
+        raise KeyError("the cause")
+    except KeyError as exc:
+        raise RuntimeError("rank 0 could not listen on its port") from exc
+except RuntimeError:
+    import traceback
+    print("Scheduler hit an exception: " + traceback.format_exc(), flush=True)
+for i in range(50):
+    print(f"noise {i}")
+raise SystemExit("Rank 0 scheduler died during initialization")
+"""
+
+
+def test_a_start_up_failure_shows_the_first_error_not_only_the_tail():
+    import pytest
+
+    from sglang_relay.errors import RelayError
+    from sglang_relay.process import _ChildProcess
+
+    class Dies(_ChildProcess):
+        name = "dier"
+
+        def command(self):
+            return [sys.executable, "-c", _DIES]
+
+        def ready(self):
+            return False
+
+    with pytest.raises(RelayError) as err:
+        Dies([], port=1).start(timeout=60)
+    text = str(err.value)
+    assert "exited with code 1 during start-up" in text
+    assert "Rank 0 scheduler died during initialization" in text  # the tail
+    assert "noise 49" in text and "noise 5\n" not in text
+    first = text.split("first error in the log:")[1].split("last lines:")[0]
+    assert first.splitlines()[1].startswith("Scheduler hit an exception: Traceback")
+    assert "KeyError: 'the cause'" in first  # the chained cause
+    assert first.rstrip().endswith("...")
+    assert "RuntimeError: rank 0 could not listen on its port" in first
