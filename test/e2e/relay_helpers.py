@@ -53,9 +53,11 @@ class PreloadedServerProcess(ServerProcess):
     (``launcher_zygote``: SGLang's server modules imported once per test process), or is
     spawned where that parent cannot serve it."""
 
+    forked = True  # False: spawned as `ServerProcess` spawns, with the same environment
+
     def _start_child(self, command, log, env):
         env = launcher_env(self.env)
-        forked = start_launcher(command, log.name, env)
+        forked = start_launcher(command, log.name, env) if self.forked else None
         return forked if forked is not None else super()._start_child(command, log, env)
 
 
@@ -100,18 +102,20 @@ RANK_DIED = "scheduler died during initialization"
 
 
 def _started(args: list[str], env: dict[str, str] | None) -> ServerProcess:
-    """A started server; started once more where a rank died during its start-up, with a
-    warning that carries the first error in its log (the landing CI of 2026-12-07 lost a
-    TP=2 server so; its log was not kept, and six local starts, beside other servers too,
-    did not repeat it)."""
+    """A started server; where a rank died during its start-up, started once more, spawned
+    (not forked from the preloaded parent), with a warning that carries the first error in
+    its log (the landing CI of 2026-12-07 lost a forked TP=2 server so; its log was not
+    kept, and six local starts, beside other servers too, did not repeat it)."""
     proc = PreloadedServerProcess([*args, *EXTRA_ARGS], env=env)
     try:
         return proc.start(timeout=600)
     except RelayError as exc:
         if RANK_DIED not in str(exc):
             raise
-        warnings.warn(f"a server's rank died during start-up; started again: {exc}", stacklevel=3)
-    return PreloadedServerProcess([*args, *EXTRA_ARGS], env=env).start(timeout=600)
+        warnings.warn(f"a server's rank died during start-up; spawned again: {exc}", stacklevel=3)
+    proc = PreloadedServerProcess([*args, *EXTRA_ARGS], env=env)
+    proc.forked = False
+    return proc.start(timeout=600)
 
 
 def _not_zombie(pid: int) -> bool:
