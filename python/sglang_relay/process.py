@@ -106,32 +106,32 @@ START_TIMEOUT_S = 600.0
 BIND_FAILURE = "address already in use"
 
 
-def first_traceback(lines: list[str], limit: int = 60) -> list[str]:
-    """The first Python traceback in a log's ``lines`` (from the line that starts it, e.g.
-    SGLang's "Scheduler hit an exception: Traceback ...", through its chained tracebacks
-    to the exception's line), at most its last ``limit`` lines; [] if there is none."""
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct")
+
+
+def first_traceback(lines: list[str]) -> tuple[int, int] | None:
+    """Where the first Python traceback in a log's ``lines`` is, ``(start, end)``: from the
+    line that starts it (e.g. SGLang's "Scheduler hit an exception: Traceback ..."), through
+    its chained tracebacks, to its exception's first line; None if there is none."""
     start = next((i for i, ln in enumerate(lines) if TRACEBACK in ln), None)
     if start is None:
-        return []
+        return None
     end = start + 1
     while end < len(lines):
         line = lines[end]
-        if line.startswith((" ", "\t")) or not line.strip() or TRACEBACK in line:
+        if line.startswith((" ", "\t", *CHAINED)) or not line.strip() or TRACEBACK in line:
             end += 1
-        elif line.startswith(CHAINED):
-            end += 1
-        else:  # the exception's line; a chained traceback may follow it
-            end += 1
-            if end < len(lines) and not lines[end].strip() and end + 1 < len(lines):
-                if lines[end + 1].startswith(CHAINED):
-                    continue
-            break
-    block = lines[start:end]
-    return block if len(block) <= limit else [block[0], "...", *block[-(limit - 2) :]]
-
-
-TRACEBACK = "Traceback (most recent call last):"
-CHAINED = ("During handling of the above exception", "The above exception was the direct")
+            continue
+        # the exception's line: a chained traceback may follow its message's further lines
+        k = end + 1
+        while k < len(lines) and k - end <= 20 and lines[k].strip():
+            k += 1
+        if k + 1 < len(lines) and not lines[k].strip() and lines[k + 1].startswith(CHAINED):
+            end = k + 1
+            continue
+        return start, end + 1
+    return start, end
 
 
 @dataclass
@@ -260,19 +260,29 @@ class _ChildProcess:
         except OSError:
             return ""
 
-    def failure_excerpt(self, n: int = 30) -> str:
-        """The log's last ``n`` lines, after its first traceback where that is not among
-        them: a child that failed shows the error that started it (e.g. a scheduler's
-        exception), not only its launcher's report of a rank that died."""
+    def failure_excerpt(self, n: int = 30, limit: int = 60) -> str:
+        """This launch's last ``n`` log lines, after its first traceback (at most its last
+        ``limit`` lines) where that ends before them: a child that failed shows the error
+        that started it (e.g. a scheduler's exception), not only its launcher's report of a
+        rank that died."""
         try:
-            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
-        tail = lines[-n:]
-        first = first_traceback(lines)
-        if not first or first[-1] in tail:
-            return "\n".join(tail)
-        return "\n".join(["first error in the log:", *first, "...", "last lines:", *tail])
+        tail_from = max(0, len(lines) - n)
+        found = first_traceback(lines)
+        if found is None or found[1] > tail_from:
+            return "\n".join(lines[tail_from:])
+        start, end = found
+        first = (
+            lines[start:end]
+            if end - start <= limit
+            else [lines[start], "...", *lines[end - limit + 2 : end]]
+        )
+        last = lines[tail_from:]
+        return "\n".join(["first error in the log:", *first, "...", "last lines:", *last])
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the whole process group (e.g. tokenizer, scheduler, detokenizer); wait for it."""

@@ -104,15 +104,16 @@ RANK_DIED = "scheduler died during initialization"
 def _started(args: list[str], env: dict[str, str] | None) -> ServerProcess:
     """A started server; where a rank died during its start-up, started once more, spawned
     (not forked from the preloaded parent), with a warning that carries the first error in
-    its log (the landing CI of 2026-12-07 lost a forked TP=2 server so; its log was not
-    kept, and six local starts, beside other servers too, did not repeat it)."""
+    its log. The landing CI of 2026-12-07 lost a TP=2 server so (a fresh launcher: serve's
+    checks set SGLANG_CPU_OMP_THREADS_BIND for it, which the parent read); its log was not
+    kept, and six local starts, beside other servers too, did not repeat it."""
     proc = PreloadedServerProcess([*args, *EXTRA_ARGS], env=env)
     try:
         return proc.start(timeout=600)
     except RelayError as exc:
         if RANK_DIED not in str(exc):
             raise
-        warnings.warn(f"a server's rank died during start-up; spawned again: {exc}", stacklevel=3)
+        warnings.warn(f"a server's rank died during start-up; spawned again: {exc}", stacklevel=4)
     proc = PreloadedServerProcess([*args, *EXTRA_ARGS], env=env)
     proc.forked = False
     return proc.start(timeout=600)

@@ -52,14 +52,14 @@ _DIES = r"""
 import sys
 try:
     try:
-        raise KeyError("the cause")
-    except KeyError as exc:
+        raise ValueError("the cause,\nover two lines")
+    except ValueError as exc:
         raise RuntimeError("rank 0 could not listen on its port") from exc
 except RuntimeError:
     import traceback
     print("Scheduler hit an exception: " + traceback.format_exc(), flush=True)
 for i in range(50):
-    print(f"noise {i}")
+    print(f"noise {i}", flush=True)
 raise SystemExit("Rank 0 scheduler died during initialization")
 """
 
@@ -87,6 +87,6 @@ def test_a_start_up_failure_shows_the_first_error_not_only_the_tail():
     assert "noise 49" in text and "noise 5\n" not in text
     first = text.split("first error in the log:")[1].split("last lines:")[0]
     assert first.splitlines()[1].startswith("Scheduler hit an exception: Traceback")
-    assert "KeyError: 'the cause'" in first  # the chained cause
+    assert "ValueError: the cause,\nover two lines" in first  # the chained cause, whole
     assert first.rstrip().endswith("...")
     assert "RuntimeError: rank 0 could not listen on its port" in first
