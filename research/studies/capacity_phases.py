@@ -44,7 +44,7 @@ def main(path: str) -> None:
         if "relay" in got and "cacheblend" in got:
             x = got["relay"][0] / got["cacheblend"][0]
             ratios.append(x)
-            if max(got["relay"][1], got["cacheblend"][1]) < QUIET:
+            if all(got[m][1] < QUIET for m in ("relay", "cacheblend")):  # nan: not quiet
                 quiet.append(x)
     if ratios:
         print(f"\nrelay / CacheBlend layer ms per extend, {len(ratios)} pairs: "
