@@ -4,6 +4,7 @@ points, the seeded fan-out under load, plain decode on a relay server, faults be
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,8 @@ def _capacity_row(root: Path) -> list[str]:
         r = at[("relay", slo)]["ratio"]
         if r[0] == float("inf"):
             return "standard: none, even at the lowest rate"
+        if math.isnan(r[0]):  # neither meets the lowest rate tested
+            return "standard: none either, no ratio"
         text = f"{bound(at[('relay', slo)], at[('standard', slo)])}{r[0]:.2f}x standard's"
         lo = "inf" if r[1] == float("inf") else f"{r[1]:.2f}"
         hi = "inf" if r[2] == float("inf") else f"{r[2]:.2f}"

@@ -174,18 +174,37 @@ class ExtendPlan(LayerPlan):
         self._phase: tuple | None = None
         self._rows: RowSet | None = None
 
+    def _stores(self, lid: int) -> bool:
+        """Whether layer ``lid``'s entry stores the normal rows' stream."""
+        return lid == self.capture_layer and bool(self.normal_rows.numel())
+
+    @staticmethod
+    def _injects(g: SpanGroup, lid: int) -> bool:
+        """Whether group ``g``'s span rows enter at ``lid`` from their stored hidden state."""
+        return lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden()
+
+    @staticmethod
+    def _detects(g: SpanGroup, lid: int) -> bool:
+        """Whether group ``g`` selects its rows at ``lid`` (from the stream entering it)."""
+        return lid == g.sched.l_det and lid <= g.sched.l_end
+
+    def uses_stream(self, lid: int) -> bool:
+        return self._stores(lid) or any(
+            self._injects(g, lid) or self._detects(g, lid) for g in self.plan.groups
+        )
+
     def enter(self, lid: int, stream: Stream) -> RowSet | None:
         plan, ledger, normal = self.plan, self.ledger, self.normal_rows
-        if lid == self.capture_layer and normal.numel():
+        if self._stores(lid):
             rows_r = None if stream.r is None else gather_rows(stream.r, normal)
             rows_h = gather_rows(stream.h, normal)
             ledger.store_hidden(self.normal_loc, self.drv.stream(rows_h, rows_r))
         for g in plan.groups:
-            if lid == g.sched.l_start and lid > 0 and g.sched.needs_hidden():
+            if self._injects(g, lid):
                 r = stream.residual()  # zeros if no row ran yet (a chunk of span rows only)
                 scatter_rows(stream.h, g.rows, gather_rows(ledger.hidden, g.src))
                 r[g.rows] = 0  # the stored stream is h + r: carry it in h
-            if lid == g.sched.l_det and lid <= g.sched.l_end:
+            if self._detects(g, lid):
                 detect_and_select(
                     self.fb, self.drv, lid, g, stream.h, stream.r, ledger.influence, plan.tp,
                     plan.lora,

@@ -199,7 +199,9 @@ class LayerPlan(ABC):
 
     :meth:`LayerDriver.run` calls :meth:`enter` once per layer, in order; a plan may decide
     later layers' rows from what it observed at earlier ones (the detection layer's
-    selection)."""
+    selection). A plan that returns the same :class:`RowSet` object for consecutive layers
+    lets the driver keep those rows' stream compact between them (see :meth:`LayerDriver.run`);
+    :meth:`uses_stream` says at which layers its entry reads or writes the stream."""
 
     lora_backend: Any = None  # SGLang's LoRA backend on a LoRA server
 
@@ -207,6 +209,20 @@ class LayerPlan(ABC):
     def enter(self, lid: int, stream: Stream) -> RowSet | None:
         """Layer ``lid``'s entry events applied to ``stream``; the rows that run the layer
         (None: no row does)."""
+
+    def uses_stream(self, lid: int) -> bool:
+        """Whether :meth:`enter` at layer ``lid`` reads or writes ``stream`` (the driver then
+        brings it up to date first). The default, every layer, is always right."""
+        return True
+
+
+def _settle(stream: Stream, live: tuple[RowSet, torch.Tensor, torch.Tensor]) -> None:
+    """A row set's compact ``(h, r)`` scattered back into ``stream``. Returns None: what
+    the caller's pending row set is afterwards."""
+    rows, h, r = live
+    scatter_rows(stream.h, rows.index, h)
+    scatter_rows(stream.residual(), rows.index, r)
+    return None
 
 
 class LayerDriver:
@@ -294,10 +310,18 @@ class LayerDriver:
 
     def run(self, plan: LayerPlan, stream: Stream, fb: ForwardBatch) -> Stream:
         """The one loop of every relay forward: each layer on the rows ``plan`` says, their
-        fresh K/V written to their slots, then their attention; the rows' ``(h, r)``
-        scattered back into ``stream``."""
+        fresh K/V written to their slots, then their attention. The rows' ``(h, r)`` are
+        gathered from ``stream`` when a row set starts and stay compact while the plan
+        returns the same :class:`RowSet` (one gather and one scatter per row set, not per
+        layer); they are scattered back into ``stream`` when the row set changes, before an
+        entry that uses the stream (:meth:`LayerPlan.uses_stream`) and at the end."""
+        live: tuple[RowSet, torch.Tensor, torch.Tensor] | None = None  # not yet in ``stream``
         for lid in range(self.num_layers):
+            if live is not None and plan.uses_stream(lid):
+                live = _settle(stream, live)
             rows = plan.enter(lid, stream)
+            if live is not None and rows is not live[0]:  # another row set from here on
+                live = _settle(stream, live)
             if rows is None:
                 continue
             hd = self._heads[lid]
@@ -308,14 +332,16 @@ class LayerDriver:
                 out = rows.attention(lid, hd, q.reshape(-1, hd.q, hd.d), kbuf, vbuf)
                 return out.reshape(q.shape[0], -1)
 
-            # gather / scatter of the active rows: Triton on CUDA, plain indexing elsewhere
-            r_in = None if stream.r is None else gather_rows(stream.r, rows.index)
+            if live is None:  # gather: Triton on CUDA, plain indexing elsewhere
+                h = gather_rows(stream.h, rows.index)
+                r = None if stream.r is None else gather_rows(stream.r, rows.index)
+            else:
+                _, h, r = live
             with installed(plan.lora_backend, rows.lora):
-                h_out, r_out = self.layer(
-                    lid, rows.positions, gather_rows(stream.h, rows.index), r_in, fb, attend
-                )
-            scatter_rows(stream.h, rows.index, h_out)
-            scatter_rows(stream.residual(), rows.index, r_out)
+                h, r = self.layer(lid, rows.positions, h, r, fb, attend)
+            live = (rows, h, r)
+        if live is not None:
+            _settle(stream, live)
         return stream
 
     # ---- KV --------------------------------------------------------------------------------

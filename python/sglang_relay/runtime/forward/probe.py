@@ -100,6 +100,9 @@ class ProbePlan(LayerPlan):
             index, positions[rows], fb.out_cache_loc[rows], self.attend, info_for(plan.lora, rows)
         )
 
+    def uses_stream(self, lid: int) -> bool:
+        return lid == self.capture_layer and self.n_pre > 0
+
     def enter(self, lid: int, stream: Stream) -> RowSet:
         n_pre = self.n_pre
         if lid == self.capture_layer and n_pre:
