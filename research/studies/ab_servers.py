@@ -20,6 +20,7 @@ the per-round B/A ratios; ``--json`` keeps every sample with the commits, policy
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -112,9 +113,13 @@ def main() -> None:
     if args.json:
 
         def commit(path: str | None) -> str:
+            """HEAD, with ``+dirty <sha of the diff>`` when tracked files differ from it (a
+            change measured before it is committed)."""
             where = ["-C", path] if path else []
-            cmd = ["git", *where, "rev-parse", "HEAD"]
-            return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+            run = lambda *a: subprocess.run(["git", *where, *a], capture_output=True)  # noqa: E731
+            head = run("rev-parse", "HEAD").stdout.decode().strip()
+            diff = run("diff", "HEAD").stdout
+            return f"{head}+dirty {hashlib.sha256(diff).hexdigest()[:12]}" if diff else head
 
         a_is = "--no-relay server" if args.plain else f"{args.before} @ {commit(args.before)}"
         meta = {"A": a_is, "B": f"this checkout @ {commit(None)}", "env": policy,
