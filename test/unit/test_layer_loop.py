@@ -72,10 +72,10 @@ def driver() -> LayerDriver:
 
 A, B, C = [0, 2, 3, 7], [1, 2, 5, 6, 11], list(range(ROWS))
 SCRIPTS = {
-    "one set, entries inside it": ({**dict.fromkeys(range(LAYERS), A)}, {0, 4, 7}),
-    "sets change, a layer without rows": (
+    "one set, entries inside it": (dict.fromkeys(range(LAYERS), A), {0, 4, 7}),
+    "sets change, a layer without rows, entries at changes": (
         {0: C, 1: C, 2: A, 3: A, 4: None, 5: B, 6: B, 7: B, 8: A},
-        {3, 6},
+        {2, 3, 6, 8},
     ),
     "a set returns after another": ({0: A, 1: A, 2: B, 3: B, 4: A, 5: A, 6: A, 7: C, 8: C}, set()),
 }

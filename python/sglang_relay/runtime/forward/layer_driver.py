@@ -217,12 +217,10 @@ class LayerPlan(ABC):
 
 
 def _settle(stream: Stream, live: tuple[RowSet, torch.Tensor, torch.Tensor]) -> None:
-    """A row set's compact ``(h, r)`` scattered back into ``stream``. Returns None: what
-    the caller's pending row set is afterwards."""
+    """A row set's compact ``(h, r)`` scattered back into ``stream``."""
     rows, h, r = live
     scatter_rows(stream.h, rows.index, h)
     scatter_rows(stream.residual(), rows.index, r)
-    return None
 
 
 class LayerDriver:
@@ -318,10 +316,12 @@ class LayerDriver:
         live: tuple[RowSet, torch.Tensor, torch.Tensor] | None = None  # not yet in ``stream``
         for lid in range(self.num_layers):
             if live is not None and plan.uses_stream(lid):
-                live = _settle(stream, live)
+                _settle(stream, live)
+                live = None
             rows = plan.enter(lid, stream)
             if live is not None and rows is not live[0]:  # another row set from here on
-                live = _settle(stream, live)
+                _settle(stream, live)
+                live = None
             if rows is None:
                 continue
             hd = self._heads[lid]
