@@ -6,6 +6,8 @@ speed moves by 10-60 % between runs) hits both alike.
     OMP_WAIT_POLICY=PASSIVE python research/studies/ab_servers.py --before /path/to/old/checkout
     # a --no-relay server against a relay server, plain requests only
     OMP_WAIT_POLICY=PASSIVE python research/studies/ab_servers.py --plain
+    # the table of a saved run
+    python research/studies/ab_servers.py --summary run.json
 
 Both servers get the same OpenMP wait policy (``OMP_WAIT_POLICY`` from the environment,
 else PASSIVE, set explicitly for both: an older checkout may not set it for one rank, and
@@ -29,10 +31,27 @@ import time
 
 from transformers import AutoTokenizer
 
+from sglang_relay.bench.intervals import bootstrap_ci
 from sglang_relay.client import generate
 from sglang_relay.embedded_model import ensure_model
 from sglang_relay.process import ServerProcess
 from sglang_relay.prompts import chat_prompt
+
+
+def report(samples: dict[tuple[str, str], list[float]]) -> None:
+    """Per measure: A's and B's medians, the median of the per-round B / A ratios with its
+    95 % bootstrap interval over rounds (``bench.intervals``), its min and max, and the
+    rounds where B was faster (decode is tokens/s: higher is faster; the rest seconds)."""
+    print("| measure | A median | B median | B / A per round: median [95 %] (min, max) "
+          "| B faster |\n|---|---|---|---|---|")  # fmt: skip
+    for method in dict.fromkeys(m for m, _ in samples):
+        a, b = samples[(method, "A")], samples[(method, "B")]
+        r = [y / x for x, y in zip(a, b, strict=True)]
+        lo, hi = bootstrap_ci(r, "median")
+        faster = sum((x > 1) if method == "decode" else (x < 1) for x in r)
+        print(f"| {method} | {statistics.median(a):.4f} | {statistics.median(b):.4f} | "
+              f"{statistics.median(r):.3f} [{lo:.3f}, {hi:.3f}] ({min(r):.3f}, {max(r):.3f}) "
+              f"| {faster} / {len(r)} |")  # fmt: skip
 
 
 def main() -> None:
@@ -40,9 +59,15 @@ def main() -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--before", help="an older checkout (A); B is this one")
     mode.add_argument("--plain", action="store_true", help="A: --no-relay, B: relay server")
+    mode.add_argument("--summary", help="print the table of a saved --json file; run nothing")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--json", help="write every sample here")
     args = p.parse_args()
+    if args.summary:
+        with open(args.summary) as f:
+            saved = json.load(f)["samples"]
+        report({tuple(key.rsplit(" ", 1)): v for key, v in saved.items()})
+        return
     model = str(ensure_model(quiet=True))
     tok = AutoTokenizer.from_pretrained(model)
 
@@ -103,13 +128,7 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    print("| measure | A median | B median | B / A per round: median [min, max] |")
-    print("|---|---|---|---|")
-    for method in dict.fromkeys(m for m, _ in samples):
-        a, b = samples[(method, "A")], samples[(method, "B")]
-        r = [y / x for x, y in zip(a, b, strict=True)]
-        print(f"| {method} | {statistics.median(a):.4f} | {statistics.median(b):.4f} | "
-              f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |")  # fmt: skip
+    report(samples)
     if args.json:
 
         def commit(path: str | None) -> str:
