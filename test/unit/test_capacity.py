@@ -114,3 +114,16 @@ def test_a_ratio_with_one_side_at_the_highest_rate_tested_is_marked_a_bound():
     goodputs = capacity.markdown(rows, [1.0]).split("goodput [95 % CI]")[1]  # its second table
     line = next(x for x in goodputs.splitlines() if "| relay |" in x)
     assert "; >= 2.00 [" in line
+
+
+def test_points_give_the_median_over_seeds_of_each_runs_time_per_output_token():
+    """The table's decode column: each run's ``tpot_p50``, their median over the seeds (a run
+    without one, no finished output, is left out; none at all prints ``-``)."""
+    chains = [[0.2, 0.3]] * 4
+    rows = [_row("relay", 4, s, chains) | {"tpot_p50": t} for s, t in enumerate((0.3, 0.1, 0.2))]
+    rows += [_row("relay", 8, 0, chains) | {"tpot_p50": None}]
+    rows += [_row("relay", 8, 1, chains) | {"tpot_p50": 0.5}, _row("relay", 16, 0, chains)]
+    got = {p["offered"]: p["tpot"] for p in capacity.points(rows)}
+    assert got == {4: pytest.approx(0.2), 8: pytest.approx(0.5), 16: None}
+    table = capacity.markdown(rows, [1.0]).split("\n\n")[0].splitlines()[2:]
+    assert [line.rsplit("|", 2)[1].strip() for line in table] == ["200", "500", "-"]

@@ -211,16 +211,22 @@ def test_readme_fidelity_and_ttft_cells_equal_the_raw_data():
 
 def test_readme_capacity_cells_name_a_ratio_neither_method_has():
     """Where neither relay nor standard meets the lowest rate at an SLO, the cell says so in
-    words (it once printed ``nanx``); every other ratio is a number or inf."""
-    row = next(r for r in _cells("results", "README.md") if r[0].startswith("agent chains"))
-    assert "nan" not in " ".join(row)
-    standard = row[2].split(" · ")[0].removeprefix("standard: ").split("; ")
-    for k, part in enumerate(row[1].removeprefix("goodput, chains/min achieved, at p90 TTFT <= ")
-                             .split("; ")):  # fmt: skip
-        if "none either" in part:
-            assert part.split(": ")[1].startswith("0.0 ") and standard[k].startswith("0.0 ")
-        else:
-            assert re.search(r"\(standard: none, even|\(both at the highest|x standard's \[", part)
+    words (it once printed ``nanx``); every other ratio is a number or inf. One row per
+    workload of the capacity run."""
+    rows = [r for r in _cells("results", "README.md") if r[0].startswith("agent chains")]
+    workloads = {r.get("workload") for r in _raw("docs/bench/capacity_2026-12-06.json")["rows"]}
+    assert len(rows) == len(workloads)
+    for row in rows:
+        assert "nan" not in " ".join(row)
+        standard = row[2].split(" · ")[0].removeprefix("standard: ").split("; ")
+        cells = row[1].removeprefix("goodput, chains/min achieved, at p90 TTFT <= ").split("; ")
+        for k, part in enumerate(cells):
+            if "none either" in part:
+                assert part.split(": ")[1].startswith("0.0 ") and standard[k].startswith("0.0 ")
+            else:
+                assert re.search(
+                    r"\(standard: none, even|\(both at the highest|x standard's \[", part
+                )
 
 
 def test_growth_cells_are_each_points_ttft_over_its_compute_proportional_ideal():

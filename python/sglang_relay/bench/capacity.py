@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from typing import Any
 
 import numpy as np
@@ -185,12 +186,14 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
 
 def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
     """Per workload, method and rate: the achieved rate, chains, requests, censored
-    requests and the p50 / ``q`` TTFT over all arrivals pooled over seeds."""
+    requests, the p50 / ``q`` TTFT over all arrivals pooled over seeds, and the median over
+    seeds of each run's median time per output token (``tpot``, finished requests)."""
     out = []
     for workload, methods in by_workload(rows).items():
         for method, per_rate in methods.items():
             for rate, runs in sorted(per_rate.items()):
                 values = _values(runs).tolist()
+                tpots = [r["tpot_p50"] for r in runs if r.get("tpot_p50") is not None]
                 out.append({
                     "workload": workload, "method": method, "offered": rate,
                     "achieved": achieved(runs), "seeds": len(runs),
@@ -198,6 +201,7 @@ def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
                     "requests": len(values), "censored": sum(math.isinf(v) for v in values),
                     "p50": percentile(values, 50), f"p{q:g}": percentile(values, q),
                     "wall_s": sum(r.get("wall_s", 0.0) for r in runs),
+                    "tpot": statistics.median(tpots) if tpots else None,
                 })  # fmt: skip
     return out
 
@@ -226,13 +230,15 @@ def bound(row: dict[str, Any], base: dict[str, Any] | None) -> str:
 def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "standard") -> str:
     """The TTFT-vs-achieved-rate table and the goodput table of ``rows``."""
     lines = ["| workload | method | offered / achieved (chains/min) | seeds | chains | requests "
-             "| censored | TTFT p50 / p90, all arrivals (s) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| censored | TTFT p50 / p90, all arrivals (s) "
+             "| time per output token (ms): runs' p50, median of seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in points(rows):
+        tpot = "-" if p["tpot"] is None else f"{1000 * p['tpot']:.0f}"
         lines.append(
             f"| {p['workload']} | {p['method']} | {p['offered']:g} / {p['achieved']:.1f} | "
             f"{p['seeds']} | {p['chains']} | {p['requests']} | {p['censored']} | "
-            f"{_s(p['p50'])} / {_s(p['p90'])} |"
+            f"{_s(p['p50'])} / {_s(p['p90'])} | {tpot} |"
         )
     head = " | ".join(f"TTFT <= {s:g} s: goodput [95 % CI]; / {baseline} [95 % CI]" for s in slos)
     lines += ["", f"| workload | method | {head} |", "|---|---|" + "---|" * len(slos)]

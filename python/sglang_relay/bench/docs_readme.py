@@ -1,6 +1,7 @@
 """The README's results table, every row from committed data: fidelity at reuse 0.80 on the
 two held-out workloads, TTFT at 1,024 relayed tokens from the newest run of the shipped
-points, the seeded fan-out under load, plain decode on a relay server, faults beside calm."""
+points, the seeded fan-out under load, goodput under a TTFT SLO per workload of the capacity
+run, plain decode on a relay server, faults beside calm."""
 
 from __future__ import annotations
 
@@ -125,16 +126,33 @@ def _fanout_row(root: Path) -> list[str]:
 NAMES = {"standard": "standard", "cacheblend": "CacheBlend", "epic": "EPIC"}  # alternatives
 
 
-def _capacity_row(root: Path) -> list[str]:
-    """Goodput per SLO over achieved rates (censored arrivals as misses), relay against
-    standard with the paired interval; bold where the interval excludes 1."""
-    from sglang_relay.bench.capacity import bound, goodput_table, points
+WORKLOADS = {"fanout": "fan-out", "deep": "deep chain, 5 agents in sequence",
+             "toolloop": "tool loop"}  # fmt: skip
+
+
+def _capacity_rows(root: Path) -> list[list[str]]:
+    """One row per workload of the capacity run, in :data:`WORKLOADS` order: goodput per SLO
+    over achieved rates (censored arrivals as misses), relay against standard with the
+    paired interval; bold where the interval excludes 1."""
+    from sglang_relay.bench.capacity import goodput_table, points
 
     data = load(root, CAPACITY)
     slos = [float(s) for s in data["args"]["slos"].split(",")]
-    table = [t for t in goodput_table(data["rows"], slos) if t["workload"] == "fanout"]
+    table, pts = goodput_table(data["rows"], slos), points(data["rows"])
+    rows = []
+    for w in WORKLOADS:
+        mine = [p for p in pts if p["workload"] == w]
+        if mine:
+            rows.append(_capacity_row(w, [t for t in table if t["workload"] == w], mine, slos))
+    return rows
+
+
+def _capacity_row(
+    workload: str, table: list[dict[str, Any]], pts: list[dict[str, Any]], slos: list[float]
+) -> list[str]:
+    from sglang_relay.bench.capacity import bound
+
     at = {(t["method"], t["slo_s"]): t for t in table}
-    pts = [p for p in points(data["rows"]) if p["workload"] == "fanout"]
     rates = sorted({p["offered"] for p in pts})
     counts = sorted({p["seeds"] for p in pts})  # rates may have different seed counts
     seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
@@ -160,7 +178,7 @@ def _capacity_row(root: Path) -> list[str]:
         return f"**{body}**" if r[1] > 1 else body
 
     return [
-        f"agent chains under a TTFT SLO (fan-out), {len(rates)} rates, "
+        f"agent chains under a TTFT SLO ({WORKLOADS[workload]}), {len(rates)} rates, "
         f"{min(p['achieved'] for p in pts):.1f}-{max(p['achieved'] for p in pts):.1f} "
         "chains/min achieved",
         "goodput, chains/min achieved, at p90 TTFT <= "
@@ -224,7 +242,7 @@ def _chaos_row(root: Path) -> list[str]:
 def results_table(root: Path) -> str:
     """The README's results table with its caption (which file, how many runs)."""
     ttft, ttft_file = _ttft_row(root)
-    rows = _fidelity_rows(root, 0.80) + [ttft, _fanout_row(root), _capacity_row(root)]
+    rows = _fidelity_rows(root, 0.80) + [ttft, _fanout_row(root), *_capacity_rows(root)]
     rows.append(_decode_row(root))
     rows.append(_chaos_row(root))
     table = md_table(["measure", "relay", "the alternative", "behind it"], rows)
