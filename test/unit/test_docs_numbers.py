@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_relay.bench import docs_numbers
+from sglang_relay.bench import docs_numbers, docs_readme
 from sglang_relay.bench.docs_numbers import ROOT, TABLES, block, replace_block, stale, write
 
 DOCS = sorted({t.target for t in TABLES})
@@ -214,7 +214,7 @@ def test_readme_capacity_cells_name_a_ratio_neither_method_has():
     words (it once printed ``nanx``); every other ratio is a number or inf. One row per
     workload of the capacity run."""
     rows = [r for r in _cells("results", "README.md") if r[0].startswith("agent chains")]
-    workloads = {r.get("workload") for r in _raw("docs/bench/capacity_2026-12-06.json")["rows"]}
+    workloads = {r.get("workload") for r in _raw(docs_readme.CAPACITY)["rows"]}
     assert len(rows) == len(workloads)
     for row in rows:
         assert "nan" not in " ".join(row)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from sglang_relay.bench.chain_kinds import AGENTS
 from sglang_relay.bench.docs_data import (
     default_point,
     fx,
@@ -126,7 +127,7 @@ def _fanout_row(root: Path) -> list[str]:
 NAMES = {"standard": "standard", "cacheblend": "CacheBlend", "epic": "EPIC"}  # alternatives
 
 
-WORKLOADS = {"fanout": "fan-out", "deep": "deep chain, 5 agents in sequence",
+WORKLOADS = {"fanout": "fan-out", "deep": f"deep chain, {AGENTS['deep']} agents in sequence",
              "toolloop": "tool loop"}  # fmt: skip
 
 
