@@ -54,16 +54,10 @@ from sglang_relay.bench.chain_kinds import (
 )
 from sglang_relay.bench.host import HostWatch
 from sglang_relay.bench.serve_report import ChainRun, Record, markdown, plot, summarize
-from sglang_relay.bench.traffic import phase_times
+from sglang_relay.bench.traffic import counter_deltas, phase_times
 from sglang_relay.bench.traffic import relay_state as server_state
 from sglang_relay.client import flush_cache, generate
 from sglang_relay.prompts import chat_prompt
-
-# server counters (get_server_info) reported as deltas over a run
-SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_tokens",
-                   "fallbacks", "owned_spans_released_for_room",
-                   "owned_tokens_released_for_room", "batches_split")  # fmt: skip
-
 
 METHOD_OPTIONS: dict[str, Any] = {
     "standard": "standard",
@@ -253,7 +247,7 @@ def run_rate(
     row["arrived_per_min"] = 60.0 * len(times) / window if window > 0 else 0.0
     row["host"] = host.summary()  # steal: CPU the hypervisor gave other guests meanwhile
     after = server_state(url)
-    row["server"] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
+    row["server"] = counter_deltas(before, after)
     # a server started with SGLANG_RELAY_PHASE_TIMES=1: relay's own time by phase over the run
     was = phase_times(before)
     phases = {k: round(v - was.get(k, 0.0), 3) for k, v in phase_times(after).items()

@@ -92,6 +92,28 @@ def relay_state(url: str) -> dict[str, Any]:
     return info["internal_states"][0]["relay"]
 
 
+# server counters (get_server_info) reported as deltas over a run
+SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_tokens",
+                   "fallbacks", "owned_spans_released_for_room",
+                   "owned_tokens_released_for_room", "batches_split")  # fmt: skip
+# and, where they moved, the fallbacks by reason (``fallback_span_evicted``: a pasted output
+# whose span was dropped for room) and the host tier's counters (backups, restores, misses,
+# evictions by why) of a HiCache server: what an operator sizes the tier and its TTL from
+COUNTER_PREFIXES = ("fallback_", "host_")
+HOST_GAUGES = ("host_spans", "host_tokens", "host_capacity_tokens", "host_side_bytes")
+
+
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """The server's relay counters over a run: :data:`SERVER_COUNTERS` always, the
+    :data:`COUNTER_PREFIXES` families where they changed (not the tier's gauges)."""
+    out = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in SERVER_COUNTERS}
+    for k, v in after.items():
+        counter = isinstance(v, int) and not isinstance(v, bool) and k not in HOST_GAUGES
+        if counter and k.startswith(COUNTER_PREFIXES) and v != before.get(k, 0):
+            out[k] = v - int(before.get(k, 0))
+    return out
+
+
 def phase_times(state: dict[str, Any]) -> dict[str, float]:
     """Relay's phase timers in a :func:`relay_state` (a server run with
     ``SGLANG_RELAY_PHASE_TIMES=1``): ``{"<phase>_ms": total ms, "<phase>_n": count}``."""
