@@ -281,13 +281,15 @@ def test_a_runs_counters_are_deltas_with_fallback_reasons_and_host_tier_counts_t
     from sglang_relay.bench.traffic import SERVER_COUNTERS, counter_deltas
 
     before = {"recorded_spans": 4, "fallback_span_evicted": 1, "fallback_guard": 2,
-              "host_restores": 3, "host_tokens": 900, "host_ttl_s": 600.0,
-              "hicache": True}  # fmt: skip
+              "host_restores": 3, "host_tokens": 900, "host_spans": 7, "host_ttl_s": 600.0,
+              "host_flag": False, "hicache": True}  # fmt: skip
     after = {"recorded_spans": 10, "fallback_span_evicted": 4, "fallback_guard": 2,
-             "host_restores": 5, "host_evicted_ttl": 2, "host_tokens": 100,
-             "host_ttl_s": 600.0, "hicache": True, "pool": {"total": 8}}  # fmt: skip
+             "host_restores": 5, "host_evicted_ttl": 2, "host_tokens": 100, "host_spans": 1,
+             "host_ttl_s": 60.5, "host_flag": True, "demoted_spans": 3, "hicache": True,
+             "pool": {"total": 8}}  # fmt: skip
     out = counter_deltas(before, after)
     # every named counter, moved or not; of the families only what moved, no gauge
     assert {k: out.pop(k) for k in SERVER_COUNTERS} == {k: 6 if k == "recorded_spans" else 0
                                                        for k in SERVER_COUNTERS}  # fmt: skip
-    assert out == {"fallback_span_evicted": 3, "host_restores": 2, "host_evicted_ttl": 2}
+    assert out == {"fallback_span_evicted": 3, "host_restores": 2, "host_evicted_ttl": 2,
+                   "demoted_spans": 3}  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_relay.bench import docs_numbers, docs_readme
+from sglang_relay.bench import docs_numbers, docs_serve
 from sglang_relay.bench.docs_numbers import ROOT, TABLES, block, replace_block, stale, write
 
 DOCS = sorted({t.target for t in TABLES})
@@ -212,9 +212,9 @@ def test_readme_fidelity_and_ttft_cells_equal_the_raw_data():
 def test_readme_capacity_cells_name_a_ratio_neither_method_has():
     """Where neither relay nor standard meets the lowest rate at an SLO, the cell says so in
     words (it once printed ``nanx``); every other ratio is a number or inf. One row per
-    workload of the capacity run."""
+    workload of the capacity runs."""
     rows = [r for r in _cells("results", "README.md") if r[0].startswith("agent chains")]
-    workloads = {r.get("workload") for r in _raw(docs_readme.CAPACITY)["rows"]}
+    workloads = {r.get("workload") for f in docs_serve.CAPACITY_RUNS for r in _raw(f)["rows"]}
     assert len(rows) == len(workloads)
     for row in rows:
         assert "nan" not in " ".join(row)

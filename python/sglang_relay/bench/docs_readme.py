@@ -21,12 +21,11 @@ from sglang_relay.bench.docs_data import (
     ttft_runs,
 )
 from sglang_relay.bench.docs_fidelity import BASELINES, at_target, frontier_points, verdicts
-from sglang_relay.bench.docs_serve import seeded_summary
+from sglang_relay.bench.docs_serve import CAPACITY_RUNS, seeded_summary
 
 FRONTIERS = ("docs/bench/frontier_humaneval82.json", "docs/bench/frontier_heldout72.json")
 README_POINTS = (0.80, 0.90, 0.95)
 FANOUT = "docs/bench/serve_fanout_seeds.json"
-CAPACITY = "docs/bench/capacity_2026-12-06.json"
 DECODE = "docs/bench/decode_pairs.json"
 CHAOS = "docs/bench/chaos.json"
 
@@ -128,28 +127,38 @@ NAMES = {"standard": "standard", "cacheblend": "CacheBlend", "epic": "EPIC"}  # 
 
 
 WORKLOADS = {"fanout": "fan-out", "deep": f"deep chain, {AGENTS['deep']} agents in sequence",
-             "toolloop": "tool loop"}  # fmt: skip
+             "toolloop": "tool loop",
+             "toolloop:0.5,fanout:0.5": f"tool loops of {AGENTS['toolloop']} turns with a tool "
+             "pause between, half and half with fan-outs, on a bound pool with a host tier",
+             }  # fmt: skip
 
 
 def _capacity_rows(root: Path) -> list[list[str]]:
-    """One row per workload of the capacity run, in :data:`WORKLOADS` order: goodput per SLO
+    """One row per workload of the capacity runs, in :data:`WORKLOADS` order: goodput per SLO
     over achieved rates (censored arrivals as misses), relay against standard with the
     paired interval; bold where the interval excludes 1."""
     from sglang_relay.bench.capacity import goodput_table, points
 
-    data = load(root, CAPACITY)
-    slos = [float(s) for s in data["args"]["slos"].split(",")]
-    table, pts = goodput_table(data["rows"], slos), points(data["rows"])
-    rows = []
-    for w in WORKLOADS:
-        mine = [p for p in pts if p["workload"] == w]
-        if mine:
-            rows.append(_capacity_row(w, [t for t in table if t["workload"] == w], mine, slos))
-    return rows
+    found: dict[str, list[str]] = {}
+    for rel in CAPACITY_RUNS:
+        data = load(root, rel)
+        slos = [float(s) for s in data["args"]["slos"].split(",")]
+        table, pts = goodput_table(data["rows"], slos), points(data["rows"])
+        for w in dict.fromkeys(p["workload"] for p in pts):
+            if w in found:  # one row per workload: which file's would be a silent choice
+                raise ValueError(f"workload {w!r} is in two capacity runs ({rel} and another)")
+            mine = [p for p in pts if p["workload"] == w]
+            theirs = [t for t in table if t["workload"] == w]
+            found[w] = _capacity_row(w, theirs, mine, slos, rel)
+    return [found[w] for w in WORKLOADS if w in found]
 
 
 def _capacity_row(
-    workload: str, table: list[dict[str, Any]], pts: list[dict[str, Any]], slos: list[float]
+    workload: str,
+    table: list[dict[str, Any]],
+    pts: list[dict[str, Any]],
+    slos: list[float],
+    rel: str,
 ) -> list[str]:
     from sglang_relay.bench.capacity import bound
 
@@ -190,7 +199,7 @@ def _capacity_row(
             if (m, slos[0]) in at
         ),
         f"{chains} chains per rate and seed, {seeds} seed(s) a rate; requests not finished in a "
-        f"run count as misses; intervals resample blocks of chains; `{Path(CAPACITY).name}`",
+        f"run count as misses; intervals resample blocks of chains; `{Path(rel).name}`",
     ]
 
 

@@ -194,7 +194,12 @@ def decode_table(root: Path, rel: str = "docs/bench/decode_pairs.json") -> str:
     return md_table(head, body)
 
 
+# the capacity runs: the fan-out and the deep chain on the default server; tool loops mixed
+# with fan-outs on a server of their own (a bound pool and a HiCache host tier: server
+# flags, so a file of their own)
 CAPACITY_RUN = "docs/bench/capacity_2026-12-06.json"
+TOOLLOOP_RUN = "docs/bench/capacity_toolloop_2026-12-07.json"
+CAPACITY_RUNS = (CAPACITY_RUN, TOOLLOOP_RUN)
 
 
 def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
@@ -216,3 +221,41 @@ def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
             f"{100 * statistics.median(steal):.1f} %, highest {100 * max(steal):.1f} %."
         )
     return capacity.markdown(data["rows"], slos) + "\n\n" + took
+
+
+def retention_table(root: Path, rel: str = TOOLLOOP_RUN) -> str:
+    """Where a run's recorded spans went (``bench serve`` rows' server counters over the
+    run): recorded, pushed off the device for room, copied to the host tier and back, and
+    the prompts that pasted an output whose span was gone from both (``span_evicted``).
+    Host copies freed are the TTL's and the full tier's; a copy dropped with its span (the
+    store's own bound) has no counter of its own."""
+    rows = _rows(root, rel)
+
+    def count(r: dict[str, Any], *keys: str) -> str:
+        return str(sum(int(r["server"].get(k, 0)) for k in keys))
+
+    def declined(r: dict[str, Any]) -> str:  # a copy there that could not come back
+        keys = [k for k in r["server"] if k.startswith("host_restores_declined_")]
+        return count(r, *keys, "host_restore_errors")
+
+    def evicted(r: dict[str, Any]) -> str:  # host copies freed: TTL / room (by priority)
+        host = {k: v for k, v in r["server"].items() if k.startswith("host_evicted_")}
+        ttl = host.pop("host_evicted_ttl", 0)
+        return f"{ttl} / {sum(host.values())}"
+
+    head = ["method", "offered / achieved", "KV pool peak", "spans recorded",
+            "owned spans released for room (tokens)", "host copies / restores",
+            "restores missed (no copy) / declined or failed", "host copies freed: TTL / room",
+            "fallback span_evicted", "fallbacks, all reasons", "prompt tokens relayed"]  # fmt: skip
+    body = []
+    for r in rows:
+        relays = r["method"] != "standard"
+        body.append([
+            r["method"], f"{r['rate']:g} / {r['arrived_per_min']:.1f}", POOL[1](r),
+            count(r, "recorded_spans"), RELEASED[1](r) if relays else "-",
+            f"{count(r, 'host_backups')} / {count(r, 'host_restores')}" if relays else "-",
+            f"{count(r, 'host_restores_missed_no_copy')} / {declined(r)}" if relays else "-",
+            evicted(r) if relays else "-", count(r, "fallback_span_evicted"),
+            count(r, "fallbacks"), RELAYED[1](r),
+        ])  # fmt: skip
+    return md_table(head, body)

@@ -401,7 +401,7 @@ def main(argv: list[str]) -> int:
                               "seed", "arrived_per_min", "completed", "censored", "ttft_p90",
                               "ttft_all_p90", "wall_s", "host")}), flush=True)  # fmt: skip
                         if out:
-                            _write(out, args, rows)
+                            _write(out, args, rows, server_flags)
     for workload in dict.fromkeys(r.get("workload") for r in rows):  # one at a time
         print(
             f"\n{workload or ''}\n"
@@ -414,7 +414,7 @@ def main(argv: list[str]) -> int:
         if args.plot:
             capacity.plot(rows, str(Path(args.plot).with_suffix("")) + "_capacity.png", slos)
     if out:
-        _write(out, args, rows)
+        _write(out, args, rows, server_flags)
     return 0
 
 
@@ -427,8 +427,11 @@ def run_settings(args: argparse.Namespace, server_flags: list[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _write(path: Path, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def _write(
+    path: Path, args: argparse.Namespace, rows: list[dict[str, Any]], flags: list[str]
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    run = {"args": vars(args), "server_flags": flags, "rows": rows}
+    tmp.write_text(json.dumps(run, indent=1))
     tmp.replace(path)

@@ -97,9 +97,10 @@ SERVER_COUNTERS = ("recorded_spans", "spans_matched", "relay_extends", "relayed_
                    "fallbacks", "owned_spans_released_for_room",
                    "owned_tokens_released_for_room", "batches_split")  # fmt: skip
 # and, where they moved, the fallbacks by reason (``fallback_span_evicted``: a pasted output
-# whose span was dropped for room) and the host tier's counters (backups, restores, misses,
-# evictions by why) of a HiCache server: what an operator sizes the tier and its TTL from
-COUNTER_PREFIXES = ("fallback_", "host_")
+# whose span was dropped for room), the spans demoted off the device and the ``host_``
+# counters of a HiCache server (relay's host tier: backups, restores, misses, evictions by
+# why; SGLang's load-backs): what an operator sizes the tier and its TTL from
+COUNTER_PREFIXES = ("fallback_", "host_", "demoted_")
 HOST_GAUGES = ("host_spans", "host_tokens", "host_capacity_tokens", "host_side_bytes")
 
 
