@@ -82,6 +82,12 @@ TABLES: tuple[Table, ...] = (
         partial(docs_serve.capacity_tables, rel=docs_serve.TOOLLOOP_RUN),
     ),
     Table(R, "capacity-retention", (docs_serve.TOOLLOOP_RUN,), docs_serve.retention_table),
+    Table(
+        R,
+        "capacity-retention-tight",
+        (docs_serve.RETENTION_TIGHT,),
+        partial(docs_serve.retention_table, rel=docs_serve.RETENTION_TIGHT),
+    ),
     Table(R, "serve-fanout-seeds", (docs_readme.FANOUT,), docs_serve.fanout_seeds_table),
     Table(R, "serve-fanout-seeds-goodput", (docs_readme.FANOUT,), docs_serve.fanout_seeds_goodput),
     Table(F, "fidelity-quick", ("docs/bench/fidelity_quick.json",), docs_fidelity.quick_table),

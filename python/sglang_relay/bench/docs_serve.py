@@ -200,6 +200,9 @@ def decode_table(root: Path, rel: str = "docs/bench/decode_pairs.json") -> str:
 CAPACITY_RUN = "docs/bench/capacity_2026-12-06.json"
 TOOLLOOP_RUN = "docs/bench/capacity_toolloop_2026-12-07.json"
 CAPACITY_RUNS = (CAPACITY_RUN, TOOLLOOP_RUN)
+# the tool loop's mix again, relay only, with a span budget and host tier too small to hold
+# its spans through the pauses: what the retention counters show under pressure
+RETENTION_TIGHT = "docs/bench/retention_tight_2026-12-07.json"
 
 
 def capacity_tables(root: Path, rel: str = CAPACITY_RUN) -> str:
