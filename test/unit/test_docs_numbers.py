@@ -260,3 +260,12 @@ def test_growth_shares_cells_equal_the_raw_medians():
         rows_run = naive["prompt_tokens"] - naive["reused_tokens"]
         assert row[6] == f"{loop:.0f}, {rows_run:,.0f}, {loop / std['ttft_median_s'] / 10:.0f} %"
         assert row[7] == f"{by[('stock_prefix_hit', span)]['ttft_median_s']:.2f}"
+
+
+def test_a_workload_in_two_capacity_files_is_refused_not_picked(monkeypatch):
+    from sglang_relay.bench import docs_readme
+
+    rel = docs_serve.TOOLLOOP_RUN
+    monkeypatch.setattr(docs_readme, "CAPACITY_RUNS", (rel, rel))
+    with pytest.raises(ValueError, match="is in two capacity runs"):
+        docs_readme._capacity_rows(ROOT)

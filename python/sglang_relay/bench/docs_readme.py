@@ -140,13 +140,15 @@ def _capacity_rows(root: Path) -> list[list[str]]:
     from sglang_relay.bench.capacity import goodput_table, points
 
     found: dict[str, list[str]] = {}
+    source: dict[str, str] = {}  # workload -> its file
     for rel in CAPACITY_RUNS:
         data = load(root, rel)
         slos = [float(s) for s in data["args"]["slos"].split(",")]
         table, pts = goodput_table(data["rows"], slos), points(data["rows"])
         for w in dict.fromkeys(p["workload"] for p in pts):
-            if w in found:  # one row per workload: which file's would be a silent choice
-                raise ValueError(f"workload {w!r} is in two capacity runs ({rel} and another)")
+            if w in source:  # one row per workload: which file's would be a silent choice
+                raise ValueError(f"workload {w!r} is in two capacity runs: {source[w]}, {rel}")
+            source[w] = rel
             mine = [p for p in pts if p["workload"] == w]
             theirs = [t for t in table if t["workload"] == w]
             found[w] = _capacity_row(w, theirs, mine, slos, rel)
