@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_relay.core.rope import apply_rotation
+from sglang_relay.core.rope import FP8_DTYPES, apply_rotation
 
 try:  # Triton is an optional dependency (always present with CUDA builds of torch)
     import triton
@@ -46,8 +46,21 @@ def splice_rerotate_ref(
 ) -> None:
     """Pure-torch reference (and the CPU path)."""
     for kbuf, vbuf in zip(k_buffers, v_buffers, strict=True):
-        kbuf[dst] = apply_rotation(kbuf[src], cos, sin, is_neox=is_neox)
-        vbuf[dst] = vbuf[src]
+        _put(kbuf, dst, apply_rotation(_take(kbuf, src), cos, sin, is_neox=is_neox))
+        _put(vbuf, dst, _take(vbuf, src))
+
+
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    """An FP8 buffer as its bytes (torch's CPU index copy has no float8 kernel)."""
+    return buf.view(torch.uint8) if buf.dtype in FP8_DTYPES else buf
+
+
+def _take(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return _bytes(buf).index_select(0, idx).view(buf.dtype)
+
+
+def _put(buf: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    _bytes(buf).index_copy_(0, idx, _bytes(rows))
 
 
 if triton is not None:

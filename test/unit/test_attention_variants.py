@@ -86,3 +86,42 @@ def test_weights_leave_the_sinks_share_out():
     # prompt; one whose window starts past it reads none of it
     mass = context_mass(q, k, torch.arange(T), 8, D**-0.5, window=3, sinks=sinks)
     assert mass[9] > 0 and mass[12] == 0
+
+
+@pytest.mark.parametrize("window", [0, 7, 50])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_extend_attention_in_blocks_equals_the_whole_context_mask(window, with_sinks, dtype):
+    """The CPU relay-extend attention (rows in blocks, each over the keys up to its last row,
+    from its first row's window on; masks kept across layers) against the specification
+    over each request's whole context: three requests of a pool in shuffled slots, some
+    rows of each (more than a block, not contiguous), two layers' buffers through one
+    handle, and a request without rows."""
+    from sglang_relay.runtime.forward.attention import RowBatch, build
+
+    g = torch.Generator().manual_seed(7)
+    seq_lens, n_rows = [90, 40, 75], [70, 0, 9]
+    pool = torch.randperm(sum(seq_lens) + 20, generator=g)
+    slots, pos, start, row_starts = [], [], 0, []
+    for L, n in zip(seq_lens, n_rows, strict=True):
+        slots.append(pool[start : start + L])
+        start += L
+        row_starts.append(sum(p.numel() for p in pos))
+        pos.append(torch.sort(torch.randperm(L, generator=g)[:n]).values)
+    positions = torch.cat(pos)
+    batch = RowBatch(row_starts, seq_lens, slots, positions.numel())
+    attn = build("torch", torch.device("cpu"))
+    handle = attn.plan(batch, torch.arange(positions.numel()), positions)
+    sinks = torch.randn(HQ, generator=g, dtype=dtype) if with_sinks else None
+    for _layer in range(2):  # the second layer reuses the handle's masks on new buffers
+        kbuf = torch.randn(pool.numel(), HKV, D, generator=g, dtype=torch.float64).to(dtype)
+        vbuf = torch.randn(pool.numel(), HKV, D, generator=g, dtype=torch.float64).to(dtype)
+        q = torch.randn(positions.numel(), HQ, D, generator=g, dtype=torch.float64).to(dtype)
+        got = attn.run(handle, q, kbuf, vbuf, D**-0.5, window, sinks)
+        for i, s in enumerate(slots):
+            lo, hi = row_starts[i], row_starts[i] + n_rows[i]
+            want = positional_causal_attention(
+                q[lo:hi], kbuf[s], vbuf[s], positions[lo:hi], D**-0.5, window, sinks
+            )
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(got[lo:hi], want, rtol=tol, atol=tol)

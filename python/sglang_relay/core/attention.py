@@ -48,7 +48,20 @@ def positional_causal_attention(
         ``[n, H_q, D_v]``; row ``i`` attends to the positions :func:`visible` gives it (a
         row that sees none gives zeros).
     """
-    mask = visible(q_pos.to(q.device), k.shape[0], window)
+    return masked_attention(q, k, v, visible(q_pos.to(q.device), k.shape[0], window), scale, sinks)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`positional_causal_attention` with its ``[n, T]`` bool mask given (row ``i``
+    reads key ``t`` where ``mask[i, t]``): what a caller that runs the same rows in many
+    layers plans once."""
     if sinks is not None:
         return _with_sinks(q, k, v, mask, scale, sinks)
     out = scaled_dot_product_attention(

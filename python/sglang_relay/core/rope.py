@@ -108,13 +108,19 @@ def apply_rotation(
     cos = cos.unsqueeze(1)  # [N, 1, rot_dim/2]
     sin = sin.unsqueeze(1)
     x = k[..., :rot_dim].float()
-    if is_neox:
-        x1, x2 = x.chunk(2, dim=-1)
-    else:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    rotated = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+    half = rot_dim // 2  # the pairs: j and j + half (NeoX), 2j and 2j + 1 (GPT-J)
+    first, second = (
+        (slice(half), slice(half, None)) if is_neox else (slice(0, None, 2), slice(1, None, 2))
+    )
+    x1, x2 = x[..., first], x[..., second]
+    dtype = torch.promote_types(x.dtype, cos.dtype)  # float32 (float64 angles: float64)
+    rotated = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad):  # no out= then
+        rotated[..., first] = x1 * cos - x2 * sin
+        rotated[..., second] = x2 * cos + x1 * sin
+    else:  # the same products and sums written in place: no temporaries the size of k
+        torch.mul(x1, cos, out=rotated[..., first]).sub_(x2 * sin)
+        torch.mul(x2, cos, out=rotated[..., second]).add_(x1 * sin)
     if rot_dim == k.shape[-1]:
         return to_kv_dtype(rotated, k.dtype)
     out = k.clone()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sglang_relay.core.attention import positional_causal_attention
+from sglang_relay.core.attention import masked_attention, visible
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,30 +94,63 @@ def build(name: str, device: torch.device) -> ExtendAttention:
     return _REGISTRY[name](device)
 
 
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Consecutive rows ``[lo, hi)`` of request ``req``, positions ``first..last``."""
+
+    lo: int
+    hi: int
+    req: int
+    first: int
+    last: int
+
+
 @register("torch")
 class TorchAttention(ExtendAttention):
+    """Per request, its rows (ascending positions) in blocks of :attr:`BLOCK`: a block reads
+    the keys up to its last row's position only (and, in a sliding-window layer, from its
+    first row's window on), so it skips most of what the causal mask hides, as a tiled
+    kernel skips masked tiles (one mask over the whole context for all rows costs about
+    twice the work on the CPU). A block's mask is built at its first layer of each window
+    and kept with the handle (one row set of one batch)."""
+
+    BLOCK = 32
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def plan(self, batch, rows_cpu, positions):
         bounds = batch.bounds(rows_cpu)
-        parts = [
-            (lo, hi, batch.slots[i])
-            for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
-            if hi > lo
-        ]
-        return parts, positions
+        pos = positions.cpu()
+        blocks = []
+        for req, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            for a in range(lo, hi, self.BLOCK):
+                b = min(a + self.BLOCK, hi)
+                blocks.append(_Block(a, b, req, int(pos[a:b].min()), int(pos[a:b].max())))
+        ends: dict[int, int] = {}  # per request with rows: its keys, to its last row's
+        for blk in blocks:
+            ends[blk.req] = max(ends.get(blk.req, 0), blk.last + 1)
+        return blocks, positions, [batch.slots[r][:e] for r, e in sorted(ends.items())], {}
 
     def run(self, handle, q, kbuf, vbuf, scale, window=0, sinks=None):
-        parts, positions = handle
+        blocks, positions, slots, masks = handle
         out = q.new_empty((q.shape[0], q.shape[1], vbuf.shape[-1]))
-        for lo, hi, slots in parts:
-            k, v = kbuf[slots], vbuf[slots]
-            if k.dtype != q.dtype:  # an FP8 / bf16 KV cache: its elements, unscaled
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            out[lo:hi] = positional_causal_attention(
-                q[lo:hi], k, v, positions[lo:hi], scale, window, sinks
-            )
+        req, n, k, v = -1, -1, None, None
+        for i, blk in enumerate(blocks):
+            if blk.req != req:  # the next request with rows: its keys
+                req, n = blk.req, n + 1
+                k, v = kbuf[slots[n]], vbuf[slots[n]]
+                if k.dtype != q.dtype:  # an FP8 / bf16 KV cache: its elements, unscaled
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+            start = max(0, blk.first - window + 1) if window > 0 else 0
+            mask = masks.get((i, window))
+            if mask is None:
+                seen = visible(positions[blk.lo : blk.hi], blk.last + 1, window)
+                mask = masks[(i, window)] = seen[:, start:]
+            out[blk.lo : blk.hi] = masked_attention(
+                q[blk.lo : blk.hi], k[start : blk.last + 1], v[start : blk.last + 1], mask,
+                scale, sinks,
+            )  # fmt: skip
         return out
 
 
