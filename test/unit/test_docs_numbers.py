@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sglang_relay.bench import docs_numbers, docs_serve
+from sglang_relay.bench.docs_growth import GROWTH_RUNS
 from sglang_relay.bench.docs_numbers import ROOT, TABLES, block, replace_block, stale, write
 
 DOCS = sorted({t.target for t in TABLES})
@@ -231,7 +232,7 @@ def test_readme_capacity_cells_name_a_ratio_neither_method_has():
 
 def test_growth_cells_are_each_points_ttft_over_its_compute_proportional_ideal():
     """Recomputed from the raw run: ideal = naive + (1 - reuse)(standard - naive)."""
-    rows = _raw("docs/bench/growth_2026-12-06.json")
+    rows = _raw(GROWTH_RUNS[0])
     med = {(r["method"], r["span_tokens"]): r for r in rows}
     cells = {row[0].replace(",", ""): row for row in _cells("growth-ttft", "docs/results.md")}
     for span in (256, 1024, 4096, 8192):
@@ -246,7 +247,7 @@ def test_growth_cells_are_each_points_ttft_over_its_compute_proportional_ideal()
 
 
 def test_growth_shares_cells_equal_the_raw_medians():
-    raw = _raw("docs/bench/growth_2026-12-06.json") + _raw("docs/bench/growth_16k_2026-12-06.json")
+    raw = [r for rel in GROWTH_RUNS for r in _raw(rel)]
     by = {(r["method"], r["span_tokens"]): r for r in raw}
     rows = _cells("growth-shares", "docs/results.md")
     assert [int(r[0].replace(",", "")) for r in rows] == [256, 1024, 4096, 8192, 16384]

@@ -9,7 +9,9 @@ from typing import Any
 
 from sglang_relay.bench.docs_data import load, md_table, reps
 
-GROWTH_RUNS = ("docs/bench/growth_2026-12-06.json", "docs/bench/growth_16k_2026-12-06.json")
+# 256 to 8K tokens (rerun 2026-12-07, after the blocked CPU attention; the run before it:
+# growth_2026-12-06.json), and 16K (2026-12-06)
+GROWTH_RUNS = ("docs/bench/growth_2026-12-07.json", "docs/bench/growth_16k_2026-12-06.json")
 POINTS = ("relay@0.80", "relay@0.90", "relay@0.95")
 PHASES = ("match", "plan_batch", "prepare", "probe", "layers")
 
