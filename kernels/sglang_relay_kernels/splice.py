@@ -60,7 +60,7 @@ def _take(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _put(buf: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
-    _bytes(buf).index_copy_(0, idx, _bytes(rows))
+    _bytes(buf).index_copy_(0, idx.long(), _bytes(rows))  # index_copy_ takes int64 only
 
 
 if triton is not None:

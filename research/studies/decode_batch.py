@@ -110,7 +110,7 @@ def pyspy_shares(raw: str) -> dict[str, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", help="write the rows here (required unless --shares)")
     p.add_argument("--batches", default="1,4,12")
     p.add_argument("--prompt-words", type=int, default=600)
     p.add_argument("--tokens", type=int, default=32)
@@ -122,6 +122,8 @@ def main() -> None:
         for cat, n in pyspy_shares(args.shares).items():
             print(f"{cat}: {n}")
         return
+    if not args.json or args.tokens < 2:
+        p.error("--json is required and --tokens must be at least 2")
     sizes = [int(x) for x in args.batches.split(",")]
     model = str(ensure_model(quiet=True))
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
@@ -131,9 +133,11 @@ def main() -> None:
     samples: dict[str, list[float]] = {}
     shares = None
     try:
+        for k, server in servers.items():  # warm-up, not measured
+            batch(server.url, 2, args.prompt_words, args.tokens, f"warm{k}")
         for rd in range(args.rounds):
-            order = list(servers) if rd % 2 == 0 else list(reversed(servers))
-            for size in sizes:
+            for n, size in enumerate(sizes):  # who goes first alternates by round and size
+                order = list(servers) if (rd + n) % 2 == 0 else list(reversed(servers))
                 for k in order:
                     salt = f"{rd}{size}{k[0]}{time.time_ns() % 10**6}"
                     tpot = batch(servers[k].url, size, args.prompt_words, args.tokens, salt)
@@ -148,7 +152,11 @@ def main() -> None:
             time.sleep(2)
             batch(servers["relay"].url, max(sizes), args.prompt_words, args.tokens, "spy")
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-            spy.wait(timeout=120)
+            try:
+                spy.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                raise
             shares = pyspy_shares(args.pyspy)
     finally:
         for s in servers.values():

@@ -88,19 +88,24 @@ def test_weights_leave_the_sinks_share_out():
     assert mass[9] > 0 and mass[12] == 0
 
 
-@pytest.mark.parametrize("window", [0, 7, 50])
+@pytest.mark.parametrize("window", [7, 50])
 @pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_cpu_extend_attention_in_blocks_equals_the_whole_context_mask(window, with_sinks, dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float64, torch.float64),
+                                             (torch.float32, torch.float32),
+                                             (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_cpu_extend_attention_in_blocks_equals_the_whole_context_mask(
+    window, with_sinks, dtype, kv_dtype
+):
     """The CPU relay-extend attention (rows in blocks, each over the keys up to its last row,
     from its first row's window on; masks kept across layers) against the specification
     over each request's whole context: three requests of a pool in shuffled slots, some
-    rows of each (more than a block, not contiguous), two layers' buffers through one
-    handle, and a request without rows."""
+    rows of each (more than a block, not contiguous), a request without rows, four layers
+    through one handle alternating no window and ``window`` (as gpt-oss and Gemma 3 do), a
+    value head dim unlike the key's, and a bf16 KV pool under float32 queries."""
     from sglang_relay.runtime.forward.attention import RowBatch, build
 
     g = torch.Generator().manual_seed(7)
-    seq_lens, n_rows = [90, 40, 75], [70, 0, 9]
+    seq_lens, n_rows, dv = [90, 40, 75], [70, 0, 9], D + 8
     pool = torch.randperm(sum(seq_lens) + 20, generator=g)
     slots, pos, start, row_starts = [], [], 0, []
     for L, n in zip(seq_lens, n_rows, strict=True):
@@ -112,16 +117,18 @@ def test_cpu_extend_attention_in_blocks_equals_the_whole_context_mask(window, wi
     batch = RowBatch(row_starts, seq_lens, slots, positions.numel())
     attn = build("torch", torch.device("cpu"))
     handle = attn.plan(batch, torch.arange(positions.numel()), positions)
+    assert len(handle[0]) == 4  # 70 rows: 3 blocks; 9 rows: 1
     sinks = torch.randn(HQ, generator=g, dtype=dtype) if with_sinks else None
-    for _layer in range(2):  # the second layer reuses the handle's masks on new buffers
-        kbuf = torch.randn(pool.numel(), HKV, D, generator=g, dtype=torch.float64).to(dtype)
-        vbuf = torch.randn(pool.numel(), HKV, D, generator=g, dtype=torch.float64).to(dtype)
+    for layer in range(4):  # later layers reuse the handle's masks on new buffers
+        w = window if layer % 2 else 0
+        kbuf = torch.randn(pool.numel(), HKV, D, generator=g, dtype=torch.float64).to(kv_dtype)
+        vbuf = torch.randn(pool.numel(), HKV, dv, generator=g, dtype=torch.float64).to(kv_dtype)
         q = torch.randn(positions.numel(), HQ, D, generator=g, dtype=torch.float64).to(dtype)
-        got = attn.run(handle, q, kbuf, vbuf, D**-0.5, window, sinks)
+        got = attn.run(handle, q, kbuf, vbuf, D**-0.5, w, sinks)
+        assert got.shape == (positions.numel(), HQ, dv)
         for i, s in enumerate(slots):
             lo, hi = row_starts[i], row_starts[i] + n_rows[i]
-            want = positional_causal_attention(
-                q[lo:hi], kbuf[s], vbuf[s], positions[lo:hi], D**-0.5, window, sinks
-            )
+            k, v = kbuf[s].to(dtype), vbuf[s].to(dtype)
+            want = positional_causal_attention(q[lo:hi], k, v, positions[lo:hi], D**-0.5, w, sinks)
             tol = 1e-12 if dtype == torch.float64 else 1e-5
             torch.testing.assert_close(got[lo:hi], want, rtol=tol, atol=tol)

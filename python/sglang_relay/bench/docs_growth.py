@@ -17,10 +17,13 @@ PHASES = ("match", "plan_batch", "prepare", "probe", "layers")
 
 
 def _rows(root: Path) -> list[dict[str, Any]]:
+    """Every run's rows, each with ``run``: the date in its file's name (the runs differ in
+    code and machine state; the TTFT table says which row comes from which)."""
     out = []
     for rel in GROWTH_RUNS:
         if (root / rel).exists():
-            out += load(root, rel)
+            day = Path(rel).stem.rsplit("_", 1)[-1]
+            out += [{**r, "run": day} for r in load(root, rel)]
     return out
 
 
@@ -35,7 +38,7 @@ def ttft_table(root: Path) -> str:
     """TTFT per relayed length: standard, the limit, CacheBlend, relay's three points with
     TTFT / compute-proportional ideal."""
     head = ["relayed tokens", "prompt", "standard s", "naive (limit) s", "CacheBlend s (reuse)"]
-    head += [f"{p.split('@')[1]} s (/ ideal)" for p in POINTS] + ["reps"]
+    head += [f"{p.split('@')[1]} s (/ ideal)" for p in POINTS] + ["reps", "run"]
     body = []
     for span, m in _by(_rows(root)).items():
         std, naive, cb = m.get("standard"), m.get("naive"), m.get("cacheblend")
@@ -47,7 +50,7 @@ def ttft_table(root: Path) -> str:
         for p in POINTS:
             r = m.get(p)
             cells.append("-" if r is None else f"{r['ttft_median_s']:.2f} ({r['over_ideal']:.2f})")
-        body.append(cells + [reps([std, naive, cb, *(m.get(p) for p in POINTS)])])
+        body.append(cells + [reps([std, naive, cb, *(m.get(p) for p in POINTS)]), std["run"]])
     return md_table(head, body)
 
 

@@ -115,10 +115,11 @@ def apply_rotation(
     x1, x2 = x[..., first], x[..., second]
     dtype = torch.promote_types(x.dtype, cos.dtype)  # float32 (float64 angles: float64)
     rotated = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad):  # no out= then
+    # autograd (the MLA reference's inputs) does not take out=: the same arithmetic out of place
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
         rotated[..., first] = x1 * cos - x2 * sin
         rotated[..., second] = x2 * cos + x1 * sin
-    else:  # the same products and sums written in place: no temporaries the size of k
+    else:  # written in place: two half-size products, no full-size temporaries or cat
         torch.mul(x1, cos, out=rotated[..., first]).sub_(x2 * sin)
         torch.mul(x2, cos, out=rotated[..., second]).add_(x1 * sin)
     if rot_dim == k.shape[-1]:

@@ -107,12 +107,15 @@ class _Block:
 
 @register("torch")
 class TorchAttention(ExtendAttention):
-    """Per request, its rows (ascending positions) in blocks of :attr:`BLOCK`: a block reads
-    the keys up to its last row's position only (and, in a sliding-window layer, from its
-    first row's window on), so it skips most of what the causal mask hides, as a tiled
-    kernel skips masked tiles (one mask over the whole context for all rows costs about
-    twice the work on the CPU). A block's mask is built at its first layer of each window
-    and kept with the handle (one row set of one batch)."""
+    """Per request, its rows in blocks of :attr:`BLOCK` on the CPU: a block reads the keys
+    up to its last row's position only (in a sliding-window layer, from its first row's
+    window on), so it skips most of what the causal mask hides, as a tiled kernel skips
+    masked tiles (the CPU SDPA kernel computes every masked score: one mask over the whole
+    context cost relay's rows 1.4-2.1x the attention a causal kernel spends on them,
+    ``research/studies/blocked_attention_timing.py``). On a GPU (this implementation serves
+    MLA models and backends without a relay kernel) a request's rows stay one block: each
+    block is a launch per layer, not measured there. A block's mask is built at its first
+    layer of each window and kept with the handle (one row set of one batch)."""
 
     BLOCK = 32
 
@@ -124,8 +127,9 @@ class TorchAttention(ExtendAttention):
         pos = positions.cpu()
         blocks = []
         for req, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            for a in range(lo, hi, self.BLOCK):
-                b = min(a + self.BLOCK, hi)
+            size = self.BLOCK if positions.device.type == "cpu" else max(hi - lo, 1)
+            for a in range(lo, hi, size):
+                b = min(a + size, hi)
                 blocks.append(_Block(a, b, req, int(pos[a:b].min()), int(pos[a:b].max())))
         ends: dict[int, int] = {}  # per request with rows: its keys, to its last row's
         for blk in blocks:
@@ -144,9 +148,9 @@ class TorchAttention(ExtendAttention):
                     k, v = k.to(q.dtype), v.to(q.dtype)
             start = max(0, blk.first - window + 1) if window > 0 else 0
             mask = masks.get((i, window))
-            if mask is None:
-                seen = visible(positions[blk.lo : blk.hi], blk.last + 1, window)
-                mask = masks[(i, window)] = seen[:, start:]
+            if mask is None:  # positions from ``start`` on: keys start..last
+                at = positions[blk.lo : blk.hi] - start
+                mask = masks[(i, window)] = visible(at, blk.last + 1 - start, window)
             out[blk.lo : blk.hi] = masked_attention(
                 q[blk.lo : blk.hi], k[start : blk.last + 1], v[start : blk.last + 1], mask,
                 scale, sinks,
