@@ -113,8 +113,9 @@ class TorchAttention(ExtendAttention):
     masked tiles (the CPU SDPA kernel computes every masked score: one mask over the whole
     context cost relay's rows 1.4-2.1x the attention a causal kernel spends on them,
     ``research/studies/blocked_attention_timing.py``). On a GPU (this implementation serves
-    MLA models and backends without a relay kernel) a request's rows stay one block: each
-    block is a launch per layer, not measured there. A block's mask is built at its first
+    MLA models and backends without a relay kernel) a request's rows stay one block over
+    its whole context, as before: each block would be a launch per layer (not measured
+    there), and planning reads no positions back to the host. A block's mask is built at its first
     layer of each window and kept with the handle (one row set of one batch)."""
 
     BLOCK = 32
@@ -124,13 +125,16 @@ class TorchAttention(ExtendAttention):
 
     def plan(self, batch, rows_cpu, positions):
         bounds = batch.bounds(rows_cpu)
-        pos = positions.cpu()
-        blocks = []
-        for req, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            size = self.BLOCK if positions.device.type == "cpu" else max(hi - lo, 1)
-            for a in range(lo, hi, size):
-                b = min(a + size, hi)
-                blocks.append(_Block(a, b, req, int(pos[a:b].min()), int(pos[a:b].max())))
+        spans = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
+        if positions.device.type != "cpu":  # one block per request over its whole context
+            blocks = [_Block(lo, hi, req, 0, batch.seq_lens[req] - 1)
+                      for req, (lo, hi) in spans if hi > lo]  # fmt: skip
+        else:
+            pos, blocks = positions, []
+            for req, (lo, hi) in spans:
+                for a in range(lo, hi, self.BLOCK):
+                    b = min(a + self.BLOCK, hi)
+                    blocks.append(_Block(a, b, req, int(pos[a:b].min()), int(pos[a:b].max())))
         ends: dict[int, int] = {}  # per request with rows: its keys, to its last row's
         for blk in blocks:
             ends[blk.req] = max(ends.get(blk.req, 0), blk.last + 1)
