@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 from sglang_relay.bench.docs_data import load, md_table, reps
+from sglang_relay.bench.intervals import bootstrap_ci
 
 # 256 to 8K tokens (rerun 2026-12-07, after the blocked CPU attention; the run before it:
 # growth_2026-12-06.json), and 16K (2026-12-06)
@@ -130,3 +132,89 @@ def profile_table(root: Path) -> str:
     rows = [[f"{r['rows']:,}", f"{r['layer_ms']:.2f}", f"{r['us_per_row']:.0f}",
              f"{r['stack_ms_30_layers']:.1f}"] for r in data["linear_rows"]]  # fmt: skip
     return shares + "\n\n" + md_table(head, rows) + f"\n\n({data['threads']} threads)"
+
+
+AB_BLOCKS = "research/studies/data/cpu_attention_blocks_2026-12-07/ab_512.json"
+
+
+def ab_table(root: Path) -> str:
+    """An interleaved A/B of two servers (``research/studies/ab_servers.py --json``): per
+    measure the medians, the per-round after / before ratio with its bootstrap interval and
+    the rounds the change won (decode is tokens/s: higher wins), then relay over its ideal
+    ``naive + 0.2 (standard - naive)`` from each side's medians."""
+    samples = load(root, AB_BLOCKS)["samples"]
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    body = []
+    for m in dict.fromkeys(key.rsplit(" ", 1)[0] for key in samples):
+        a, b = samples[f"{m} A"], samples[f"{m} B"]
+        r = [y / x for x, y in zip(a, b, strict=True)]
+        lo, hi = bootstrap_ci(r, "median")
+        won = sum((x > 1) if m == "decode" else (x < 1) for x in r)
+        ratio = f"{statistics.median(r):.3f} [{lo:.3f}, {hi:.3f}]"
+        body.append([m, f"{med[f'{m} A']:.3f}", f"{med[f'{m} B']:.3f}", ratio, f"{won} / {len(r)}"])
+    ideal = [
+        med[f"relay {s}"] / (med[f"naive {s}"] + 0.2 * (med[f"standard {s}"] - med[f"naive {s}"]))
+        for s in "AB"
+    ]
+    body.append(["relay / ideal (medians)", f"{ideal[0]:.2f}", f"{ideal[1]:.2f}", "-", "-"])
+    head = ["measure (s; decode tokens/s)", "before", "after", "after / before per round",
+            "rounds the change won"]  # fmt: skip
+    return md_table(head, body)
+
+
+DECODE_RUNS = (
+    "research/studies/data/decode_batch_2026-12-07/decode_batch.json",
+    "research/studies/data/decode_batch_2026-12-07/decode_batch_64.json",
+)
+
+
+def decode_batch_table(root: Path) -> str:
+    """``research/studies/decode_batch.py`` runs: per run and batch, the time per output
+    token of a ``--no-relay`` and a relay server (medians over rounds) and relay's over
+    no-relay's per round with its interval; then where the py-spy samples of one batch of
+    the largest size fell (decode forwards, prefills, and within decode forwards)."""
+    body, spy = [], []
+    for rel in DECODE_RUNS:
+        data = load(root, rel)
+        tokens, rounds = data["args"]["tokens"], data["args"]["rounds"]
+        for r in data["rows"]:
+            mid, lo, hi = r["relay_over_no_relay"]
+            body.append([str(tokens), str(rounds), str(r["batch"]),
+                         f"{statistics.median(r['no_relay_tpot_s']):.3f}",
+                         f"{statistics.median(r['relay_tpot_s']):.3f}",
+                         f"{mid:.2f} [{lo:.2f}, {hi:.2f}]"])  # fmt: skip
+        shares = data["pyspy_shares"]
+        total = sum(shares.values())
+        decode = {k.split(": ", 1)[1]: n for k, n in shares.items() if k.startswith("decode: ")}
+        d = sum(decode.values())
+        relay = sum(n for k, n in shares.items() if ": relay" in k)
+        prefill = sum(n for k, n in shares.items() if k.startswith("prefill: "))
+        where = f"{100 * d / total:.0f} / {100 * prefill / total:.0f}"
+        spy.append([str(tokens), f"{total:,}", where,
+                    *(f"{100 * decode.get(c, 0) / d:.0f}" for c in
+                      ("attention (SGLang torch_native)", "linear", "logits")),
+                    str(relay)])  # fmt: skip
+    head = ["tokens decoded", "rounds", "batch", "no-relay s / token", "relay s / token",
+            "relay / no-relay per round"]  # fmt: skip
+    head2 = ["tokens decoded", "samples", "% in decode / prefill forwards",
+             "decode: SGLang attention %", "decode: products %", "decode: LM head %",
+             "samples in relay's own work"]  # fmt: skip
+    return md_table(head, body) + "\n\n" + md_table(head2, spy)
+
+
+ATTENTION_TIMING = (
+    "research/studies/data/cpu_attention_blocks_2026-12-07/blocked_attention_timing.json"
+)
+
+
+def attention_timing_table(root: Path) -> str:
+    """``research/studies/blocked_attention_timing.py``: one layer's CPU extend attention of
+    ``rows`` spread over ``context`` tokens, one mask over the whole context (before) and in
+    blocks (after), against a causal kernel's share for the same rows."""
+    data = load(root, ATTENTION_TIMING)
+    body = [[f"{r['context']:,}", str(r["rows"]), str(r["blocks"]), f"{r['whole_ms']:.2f}",
+             f"{r['blocks_ms']:.2f}", f"{r['causal_share_ms']:.2f}",
+             f"{r['whole_ms'] / r['causal_share_ms']:.1f}"] for r in data["rows"]]  # fmt: skip
+    head = ["context", "rows", "blocks", "one mask ms", "blocks ms", "causal share ms",
+            "one mask / causal"]  # fmt: skip
+    return md_table(head, body) + f"\n\n({data['meta']['threads']} threads, medians of 15 calls)"

@@ -69,6 +69,14 @@ TABLES: tuple[Table, ...] = (
     Table(R, "growth-phases", docs_growth.GROWTH_RUNS, docs_growth.phases_table),
     Table(R, "growth-shares", docs_growth.GROWTH_RUNS, docs_growth.shares_table),
     Table(R, "short-span-profile", (docs_growth.SHORT_SPAN,), docs_growth.profile_table),
+    Table(
+        R,
+        "cpu-attention-timing",
+        (docs_growth.ATTENTION_TIMING,),
+        docs_growth.attention_timing_table,
+    ),
+    Table(R, "cpu-attention-ab", (docs_growth.AB_BLOCKS,), docs_growth.ab_table),
+    Table(R, "decode-batch", docs_growth.DECODE_RUNS, docs_growth.decode_batch_table),
     *(
         Table(R, name, (rel,), partial(docs_serve.serve_table, name=name))
         for name, (rel, _) in docs_serve.SERVE_TABLES.items()
