@@ -127,3 +127,33 @@ def test_points_give_the_median_over_seeds_of_each_runs_time_per_output_token():
     assert got == {4: pytest.approx(0.2), 8: pytest.approx(0.5), 16: None}
     table = capacity.markdown(rows, [1.0]).split("\n\n")[0].splitlines()[2:]
     assert [line.rsplit("|", 2)[1].strip() for line in table] == ["200", "500", "-"]
+
+
+def test_tool_turns_cut_by_the_runs_end_are_counted_beside_the_censored_requests():
+    """A tool loop's turn still waiting for its tool when its run ended has not arrived: it
+    is not a request of the pool (no TTFT, no miss), and the table says how many there were
+    per rate, summed over the seeds (a row without the field, as older runs, counts 0)."""
+    chains = [[0.2, 0.3]] * 4
+    rows = [_row("relay", 4, 0, chains) | {"pending_tool": 2},
+            _row("relay", 4, 1, chains) | {"pending_tool": 3},
+            _row("relay", 8, 0, chains)]  # fmt: skip
+    got = {p["offered"]: (p["cut"], p["requests"]) for p in capacity.points(rows)}
+    assert got == {4: (5, 16), 8: (0, 8)}
+    table = capacity.markdown(rows, [1.0]).split("\n\n")[0].splitlines()
+    assert "tool turns cut by the end" in table[0]
+    assert [line.split("|")[8].strip() for line in table[2:]] == ["5", "0"]
+
+
+def test_counting_the_cut_turns_as_misses_is_reported_where_it_would_change_a_goodput():
+    """Hand counts: 10 arrivals at rate 4, all within 1 s; one cut turn counted as a miss
+    leaves 10 of 11 within (0.91 >= 0.9: still met), two leave 10 of 12 (0.83: missed), so
+    the goodput at 1 s falls from 4 to 0; at 2 s the same. No cut turn: no sentence."""
+    chains = [[0.5, 0.5]] * 5
+    rows = [_row("relay", 4, 0, chains) | {"pending_tool": 1}]
+    assert "changes no goodput" in capacity.cut_sensitivity(rows, [1.0])
+    rows = [_row("relay", 4, 0, chains) | {"pending_tool": 2}]
+    got = capacity.cut_sensitivity(rows, [1.0, 2.0])
+    assert "Counting the 2 tool turns" in got
+    assert "fanout relay at 1 s (4.0 -> 0.0), fanout relay at 2 s (4.0 -> 0.0)" in got
+    assert capacity.cut_sensitivity([_row("relay", 4, 0, chains)], [1.0]) == ""
+    assert "Counting the 2" in capacity.markdown(rows, [1.0])

@@ -186,8 +186,10 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
 
 def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
     """Per workload, method and rate: the achieved rate, chains, requests, censored
-    requests, the p50 / ``q`` TTFT over all arrivals pooled over seeds, and the median over
-    seeds of each run's median time per output token (``tpot``, finished requests)."""
+    requests, the tool turns the runs' ends cut (``cut``: still waiting for their tool, not
+    arrived, not counted), the p50 / ``q`` TTFT over all arrivals pooled over seeds, and
+    the median over seeds of each run's median time per output token (``tpot``, finished
+    requests)."""
     out = []
     for workload, methods in by_workload(rows).items():
         for method, per_rate in methods.items():
@@ -199,11 +201,53 @@ def points(rows: list[dict[str, Any]], q: float = 90) -> list[dict[str, Any]]:
                     "achieved": achieved(runs), "seeds": len(runs),
                     "chains": sum(len(r["chain_ttfts_all"]) for r in runs),
                     "requests": len(values), "censored": sum(math.isinf(v) for v in values),
+                    "cut": sum(int(r.get("pending_tool") or 0) for r in runs),
                     "p50": percentile(values, 50), f"p{q:g}": percentile(values, q),
                     "wall_s": sum(r.get("wall_s", 0.0) for r in runs),
                     "tpot": statistics.median(tpots) if tpots else None,
                 })  # fmt: skip
     return out
+
+
+def with_cut_as_misses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with each run's tool turns cut by its end (``pending_tool``) counted as
+    arrivals that missed every SLO (appended to its last chain: no point estimate depends
+    on which chain holds them)."""
+    out = []
+    for r in rows:
+        cut, chains = int(r.get("pending_tool") or 0), r.get("chain_ttfts_all")
+        if cut and chains:
+            r = {**r, "chain_ttfts_all": [*chains[:-1], [*chains[-1], *[None] * cut]]}
+        out.append(r)
+    return out
+
+
+def cut_sensitivity(rows: list[dict[str, Any]], slos: list[float]) -> str:
+    """One sentence: whether counting the cut tool turns as misses would change a goodput
+    (point estimates) or by how much it moves a pooled p90; empty if no run cut one."""
+    cut = sum(int(r.get("pending_tool") or 0) for r in rows if "chain_ttfts_all" in r)
+    if not cut:
+        return ""
+    worst = with_cut_as_misses(rows)
+    changed = []
+    for workload, methods in by_workload(rows).items():
+        other = by_workload(worst)[workload]
+        for method, per_rate in methods.items():
+            a, b = Curve(per_rate, slos), Curve(other[method], slos)
+            for slo, x, y in zip(slos, a.goodput(a.attainment()), b.goodput(b.attainment()),
+                                 strict=True):  # fmt: skip
+                if x != y:
+                    changed.append(f"{workload} {method} at {slo:g} s ({x:.1f} -> {y:.1f})")
+    shift = max(
+        (q["p90"] - p["p90"] for p, q in zip(points(rows), points(worst), strict=True)
+         if math.isfinite(q["p90"]) and math.isfinite(p["p90"])),
+        default=0.0,
+    )  # fmt: skip
+    verdict = "changes the goodput of " + ", ".join(changed) if changed else "changes no goodput"
+    return (
+        f"Counting the {cut} tool turns cut by the runs' ends as misses (never sent, "
+        f"their TTFT unknown) {verdict}; it moves a pooled p90 by at most {shift:.2f} s."
+    )
 
 
 def _s(x: float | None) -> str:
@@ -229,17 +273,23 @@ def bound(row: dict[str, Any], base: dict[str, Any] | None) -> str:
 
 def markdown(rows: list[dict[str, Any]], slos: list[float], baseline: str = "standard") -> str:
     """The TTFT-vs-achieved-rate table and the goodput table of ``rows``."""
+    pts = points(rows)
+    cut = any(p["cut"] for p in pts)  # a column only where a run's end cut a tool turn
     lines = ["| workload | method | offered / achieved (chains/min) | seeds | chains | requests "
-             "| censored | TTFT p50 / p90, all arrivals (s) "
+             "| censored | " + ("tool turns cut by the end | " if cut else "")
+             + "TTFT p50 / p90, all arrivals (s) "
              "| time per output token (ms): runs' p50, median of seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for p in points(rows):
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if cut else "")]  # fmt: skip
+    for p in pts:
         tpot = "-" if p["tpot"] is None else f"{1000 * p['tpot']:.0f}"
         lines.append(
             f"| {p['workload']} | {p['method']} | {p['offered']:g} / {p['achieved']:.1f} | "
             f"{p['seeds']} | {p['chains']} | {p['requests']} | {p['censored']} | "
-            f"{_s(p['p50'])} / {_s(p['p90'])} | {tpot} |"
+            + (f"{p['cut']} | " if cut else "")
+            + f"{_s(p['p50'])} / {_s(p['p90'])} | {tpot} |"
         )
+    note = cut_sensitivity(rows, slos)
+    lines += ["", note] if note else []
     head = " | ".join(f"TTFT <= {s:g} s: goodput [95 % CI]; / {baseline} [95 % CI]" for s in slos)
     lines += ["", f"| workload | method | {head} |", "|---|---|" + "---|" * len(slos)]
     table = goodput_table(rows, slos, baseline)

@@ -246,16 +246,19 @@ def retention_table(root: Path, rel: str = TOOLLOOP_RUN) -> str:
         ttl = host.pop("host_evicted_ttl", 0)
         return f"{ttl} / {sum(host.values())}"
 
-    head = ["method", "offered / achieved", "KV pool peak", "spans recorded",
-            "owned spans released for room (tokens)", "host copies / restores",
-            "restores missed (no copy) / declined or failed", "host copies freed: TTL / room",
-            "fallback span_evicted", "fallbacks, all reasons", "prompt tokens relayed"]  # fmt: skip
+    head = ["method", "seed", "offered / achieved", "KV pool peak", "spans recorded",
+            "owned spans peak (tokens)", "owned spans released for room (tokens)",
+            "host copies / restores", "restores missed (no copy) / declined or failed",
+            "host copies freed: TTL / room", "fallback span_evicted", "fallbacks, all reasons",
+            "prompt tokens relayed"]  # fmt: skip
     body = []
     for r in rows:
         relays = r["method"] != "standard"
         body.append([
-            r["method"], f"{r['rate']:g} / {r['arrived_per_min']:.1f}", POOL[1](r),
-            count(r, "recorded_spans"), RELEASED[1](r) if relays else "-",
+            r["method"], str(r.get("seed", 0)), f"{r['rate']:g} / {r['arrived_per_min']:.1f}",
+            POOL[1](r), count(r, "recorded_spans"),
+            f"{int(r.get('owned_span_tokens_peak') or 0):,}" if relays else "-",
+            RELEASED[1](r) if relays else "-",
             f"{count(r, 'host_backups')} / {count(r, 'host_restores')}" if relays else "-",
             f"{count(r, 'host_restores_missed_no_copy')} / {declined(r)}" if relays else "-",
             evicted(r) if relays else "-", count(r, "fallback_span_evicted"),
