@@ -139,8 +139,11 @@ def test_a_step_past_its_limit_is_stopped(tmp_path):
     step = _step("hangs", "cpu", (str(tmp_path / "test_hang.py"),), timeout_s=20)
     start = time.monotonic()
     outcome = G.run_step(step, REPO, tmp_path / "logs")
-    assert time.monotonic() - start < 20 + G.STOP_GRACE_S
     assert outcome.result == "failed" and outcome.reason == "timed out after 20 s"
+    # stopped long before its 120 s sleep ends: the limit, then at most the grace a SIGINT
+    # gets before SIGKILL, then a few seconds to reap and read the report (on a busy machine
+    # the step's pytest once let the whole grace pass: 50.02 s, CI beside the demo)
+    assert time.monotonic() - start < 20 + G.STOP_GRACE_S + 15
     # the process it started in a session of its own is gone too
     pid = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 10

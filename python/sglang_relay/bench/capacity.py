@@ -243,10 +243,11 @@ def cut_sensitivity(rows: list[dict[str, Any]], slos: list[float]) -> str:
          if math.isfinite(q["p90"]) and math.isfinite(p["p90"])),
         default=0.0,
     )  # fmt: skip
-    verdict = "changes the goodput of " + ", ".join(changed) if changed else "changes no goodput"
+    verdict = ("changes the goodput of " + ", ".join(changed)) if changed else "changes no goodput"
     return (
         f"Counting the {cut} tool turns cut by the runs' ends as misses (never sent, "
-        f"their TTFT unknown) {verdict}; it moves a pooled p90 by at most {shift:.2f} s."
+        f"their TTFT unknown) {verdict} (point estimates); it moves a pooled p90 by at most "
+        f"{shift:.2f} s."
     )
 
 
